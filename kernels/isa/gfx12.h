@@ -1,0 +1,28 @@
+// RDNA4 (gfx12) wave32 WMMA. An A or B operand lane holds 8 k values, k = 8 * (l / 16) + s, of row
+// (column) l % 16. The accumulator lane holds column l % 16, rows 8 * (l / 16) + s.
+#pragma once
+#include "wave32.h"
+
+namespace rdna {
+
+struct Isa {
+  static constexpr int kOperandElems = 8;
+  struct Operand { u32 w[kOperandElems / 2]; };
+
+  static RDNA_DEV int operand_k0(int lane) { return 8 * (lane >> 4); }
+  static RDNA_DEV int acc_row(int lane, int s) { return 8 * (lane >> 4) + s; }
+
+  template <class DT>
+  static RDNA_DEV void mma(DT dt, v8f& c, const Operand& a, const Operand& b) { c = wmma_gfx12(dt, a.w, b.w, c); }
+
+  // The accumulator's rows in a lane are exactly the k values its B operand needs: no exchange.
+  template <class DT>
+  static RDNA_DEV Operand acc_to_operand(DT dt, const v8f& c, int) {
+    Operand out;
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) out.w[j] = pack_u16x2(probability_bits(dt, c[2 * j]), probability_bits(dt, c[2 * j + 1]));
+    return out;
+  }
+};
+
+}  // namespace rdna

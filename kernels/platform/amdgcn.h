@@ -1,0 +1,83 @@
+// Platform layer for real AMD GPUs: clang -x hip with -nogpuinc, so every primitive is a builtin
+// and no HIP or ROCm header is needed to build.
+#pragma once
+
+#define RDNA_DEV __attribute__((device)) __attribute__((always_inline)) inline
+#define RDNA_KERNEL(threads) \
+  extern "C" __attribute__((global)) __attribute__((amdgpu_flat_work_group_size(threads, threads))) void
+// Static LDS, so the code object's metadata states exactly what each variant uses.
+#define RDNA_LDS_ARRAY(type, name, count) __attribute__((shared)) __attribute__((aligned(16))) type name[count]
+
+namespace rdna {
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+typedef unsigned int u32x4 __attribute__((ext_vector_type(4)));
+typedef float v8f __attribute__((ext_vector_type(8)));
+typedef _Float16 v16h __attribute__((ext_vector_type(16)));
+typedef short v16s __attribute__((ext_vector_type(16)));
+typedef _Float16 v8h __attribute__((ext_vector_type(8)));
+typedef short v8s __attribute__((ext_vector_type(8)));
+
+struct f16 {};
+struct bf16 {};
+
+RDNA_DEV int thread_id() { return __builtin_amdgcn_workitem_id_x(); }
+RDNA_DEV int block_id_x() { return __builtin_amdgcn_workgroup_id_x(); }
+RDNA_DEV int block_id_y() { return __builtin_amdgcn_workgroup_id_y(); }
+RDNA_DEV int block_id_z() { return __builtin_amdgcn_workgroup_id_z(); }
+RDNA_DEV int lane_id() { return __builtin_amdgcn_workitem_id_x() & 31; }
+
+RDNA_DEV void block_barrier() {
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
+  __builtin_amdgcn_s_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
+}
+
+RDNA_DEV u32x4 zero_u32x4() { return u32x4{0u, 0u, 0u, 0u}; }
+RDNA_DEV v8f zero_v8f() { return v8f{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}; }
+
+RDNA_DEV float exp2_approx(float x) { return __builtin_amdgcn_exp2f(x); }
+RDNA_DEV float log2_approx(float x) { return __builtin_amdgcn_logf(x); }
+RDNA_DEV float max_f32(float a, float b) { return __builtin_fmaxf(a, b); }
+RDNA_DEV float as_f32(u32 x) { return __builtin_bit_cast(float, x); }
+RDNA_DEV u32 as_u32(float x) { return __builtin_bit_cast(u32, x); }
+
+RDNA_DEV u16 to_bits(f16, float x) { return __builtin_bit_cast(u16, (_Float16)x); }
+RDNA_DEV float from_bits(f16, u16 x) { return (float)__builtin_bit_cast(_Float16, x); }
+
+// v_permlanex16_b32: lane i of one 16-lane row reads lane sel(i) of the other row.
+RDNA_DEV u32 permlanex16(u32 src, u32 sel_lo, u32 sel_hi) {
+  return __builtin_amdgcn_permlanex16(0u, src, sel_lo, sel_hi, false, false);
+}
+
+template <int N>
+RDNA_DEV auto as_vector_f16(const u32 (&w)[N]) {
+  if constexpr (N == 8) return __builtin_bit_cast(v16h, w);
+  else return __builtin_bit_cast(v8h, w);
+}
+template <int N>
+RDNA_DEV auto as_vector_s16(const u32 (&w)[N]) {
+  if constexpr (N == 8) return __builtin_bit_cast(v16s, w);
+  else return __builtin_bit_cast(v8s, w);
+}
+
+#if defined(__GFX11__)
+RDNA_DEV v8f wmma_gfx11(f16, const u32 (&a)[8], const u32 (&b)[8], v8f c) {
+  return __builtin_amdgcn_wmma_f32_16x16x16_f16_w32(as_vector_f16(a), as_vector_f16(b), c);
+}
+RDNA_DEV v8f wmma_gfx11(bf16, const u32 (&a)[8], const u32 (&b)[8], v8f c) {
+  return __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32(as_vector_s16(a), as_vector_s16(b), c);
+}
+#endif
+#if defined(__GFX12__)
+RDNA_DEV v8f wmma_gfx12(f16, const u32 (&a)[4], const u32 (&b)[4], v8f c) {
+  return __builtin_amdgcn_wmma_f32_16x16x16_f16_w32_gfx12(as_vector_f16(a), as_vector_f16(b), c);
+}
+RDNA_DEV v8f wmma_gfx12(bf16, const u32 (&a)[4], const u32 (&b)[4], v8f c) {
+  return __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32_gfx12(as_vector_s16(a), as_vector_s16(b), c);
+}
+#endif
+
+}  // namespace rdna

@@ -1,0 +1,169 @@
+// Platform layer for NVIDIA GPUs: a model of the RDNA wave32 hardware that the kernel body and the
+// ISA headers run on unchanged. A CUDA warp plays a wave32. The WMMA and cross-lane instructions are
+// re-implemented from the register layouts in DESIGN.md section 3, independently of the ISA
+// headers, so a layout mistake in an ISA header shows up as a wrong result, not as a matching one.
+#pragma once
+
+#include <cuda_fp16.h>
+
+#define RDNA_DEV __device__ __forceinline__
+#define RDNA_KERNEL(threads) extern "C" __global__ void __launch_bounds__(threads)
+// Dynamic shared memory: variants above 48 KiB cannot be static on NVIDIA. The launcher passes
+// the variant's LDS size, which is what the AMD build declares statically.
+#define RDNA_LDS_ARRAY(type, name, count) extern __shared__ __align__(16) type name[]
+
+#ifndef RDNA_EMULATE
+#error "RDNA_EMULATE must be 11 or 12 for an NVIDIA build"
+#endif
+#if RDNA_EMULATE == 11
+#define __GFX11__ 1
+#elif RDNA_EMULATE == 12
+#define __GFX12__ 1
+#else
+#error "RDNA_EMULATE must be 11 or 12"
+#endif
+
+namespace rdna {
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+struct __align__(16) u32x4 {
+  u32 e[4];
+  RDNA_DEV u32& operator[](int i) { return e[i]; }
+  RDNA_DEV u32 operator[](int i) const { return e[i]; }
+};
+struct v8f {
+  float e[8];
+  RDNA_DEV float& operator[](int i) { return e[i]; }
+  RDNA_DEV float operator[](int i) const { return e[i]; }
+};
+
+struct f16 {};
+struct bf16 {};
+
+RDNA_DEV int thread_id() { return threadIdx.x; }
+RDNA_DEV int block_id_x() { return blockIdx.x; }
+RDNA_DEV int block_id_y() { return blockIdx.y; }
+RDNA_DEV int block_id_z() { return blockIdx.z; }
+RDNA_DEV int lane_id() { return threadIdx.x & 31; }
+RDNA_DEV void block_barrier() { __syncthreads(); }
+
+RDNA_DEV u32x4 zero_u32x4() { return u32x4{{0u, 0u, 0u, 0u}}; }
+RDNA_DEV v8f zero_v8f() { return v8f{{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}}; }
+
+RDNA_DEV float exp2_approx(float x) { return exp2f(x); }
+RDNA_DEV float log2_approx(float x) { return log2f(x); }
+RDNA_DEV float max_f32(float a, float b) { return fmaxf(a, b); }
+RDNA_DEV float as_f32(u32 x) { return __uint_as_float(x); }
+RDNA_DEV u32 as_u32(float x) { return __float_as_uint(x); }
+
+RDNA_DEV u16 to_bits(f16, float x) { return __half_as_ushort(__float2half_rn(x)); }
+
+RDNA_DEV float from_bits(f16, u16 x) { return __half2float(__ushort_as_half(x)); }
+
+// v_permlanex16_b32 as the ISA defines it: lane i of row r reads lane sel[i % 16] of row 1 - r,
+// where sel is the 64-bit selector sel_hi:sel_lo in nibbles.
+RDNA_DEV u32 permlanex16(u32 src, u32 sel_lo, u32 sel_hi) {
+  const int lane = lane_id();
+  const int i = lane & 15;
+  const u32 sel = i < 8 ? (sel_lo >> (4 * i)) & 15u : (sel_hi >> (4 * (i - 8))) & 15u;
+  const int source = (lane < 16 ? 16 : 0) + int(sel);
+  return __shfl_sync(0xffffffffu, src, source);
+}
+
+// The 16-bit element e of an operand held as packed words (low half first, as in a VGPR).
+template <int W>
+RDNA_DEV u16 element(const u32 (&w)[W], int e) {
+  return u16(w[e >> 1] >> (16 * (e & 1)));
+}
+
+// Word j of the operand held by another lane.
+template <int W>
+RDNA_DEV u32 word_of_lane(const u32 (&w)[W], int j, int source_lane) {
+  return __shfl_sync(0xffffffffu, w[j], source_lane);
+}
+
+// gfx11 requires lanes 16-31 to hold the same A and B as lanes 0-15; real hardware reads only one
+// half, so breaking the rule gives silently wrong results there. Here it stops the kernel.
+template <int W>
+RDNA_DEV void check_gfx11_duplication(const u32 (&w)[W]) {
+  bool same = true;
+  for (int j = 0; j < W; ++j) same &= (__shfl_xor_sync(0xffffffffu, w[j], 16) == w[j]);
+  if (!__all_sync(0xffffffffu, same)) __trap();
+}
+
+// Operands by value: the emulated instructions are called out of line (once per dtype), which keeps
+// nvcc's compile time and code size sane; passing them by value keeps them in registers.
+template <int W>
+struct Words {
+  u32 w[W];
+};
+
+// gfx11 WMMA 16x16x16: A row m is lane m (k = element 0..15), B column n is lane n, D[2s + l/16][l % 16].
+template <class DT>
+__device__ __noinline__ v8f emulate_wmma_gfx11(DT dt, Words<8> a_words, Words<8> b_words, v8f c) {
+  const u32(&a)[8] = a_words.w;
+  const u32(&b)[8] = b_words.w;
+  check_gfx11_duplication(a);
+  check_gfx11_duplication(b);
+  const int lane = lane_id();
+  float bcol[16];
+  for (int k = 0; k < 16; ++k) bcol[k] = from_bits(dt, element(b, k));
+  for (int s = 0; s < 8; ++s) {
+    const int row = 2 * s + (lane >> 4);
+    u32 arow[8];
+    for (int j = 0; j < 8; ++j) arow[j] = word_of_lane(a, j, row);
+    float acc = c[s];
+    for (int k = 0; k < 16; ++k) acc = fmaf(from_bits(dt, element(arow, k)), bcol[k], acc);
+    c[s] = acc;
+  }
+  return c;
+}
+
+// gfx12 WMMA 16x16x16: A row m, k = 8*(l/16) + s sits in lane m + 16*(k/8) element k%8; B likewise
+// by column; D[8*(l/16) + s][l % 16].
+template <class DT>
+__device__ __noinline__ v8f emulate_wmma_gfx12(DT dt, Words<4> a_words, Words<4> b_words, v8f c) {
+  const u32(&a)[4] = a_words.w;
+  const u32(&b)[4] = b_words.w;
+  const int lane = lane_id();
+  const int column = lane & 15;
+  float bcol[16];
+  for (int half = 0; half < 2; ++half) {
+    u32 bw[4];
+    for (int j = 0; j < 4; ++j) bw[j] = word_of_lane(b, j, column + 16 * half);
+    for (int e = 0; e < 8; ++e) bcol[8 * half + e] = from_bits(dt, element(bw, e));
+  }
+  for (int s = 0; s < 8; ++s) {
+    const int row = 8 * (lane >> 4) + s;
+    float acc = c[s];
+    for (int half = 0; half < 2; ++half) {
+      u32 aw[4];
+      for (int j = 0; j < 4; ++j) aw[j] = word_of_lane(a, j, row + 16 * half);
+      for (int e = 0; e < 8; ++e) acc = fmaf(from_bits(dt, element(aw, e)), bcol[8 * half + e], acc);
+    }
+    c[s] = acc;
+  }
+  return c;
+}
+
+template <int W>
+RDNA_DEV Words<W> to_words(const u32 (&w)[W]) {
+  Words<W> out;
+#pragma unroll
+  for (int j = 0; j < W; ++j) out.w[j] = w[j];
+  return out;
+}
+
+// The names and signatures the ISA headers call, as on real hardware.
+template <class DT>
+RDNA_DEV v8f wmma_gfx11(DT dt, const u32 (&a)[8], const u32 (&b)[8], v8f c) {
+  return emulate_wmma_gfx11(dt, to_words(a), to_words(b), c);
+}
+template <class DT>
+RDNA_DEV v8f wmma_gfx12(DT dt, const u32 (&a)[4], const u32 (&b)[4], v8f c) {
+  return emulate_wmma_gfx12(dt, to_words(a), to_words(b), c);
+}
+
+}  // namespace rdna

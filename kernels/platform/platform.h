@@ -1,0 +1,43 @@
+// Picks the platform layer: real AMD hardware (clang -x hip) or its NVIDIA emulation (nvcc), and adds
+// what is the same on both.
+#pragma once
+
+#if defined(__AMDGCN__)
+#include "amdgcn.h"
+#elif defined(__CUDACC__)
+#include "cuda_emu.h"
+#else
+#error "build for an AMD target (clang -x hip) or for NVIDIA emulation (nvcc -DRDNA_EMULATE=11|12)"
+#endif
+
+namespace rdna {
+
+// Round to nearest even, NaN kept quiet: the same bits on every target, and no dependence on the
+// compiler's bf16 support.
+RDNA_DEV float from_bits(bf16, u16 x) { return as_f32(u32(x) << 16); }
+
+// A probability as the matrix unit will see it. The row sum adds up these rounded values, so the
+// weights applied to V sum to exactly the normaliser: the rounding error then scales with how far
+// each value row is from the output rather than with the values themselves. Probabilities come
+// from exp2, finite or a quiet NaN that the rounding add keeps a NaN, so no NaN test is needed.
+RDNA_DEV float round_probability(bf16, float x) {
+  const u32 u = as_u32(x);
+  return as_f32((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
+}
+RDNA_DEV float round_probability(f16 dt, float x) { return from_bits(dt, to_bits(dt, x)); }
+
+// The 16-bit pattern of a value round_probability produced: exact, so bf16 just drops the low half.
+RDNA_DEV u16 probability_bits(bf16, float rounded) { return u16(as_u32(rounded) >> 16); }
+RDNA_DEV u16 probability_bits(f16 dt, float rounded) { return to_bits(dt, rounded); }
+
+RDNA_DEV u16 to_bits(bf16, float x) {
+  const u32 u = as_u32(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return u16((u >> 16) | 0x40u);
+  return u16((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+RDNA_DEV int min_int(int a, int b) { return a < b ? a : b; }
+
+RDNA_DEV u32 pack_u16x2(u16 lo, u16 hi) { return u32(lo) | (u32(hi) << 16); }
+
+}  // namespace rdna

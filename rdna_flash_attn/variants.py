@@ -1,0 +1,88 @@
+"""The table of compiled kernel variants: one place that the build, the launcher and the static
+report all read, so the tile shapes the kernel is compiled with are the ones the host launches.
+
+A variant is fixed by its dtype and padded head dim. The real head dim (any multiple of 8) is a
+runtime argument; the kernel zero-fills the columns between it and the padded one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ABI_VERSION = 1
+DTYPES = ("f16", "bf16")
+WAVE_SIZE = 32
+FRAG = 16  # WMMA tile edge on both gfx11 and gfx12
+LDS_LIMIT = 64 * 1024
+LDS_ROW_PAD = 8  # elements added to every LDS row so rows start on different banks
+MAX_O_CHUNK = 256  # output columns one workgroup accumulates in registers
+
+SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8)) + (320, 384, 512)
+PADDED_HEAD_DIMS = tuple(sorted({(d + FRAG - 1) // FRAG * FRAG for d in SUPPORTED_HEAD_DIMS}))
+
+# Preferred (waves per workgroup, keys per LDS tile), best first; the first that fits LDS wins.
+_TILE_PREFERENCE = ((4, 64), (4, 32), (2, 32), (2, 16), (1, 16))
+
+
+def lds_elems_fwd(waves: int, block_n: int, d_pad: int, d_chunk: int) -> int:
+    """16-bit elements of LDS the forward kernel declares; mirrors FwdShape in kernels/fa_fwd.hip."""
+    row = d_pad + LDS_ROW_PAD
+    return waves * FRAG * row + block_n * row + d_chunk * (block_n + LDS_ROW_PAD)
+
+
+@dataclass(frozen=True)
+class FwdVariant:
+    dtype: str
+    d_pad: int
+    waves: int
+    block_n: int
+    d_chunk: int
+
+    @property
+    def symbol(self) -> str:
+        return f"rdna_fa_fwd_{self.dtype}_d{self.d_pad}"
+
+    @property
+    def block_m(self) -> int:
+        return self.waves * FRAG
+
+    @property
+    def threads(self) -> int:
+        return self.waves * WAVE_SIZE
+
+    @property
+    def d_chunks(self) -> int:
+        return self.d_pad // self.d_chunk
+
+    @property
+    def lds_bytes(self) -> int:
+        return 2 * lds_elems_fwd(self.waves, self.block_n, self.d_pad, self.d_chunk)
+
+
+def _fwd_variant(dtype: str, d_pad: int) -> FwdVariant:
+    chunks = -(-d_pad // MAX_O_CHUNK)
+    d_chunk = d_pad // chunks
+    for waves, block_n in _TILE_PREFERENCE:
+        if 2 * lds_elems_fwd(waves, block_n, d_pad, d_chunk) <= LDS_LIMIT:
+            return FwdVariant(dtype, d_pad, waves, block_n, d_chunk)
+    raise ValueError(f"no tile shape fits LDS for head dim {d_pad}")
+
+
+FWD_VARIANTS = tuple(_fwd_variant(dt, d) for dt in DTYPES for d in PADDED_HEAD_DIMS)
+FWD_BY_SYMBOL = {v.symbol: v for v in FWD_VARIANTS}
+
+
+def padded_head_dim(head_dim: int) -> int:
+    return (head_dim + FRAG - 1) // FRAG * FRAG
+
+
+def fwd_variant(dtype: str, head_dim: int) -> FwdVariant:
+    return FWD_BY_SYMBOL[f"rdna_fa_fwd_{dtype}_d{padded_head_dim(head_dim)}"]
+
+
+def instantiation_lines() -> str:
+    """C preprocessor lines that instantiate every variant; the build writes them to a header."""
+    return "".join(
+        f"RDNA_FA_FWD_INSTANCE({v.symbol}, {v.dtype}, {v.d_pad}, {v.waves}, {v.block_n}, {v.d_chunk})\n"
+        for v in FWD_VARIANTS
+    )
