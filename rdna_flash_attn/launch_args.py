@@ -1,0 +1,25 @@
+"""Kernel argument blocks, field for field as the kernels declare them (kernels/fa_fwd.hip).
+
+A change here or there is an ABI change: bump variants.ABI_VERSION with it.
+"""
+
+import ctypes
+
+
+class FwdArgs(ctypes.Structure):
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("o", ctypes.c_void_p),
+        ("lse", ctypes.c_void_p),
+        *((f"{t}_stride_{d}", ctypes.c_int64) for t in "qkvo" for d in "bhs"),
+        ("lse_stride_b", ctypes.c_int64),
+        ("lse_stride_h", ctypes.c_int64),
+        ("seqlen_q", ctypes.c_int32),
+        ("seqlen_k", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("causal", ctypes.c_int32),
+        ("scale_log2", ctypes.c_float),
+        ("q_blocks", ctypes.c_int32),
+    ]

@@ -1,0 +1,131 @@
+"""Tensor-level entry to the kernels: the checks that keep bad input off the GPU, and the launch.
+
+Tensors are (batch, heads, seq, head_dim) views with unit stride in head_dim; both (B, H, S, D) and
+(B, S, H, D) memory layouts run as they are, with no copy, padding or transpose on the host.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import artifacts, device as devices, runtime, variants
+from .launch_args import FwdArgs
+from .runtime import KernelUnavailable
+
+__all__ = ["KernelUnavailable", "forward_refusal", "availability", "artifact_info", "flash_attention_forward",
+           "has_backward"]
+
+has_backward = False  # the backward kernels are not built yet; callers needing grad fall back
+
+_DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
+_SUPPORTED_HEAD_DIMS = frozenset(variants.SUPPORTED_HEAD_DIMS)
+_VECTOR_ELEMS = 8  # the kernels move 16-byte vectors of 16-bit values
+_MAX_GRID_YZ = 65535
+_MAX_SEQLEN = 2**31 - 1024
+_LOG2_E = 1.4426950408889634
+
+
+def forward_refusal(q, k, v, is_causal: bool = False, scale: float | None = None) -> str | None:
+    """Why the forward kernel cannot take these arguments, or None. Metadata only, no GPU work."""
+    tensors = (("query", q), ("key", k), ("value", v))
+    for name, t in tensors:
+        if not isinstance(t, torch.Tensor):
+            return f"{name} is not a tensor"
+        if t.dim() != 4:
+            return f"{name} is {t.dim()}-D; the kernels take 4-D (batch, heads, seq, head_dim)"
+    if q.dtype not in _DTYPES:
+        return f"dtype {q.dtype} is not supported (float16 or bfloat16)"
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return "query, key and value have different dtypes"
+    if q.device.type != "cuda" or k.device != q.device or v.device != q.device:
+        return "query, key and value must be on one GPU"
+    if q.shape[0] != k.shape[0] or q.shape[0] != v.shape[0]:
+        return "batch sizes differ"
+    if q.shape[1] != k.shape[1] or q.shape[1] != v.shape[1]:
+        return "head counts differ (grouped-query attention is not supported)"
+    if k.shape[2] != v.shape[2]:
+        return "key and value have different sequence lengths"
+    head_dim = q.shape[3]
+    if k.shape[3] != head_dim or v.shape[3] != head_dim:
+        return "query, key and value head dims differ"
+    if head_dim not in _SUPPORTED_HEAD_DIMS:
+        return f"head dim {head_dim} is not supported (multiples of 8 up to 256, or 320, 384, 512)"
+    if q.numel() == 0 or k.numel() == 0:
+        return "empty tensor"
+    if max(q.shape[2], k.shape[2]) > _MAX_SEQLEN:
+        return "sequence longer than 2^31"
+    if q.shape[0] > _MAX_GRID_YZ or q.shape[1] > _MAX_GRID_YZ:
+        return "batch or heads above 65535"
+    for name, t in tensors:
+        if t.stride(3) != 1:
+            return f"{name} is not contiguous in head_dim"
+        if t.data_ptr() % 16 or any(t.stride(i) % _VECTOR_ELEMS for i in range(3)):
+            return f"{name} is not 16-byte aligned (storage offset or strides not multiples of 8)"
+    if scale is not None and not math.isfinite(scale):
+        return "softmax scale is not finite"
+    return None
+
+
+def availability(device: torch.device) -> str | None:
+    """None when the kernels can run on this device, otherwise why not."""
+    try:
+        runtime.library_for(torch.device(device))
+    except KernelUnavailable as error:
+        return str(error)
+    return None
+
+
+def artifact_info(device: torch.device) -> dict:
+    library = runtime.library_for(torch.device(device))
+    artifact: artifacts.Artifact = library.artifact
+    return {"target": artifact.target, "path": str(artifact.path), "sha256": artifact.sha256,
+            "emulated": artifact.emulated}
+
+
+def _output_like(q: torch.Tensor) -> torch.Tensor:
+    """Output in q's memory order, so (B, S, H, D) callers can reshape it to (B, S, H*D) for free."""
+    batch, heads, seq, dim = q.shape
+    if q.stride(2) > q.stride(1):
+        return torch.empty(batch, seq, heads, dim, dtype=q.dtype, device=q.device).transpose(1, 2)
+    return torch.empty(batch, heads, seq, dim, dtype=q.dtype, device=q.device)
+
+
+def _output_refusal(q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None) -> str | None:
+    if out is not None:
+        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+            return "out must have the query's shape, dtype and device"
+        if out.stride(3) != 1 or out.data_ptr() % 16 or any(out.stride(i) % _VECTOR_ELEMS for i in range(3)):
+            return "out must be contiguous in head_dim and 16-byte aligned"
+    if lse is not None:
+        if lse.shape != q.shape[:3] or lse.dtype != torch.float32 or lse.device != q.device or lse.stride(2) != 1:
+            return "lse must be float32 (batch, heads, seq_q), contiguous in seq_q, on the query's device"
+    return None
+
+
+def flash_attention_forward(q, k, v, is_causal: bool = False, scale: float | None = None,
+                            out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+    """(out, lse): out like q, lse (batch, heads, seq_q) float32 natural-log log-sum-exp.
+
+    `out` and `lse` may be given to be written in place."""
+    reason = forward_refusal(q, k, v, is_causal, scale) or _output_refusal(q, out, lse)
+    if reason is not None:
+        raise ValueError(reason)
+    library = runtime.library_for(q.device)
+    batch, heads, seq_q, head_dim = q.shape
+    seq_k = k.shape[2]
+    variant = variants.fwd_variant(_DTYPES[q.dtype], head_dim)
+    out = _output_like(q) if out is None else out
+    lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device) if lse is None else lse
+    softmax_scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    q_blocks = -(-seq_q // variant.block_m)
+
+    args = FwdArgs(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                   *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+                   lse.stride(0), lse.stride(1),
+                   seq_q, seq_k, head_dim, int(bool(is_causal)), softmax_scale * _LOG2_E, q_blocks)
+    grid = (q_blocks * variant.d_chunks, heads, batch)
+    with devices.device_guard(q.device):
+        library.launch(variant, grid, args, torch.cuda.current_stream(q.device))
+    return out, lse
