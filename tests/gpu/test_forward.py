@@ -1,0 +1,136 @@
+"""The forward kernel through the emulation of both AMD layers, against an fp64 reference.
+
+Criterion (FlashAttention's own): each case's max error against fp64 is at most 2x the error of
+PyTorch's math SDPA in the same dtype, on fresh random inputs, with outputs poisoned beforehand.
+Set RDNA_FA_GRID_REPORT=path.json to record the grid's summary.
+"""
+
+import json
+import math
+import os
+import random
+import time
+
+import pytest
+import torch
+
+from rdna_flash_attn import ops, variants
+
+from .reference import attention_fp64, max_error, sdpa_math
+
+CASES_PER_LAYER = 2000
+SEQ_LENGTHS = (1, 2, 3, 7, 15, 16, 17, 31, 33, 63, 64, 65, 77, 100, 127, 128, 129, 154, 231, 256, 257, 333, 512,
+               1000, 1024)
+LONG_SEQ_LENGTHS = (4097, 4160, 5000)
+SD_HEAD_DIMS = (40, 64, 80, 128, 160, 512)
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _grid(seed=20261122):
+    rng = random.Random(seed)
+    cases = []
+    for index in range(CASES_PER_LAYER):
+        head_dim = rng.choice(SD_HEAD_DIMS) if rng.random() < 0.4 else rng.choice(variants.SUPPORTED_HEAD_DIMS)
+        long_case = index % 50 == 0
+        seq_q = rng.choice(LONG_SEQ_LENGTHS) if long_case else rng.choice(SEQ_LENGTHS)
+        seq_k = rng.choice(LONG_SEQ_LENGTHS) if long_case and index % 100 == 0 else rng.choice(SEQ_LENGTHS)
+        batch, heads = (1, 1) if long_case else (rng.randint(1, 3), rng.randint(1, 4))
+        cases.append(dict(
+            index=index, dtype=DTYPES[index % 2], head_dim=head_dim, seq_q=seq_q, seq_k=seq_k, batch=batch,
+            heads=heads, layout=rng.choice(("bhsd", "bshd", "strided")), causal=rng.random() < 0.35,
+            scale=None if rng.random() < 0.7 else rng.uniform(0.02, 0.5)))
+    return cases
+
+
+GRID = _grid()
+_results: list[dict] = []
+
+
+def make_inputs(batch, heads, seq, head_dim, dtype, layout, generator):
+    """A (B, H, S, D) view in the requested memory layout; 'strided' is a slice of a wider buffer."""
+    if layout == "bhsd":
+        base = torch.randn(batch, heads, seq, head_dim, dtype=dtype, device="cuda", generator=generator)
+        return base
+    if layout == "bshd":
+        base = torch.randn(batch, seq, heads, head_dim, dtype=dtype, device="cuda", generator=generator)
+        return base.transpose(1, 2)
+    base = torch.randn(batch, seq, heads + 1, head_dim + 8, dtype=dtype, device="cuda", generator=generator)
+    return base[:, :, 1:, 8:].transpose(1, 2)
+
+
+def run_case(case, layer):
+    generator = torch.Generator(device="cuda").manual_seed(1000 + case["index"] + (0 if layer == "gfx11" else 7))
+    shape = case["batch"], case["heads"]
+    q = make_inputs(*shape, case["seq_q"], case["head_dim"], case["dtype"], case["layout"], generator)
+    k = make_inputs(*shape, case["seq_k"], case["head_dim"], case["dtype"], case["layout"], generator)
+    v = make_inputs(*shape, case["seq_k"], case["head_dim"], case["dtype"], case["layout"], generator)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device="cuda")
+    ops.flash_attention_forward(q, k, v, case["causal"], case["scale"], out=out, lse=lse)
+    ref, ref_lse = attention_fp64(q, k, v, case["causal"], case["scale"])
+    baseline = sdpa_math(q, k, v, case["causal"], case["scale"])
+    assert torch.isfinite(out).all(), "unwritten or non-finite output"
+    assert torch.isfinite(lse).all(), "unwritten or non-finite lse"
+    error, baseline_error = max_error(out, ref), max_error(baseline, ref)
+    lse_error = max_error(lse, ref_lse)
+    return error, baseline_error, lse_error
+
+
+@pytest.mark.parametrize("case", GRID, ids=lambda c: "{index}-{head_dim}-{seq_q}x{seq_k}-{layout}".format(**c))
+def test_forward_matches_fp64(case, emulated_layer):
+    start = time.perf_counter()
+    error, baseline_error, lse_error = run_case(case, emulated_layer)
+    ratio = error / max(baseline_error, 1e-12)
+    _results.append(dict(layer=emulated_layer, **{k: str(v) for k, v in case.items()}, error=error,
+                         sdpa_math_error=baseline_error, ratio=ratio, lse_error=lse_error,
+                         seconds=time.perf_counter() - start))
+    assert error <= 2 * baseline_error, f"error {error:.3e} > 2 x SDPA math's {baseline_error:.3e}"
+    assert lse_error < 1e-3 * max(1.0, math.log(case["seq_k"]))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def grid_report():
+    yield
+    path = os.environ.get("RDNA_FA_GRID_REPORT")
+    if path and _results:
+        worst = max(_results, key=lambda r: r["ratio"])
+        summary = dict(cases=len(_results), worst_ratio=worst["ratio"], worst_case=worst,
+                       failures=sum(r["error"] > 2 * r["sdpa_math_error"] for r in _results),
+                       seconds=sum(r["seconds"] for r in _results),
+                       device=torch.cuda.get_device_name(), torch=torch.__version__)
+        with open(path, "w") as file:
+            json.dump(dict(summary=summary, cases=_results), file)
+
+
+def test_64_bit_offsets(emulated_layer):
+    """Batch 1 of K/V lies past 2^31 elements of one buffer: 32-bit offsets would wrap."""
+    head_dim, seq_k = 64, 77
+    elements = 2**31 + 4 * seq_k * head_dim
+    buffer = torch.empty(elements, dtype=torch.float16, device="cuda").normal_()
+    batch_stride = (elements - seq_k * head_dim) // 8 * 8
+    k = buffer.as_strided((2, 1, seq_k, head_dim), (batch_stride, 0, head_dim, 1))
+    q = torch.randn(2, 1, 50, head_dim, dtype=torch.float16, device="cuda")
+    out, _ = ops.flash_attention_forward(q, k, k)
+    ref, _ = attention_fp64(q, k, k)
+    assert max_error(out, ref) <= 2 * max_error(sdpa_math(q, k, k), ref)
+
+
+@pytest.mark.parametrize("seq_q, seq_k", [(64, 118_800), (118_800, 77)])
+def test_video_length_sequences(emulated_layer, seq_q, seq_k):
+    """WAN-scale token counts (832x480x81 frames at 2x2 patches and more) in (B, S, H, D) layout."""
+    generator = torch.Generator(device="cuda").manual_seed(seq_q)
+    q = make_inputs(1, 2, seq_q, 128, torch.bfloat16, "bshd", generator)
+    k = make_inputs(1, 2, seq_k, 128, torch.bfloat16, "bshd", generator)
+    v = make_inputs(1, 2, seq_k, 128, torch.bfloat16, "bshd", generator)
+    out, lse = ops.flash_attention_forward(q, k, v)
+    ref, ref_lse = attention_fp64(q, k, v)
+    assert max_error(out, ref) <= 2 * max_error(sdpa_math(q, k, v), ref)
+    assert max_error(lse, ref_lse) < 1e-3 * math.log(seq_k)
+
+
+def test_output_keeps_query_layout(emulated_layer):
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    q = make_inputs(2, 3, 40, 64, torch.float16, "bshd", generator)
+    out, _ = ops.flash_attention_forward(q, q, q)
+    assert out.stride() == q.stride()
+    assert out.transpose(1, 2).is_contiguous()
