@@ -1,11 +1,11 @@
-// FlashAttention-2 forward for wave32 WMMA. One source for every target: the matrix ISA lives in
-// isa/gfx11.h or isa/gfx12.h, the hardware in platform/ (real AMD, or its NVIDIA emulation).
+// FlashAttention-2 forward.
 //
 // Each workgroup owns BLOCK_M = 16 * WAVES queries of one (batch, head) and one chunk of the output
 // columns; each wave owns 16 queries. Per tile of BLOCK_N keys a wave computes S^T = K Q^T, so every
 // lane holds one query's scores and the row statistics need one exchange between half-waves; then
 // O^T += V^T P^T with P^T built in registers from S^T (P never goes through LDS).
-#include "isa/isa.h"
+#pragma once
+#include "tiles.h"
 
 namespace rdna {
 
@@ -26,9 +26,6 @@ struct FwdArgs {
   int q_blocks;
 };
 
-constexpr int kFrag = 16;
-constexpr int kRowPad = 8;  // elements; keeps 16-byte alignment and spreads rows over LDS banks
-
 // The LDS layout; rdna_flash_attn/variants.py computes the same size for the launcher.
 template <int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK>
 struct FwdShape {
@@ -43,62 +40,6 @@ struct FwdShape {
   static_assert(2 * kLdsElems <= 65536, "LDS over 64 KiB");
   static_assert(D_PAD % D_CHUNK == 0 && D_CHUNK % kFrag == 0 && BLOCK_N % kFrag == 0, "tile shape");
 };
-
-RDNA_DEV u16 element_of(const u32x4& v, int e) { return u16(v[e >> 1] >> (16 * (e & 1))); }
-
-RDNA_DEV u32x4 load16(const u16* p) { return *reinterpret_cast<const u32x4*>(p); }
-RDNA_DEV void store16(u16* p, const u32x4& v) { *reinterpret_cast<u32x4*>(p) = v; }
-
-// Copies rows [row0, row0 + ROWS) x columns [0, COLS) of a (seq, dim) matrix into LDS, zero where
-// the row is past seqlen or the column past head_dim: padding never reaches the arithmetic.
-template <int ROWS, int COLS, int LDS_ROW, int THREADS>
-RDNA_DEV void load_rows(u16* dst, const u16* src, i64 stride, int row0, int seqlen, int head_dim, int tid) {
-  constexpr int kChunks = COLS / 8;
-  for (int i = tid; i < ROWS * kChunks; i += THREADS) {
-    const int r = i / kChunks;
-    const int c = (i % kChunks) * 8;
-    const int row = row0 + r;
-    u32x4 val = zero_u32x4();
-    if (row < seqlen && c < head_dim) val = load16(src + row * stride + c);
-    store16(dst + r * LDS_ROW + c, val);
-  }
-}
-
-// Copies V rows [row0, row0 + ROWS), columns [col0, col0 + COLS) into LDS transposed (one LDS row
-// per output column), two keys per 32-bit store. Consecutive threads take consecutive key pairs so
-// the transposed stores fall in consecutive banks.
-template <int ROWS, int COLS, int LDS_ROW, int THREADS>
-RDNA_DEV void load_transposed(u16* dst, const u16* src, i64 stride, int row0, int seqlen, int col0,
-                              int head_dim, int tid) {
-  constexpr int kPairs = ROWS / 2;
-  for (int i = tid; i < kPairs * (COLS / 8); i += THREADS) {
-    const int r = 2 * (i % kPairs);
-    const int c = (i / kPairs) * 8;
-    const int row = row0 + r;
-    u32x4 first = zero_u32x4(), second = zero_u32x4();
-    if (col0 + c < head_dim) {
-      if (row < seqlen) first = load16(src + row * stride + col0 + c);
-      if (row + 1 < seqlen) second = load16(src + (row + 1) * stride + col0 + c);
-    }
-    #pragma unroll
-    for (int e = 0; e < 8; ++e)
-      *reinterpret_cast<u32*>(dst + (c + e) * LDS_ROW + r) = pack_u16x2(element_of(first, e), element_of(second, e));
-  }
-}
-
-// One 16x16 operand fragment from an LDS tile: lane row (l % 16), its run of k values.
-template <int LDS_ROW>
-RDNA_DEV Isa::Operand load_operand(const u16* tile, int col0, int lane) {
-  const u16* p = tile + (lane & 15) * LDS_ROW + col0 + Isa::operand_k0(lane);
-  Isa::Operand op;
-  #pragma unroll
-  for (int c = 0; c < Isa::kOperandElems / 8; ++c) {
-    const u32x4 t = load16(p + 8 * c);
-    #pragma unroll
-    for (int i = 0; i < 4; ++i) op.w[4 * c + i] = t[i];
-  }
-  return op;
-}
 
 template <class DT, int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK>
 RDNA_DEV void fwd_body(const FwdArgs& a, u16* lds) {
@@ -140,7 +81,8 @@ RDNA_DEV void fwd_body(const FwdArgs& a, u16* lds) {
   #pragma unroll
   for (int f = 0; f < kOutFrags; ++f) o_acc[f] = zero_v8f();
   float row_max = kNegInf;  // in log2 units, on the same scaled value that is exponentiated
-  float row_sum = 0.f;      // this lane's share; the half-wave partner holds the rest
+  float row_sum = 0.f;      // this lane's share of the rounded probabilities; the partner lane has the rest
+  float exact_sum = 0.f;    // the same before rounding, for the log-sum-exp
 
   for (int tile = 0; tile < key_tiles; ++tile) {
     const int key0 = tile * BLOCK_N;
@@ -179,16 +121,19 @@ RDNA_DEV void fwd_body(const FwdArgs& a, u16* lds) {
     const float rescale = exp2_approx(row_max - ref);
     row_max = new_max;
 
-    float tile_sum = 0.f;
+    float tile_sum = 0.f, tile_exact_sum = 0.f;
     #pragma unroll
     for (int j = 0; j < kKeyFrags; ++j)
       #pragma unroll
       for (int s = 0; s < 8; ++s) {
-        const float p = round_probability(dt, exp2_approx(s_acc[j][s] - ref));
+        const float exact = exp2_approx(s_acc[j][s] - ref);
+        const float p = round_probability(dt, exact);
         s_acc[j][s] = p;
         tile_sum += p;
+        tile_exact_sum += exact;
       }
     row_sum = row_sum * rescale + tile_sum;
+    exact_sum = exact_sum * rescale + tile_exact_sum;
     #pragma unroll
     for (int f = 0; f < kOutFrags; ++f)
       #pragma unroll
@@ -196,43 +141,28 @@ RDNA_DEV void fwd_body(const FwdArgs& a, u16* lds) {
 
     #pragma unroll
     for (int j = 0; j < kKeyFrags; ++j) {
-      const Isa::Operand p_op = Isa::acc_to_operand(dt, s_acc[j], lane);
+      const Isa::Operand p_op = Isa::acc_to_operand(s_acc[j], lane, [dt](float x) { return probability_bits(dt, x); });
       #pragma unroll
       for (int f = 0; f < kOutFrags; ++f)
         Isa::mma(dt, o_acc[f], load_operand<Shape::kVtRow>(vt_lds + f * kFrag * Shape::kVtRow, j * kFrag, lane), p_op);
     }
   }
 
+  // Cross-lane exchanges stay outside lane-dependent branches: a disabled lane has nothing to give.
   const float total = row_sum + other_half(row_sum);
+  const float exact_total = exact_sum + other_half(exact_sum);
   const float inv_total = total > 0.f ? 1.f / total : 0.f;
   const float ref = row_max == kNegInf ? 0.f : row_max;
   if (chunk == 0 && lane < 16 && query < a.seqlen_q)
-    a.lse[batch * a.lse_stride_b + head * a.lse_stride_h + query] = (ref + log2_approx(total)) * 0.69314718055994531f;
+    a.lse[batch * a.lse_stride_b + head * a.lse_stride_h + query] = (ref + log2_approx(exact_total)) * kLn2;
 
   // Stage O through this wave's own Q rows, then write 16-byte rows: coalesced on both layouts.
-  u16* wave_o_lds = q_lds + wave * kFrag * Shape::kRow;
-  #pragma unroll
-  for (int f = 0; f < kOutFrags; ++f)
-    #pragma unroll
-    for (int s = 0; s < 8; ++s)
-      wave_o_lds[(lane & 15) * Shape::kRow + f * kFrag + Isa::acc_row(lane, s)] = to_bits(dt, o_acc[f][s] * inv_total);
+  wave_barrier();  // every lane of the wave is done reading those rows
+  stage_transposed<DT, kOutFrags, Shape::kRow>(dt, q_lds + wave * kFrag * Shape::kRow, o_acc, inv_total, lane);
   block_barrier();
-  u16* o = a.o + batch * a.o_stride_b + head * a.o_stride_h;
-  constexpr int kStoreChunks = D_CHUNK / 8;
-  for (int i = tid; i < Shape::kBlockM * kStoreChunks; i += Shape::kThreads) {
-    const int r = i / kStoreChunks;
-    const int c = (i % kStoreChunks) * 8;
-    if (q0 + r < a.seqlen_q && col0 + c < a.head_dim)
-      store16(o + (q0 + r) * a.o_stride_s + col0 + c, load16(q_lds + r * Shape::kRow + c));
-  }
+  store_rows<Shape::kBlockM, D_CHUNK, Shape::kRow, Shape::kThreads>(a.o + batch * a.o_stride_b + head * a.o_stride_h,
+                                                                    a.o_stride_s, q_lds, q0, a.seqlen_q, col0,
+                                                                    a.head_dim, tid);
 }
 
 }  // namespace rdna
-
-#define RDNA_FA_FWD_INSTANCE(symbol, dtype, d_pad, waves, block_n, d_chunk)                          \
-  RDNA_KERNEL(32 * (waves)) symbol(const rdna::FwdArgs args) {                                        \
-    RDNA_LDS_ARRAY(rdna::u16, lds, (rdna::FwdShape<d_pad, waves, block_n, d_chunk>::kLdsElems));     \
-    rdna::fwd_body<rdna::dtype, d_pad, waves, block_n, d_chunk>(args, lds);                          \
-  }
-
-#include "fwd_instances.inc"

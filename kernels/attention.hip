@@ -1,0 +1,25 @@
+// The translation unit of every kernel, for every target: the matrix ISA comes from isa/gfx11.h or
+// isa/gfx12.h, the hardware from platform/ (real AMD, or its NVIDIA emulation). The variant lists
+// are generated from rdna_flash_attn/variants.py by kernels/build.py.
+#include "fa_fwd.h"
+#include "fa_bwd.h"
+
+#define RDNA_FA_FWD_INSTANCE(symbol, dtype, d_pad, waves, block_n, d_chunk)                        \
+  RDNA_KERNEL(32 * (waves)) symbol(const rdna::FwdArgs args) {                                      \
+    RDNA_LDS_ARRAY(rdna::u16, lds, (rdna::FwdShape<d_pad, waves, block_n, d_chunk>::kLdsElems));   \
+    rdna::fwd_body<rdna::dtype, d_pad, waves, block_n, d_chunk>(args, lds);                        \
+  }
+
+#define RDNA_FA_BWD_DKDV_INSTANCE(symbol, dtype, d_pad, waves, block_m, d_chunk)                   \
+  RDNA_KERNEL(32 * (waves)) symbol(const rdna::BwdArgs args) {                                      \
+    RDNA_LDS_ARRAY(rdna::u16, lds, (rdna::DkdvShape<d_pad, waves, block_m, d_chunk>::kLdsElems));  \
+    rdna::dkdv_body<rdna::dtype, d_pad, waves, block_m, d_chunk>(args, lds);                       \
+  }
+
+#define RDNA_FA_BWD_DQ_INSTANCE(symbol, dtype, d_pad, waves, block_n, d_chunk)                     \
+  RDNA_KERNEL(32 * (waves)) symbol(const rdna::BwdArgs args) {                                      \
+    RDNA_LDS_ARRAY(rdna::u16, lds, (rdna::DqShape<d_pad, waves, block_n, d_chunk>::kLdsElems));    \
+    rdna::dq_body<rdna::dtype, d_pad, waves, block_n, d_chunk>(args, lds);                         \
+  }
+
+#include "instances.inc"

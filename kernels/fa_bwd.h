@@ -1,0 +1,298 @@
+// FlashAttention-2 backward in two kernels: dQ per query block (which first computes
+// delta = rowsum(P * dP) for the second), then dK and dV per key block. Every gradient element
+// belongs to exactly one workgroup and is summed in a fixed order, so there are no atomics, no
+// read-modify-write between workgroups, and gradients are bitwise reproducible run to run.
+//
+// Precision: P and dS enter their products as two 16-bit parts (value and rounding remainder), and
+// delta is the exact fp32 rowsum(P * dP) rather than rowsum(dO * O) of a 16-bit O, so no gradient
+// carries more than one 16-bit rounding of its own. Counting one matrix product over the whole head
+// dim as 1: dQ 4 + 2, dV 1 + 2, dK 2 + 2, so 13 against FA2's 5 (which rounds P and dS once, takes
+// delta from the rounded O and sums dQ with atomics).
+//
+// dK/dV: each wave owns 16 keys, so S = Q K^T and dP = dO V^T come out with one key per lane and P,
+// dS turn into B operands in registers for dV^T += dO^T P and dK^T += Q^T dS. A workgroup makes
+// either dV or dK of its keys, so S is computed twice per key block.
+// dQ: each wave owns 16 queries, like the forward pass: S^T, dP^T with one query per lane; a first
+// sweep over the keys sums delta, a second one makes dS^T and dQ^T += K^T dS^T.
+// K and V (dK/dV) or Q and dO (dQ) are private to a wave and read straight from global memory; the
+// operands shared by the workgroup go through LDS.
+#pragma once
+#include "tiles.h"
+
+namespace rdna {
+
+// Kernel argument block for both kernels; mirrored by rdna_flash_attn/launch_args.py.
+struct BwdArgs {
+  const u16* q;
+  const u16* k;
+  const u16* v;
+  const u16* dout;
+  const float* lse;  // forward log-sum-exp, natural log, (batch, heads, seqlen_q)
+  float* delta;      // rowsum(P * dP), same layout as lse: written by the dQ kernel, read by dK/dV
+  u16* dq;
+  u16* dk;
+  u16* dv;
+  i64 q_stride_b, q_stride_h, q_stride_s;
+  i64 k_stride_b, k_stride_h, k_stride_s;
+  i64 v_stride_b, v_stride_h, v_stride_s;
+  i64 do_stride_b, do_stride_h, do_stride_s;
+  i64 dq_stride_b, dq_stride_h, dq_stride_s;
+  i64 dk_stride_b, dk_stride_h, dk_stride_s;
+  i64 dv_stride_b, dv_stride_h, dv_stride_s;
+  i64 lse_stride_b, lse_stride_h;  // lse and delta rows are contiguous
+  int seqlen_q, seqlen_k, head_dim, causal;
+  float scale_log2;  // softmax scale * log2(e)
+  float scale;
+  int blocks;  // row blocks along grid x (query blocks for dQ)
+};
+
+// acc[f] += A_f (x_high + x_rest), A_f the f-th 16-row fragment of an LDS tile: a product whose B
+// operand keeps 16 more bits than one 16-bit value can.
+template <int FRAGS, int LDS_ROW, class DT>
+RDNA_DEV void accumulate_split(DT dt, v8f (&acc)[FRAGS], const u16* tile, int col0, const Isa::Operand& x_high,
+                               const Isa::Operand& x_rest, int lane) {
+  #pragma unroll
+  for (int f = 0; f < FRAGS; ++f) {
+    const Isa::Operand a = load_operand<LDS_ROW>(tile + f * kFrag * LDS_ROW, col0, lane);
+    Isa::mma(dt, acc[f], a, x_high);
+    Isa::mma(dt, acc[f], a, x_rest);
+  }
+}
+
+// LDS of the dK/dV kernel; rdna_flash_attn/variants.py computes the same size.
+template <int D_PAD, int WAVES, int BLOCK_M, int D_CHUNK>
+struct DkdvShape {
+  static constexpr int kBlockN = kFrag * WAVES;
+  static constexpr int kThreads = 32 * WAVES;
+  static constexpr int kRow = D_PAD + kRowPad;      // Q and dO rows
+  static constexpr int kTRow = BLOCK_M + kRowPad;   // Q^T and dO^T rows (one per output column)
+  static constexpr int kStageRow = D_CHUNK + kRowPad;
+  static constexpr int kQOffset = 0;
+  static constexpr int kDoOffset = BLOCK_M * kRow;
+  static constexpr int kQtOffset = kDoOffset + BLOCK_M * kRow;
+  static constexpr int kDotOffset = kQtOffset + D_CHUNK * kTRow;
+  static constexpr int kStatsOffset = kDotOffset + D_CHUNK * kTRow;  // float lse_log2[BLOCK_M], delta[BLOCK_M]
+  static constexpr int kLdsElems = kStatsOffset + 4 * BLOCK_M;
+  static_assert(2 * kLdsElems <= 65536, "LDS over 64 KiB");
+  static_assert(kBlockN * kStageRow <= kLdsElems, "gradient staging must fit in the LDS tiles");
+};
+
+template <class DT, int D_PAD, int WAVES, int BLOCK_M, int D_CHUNK>
+RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
+  using Shape = DkdvShape<D_PAD, WAVES, BLOCK_M, D_CHUNK>;
+  constexpr int kQueryFrags = BLOCK_M / kFrag;
+  constexpr int kOutFrags = D_CHUNK / kFrag;
+  constexpr int kDimFrags = D_PAD / kFrag;
+  constexpr int kChunks = (D_PAD + D_CHUNK - 1) / D_CHUNK;
+  constexpr int kDimUnroll = kDimFrags % 2 == 0 && D_PAD <= 128 ? 2 : 1;  // more costs registers
+  const DT dt{};
+  const float kInf = __builtin_inff();
+
+  const int tid = thread_id();
+  const int lane = lane_id();
+  const int wave = tid >> 5;
+  // Each workgroup makes one gradient, dV or dK, for one column chunk: one accumulator set in
+  // registers, and the dV workgroups skip dP altogether.
+  const int job = block_id_x() % (2 * kChunks);
+  const bool make_dk = job >= kChunks;
+  const int chunk = job % kChunks;
+  const int k0 = block_id_x() / (2 * kChunks) * Shape::kBlockN;  // block 0 sees the most queries when causal: first
+  const int col0 = chunk * D_CHUNK;
+  const i64 head = block_id_y(), batch = block_id_z();
+  const u16* q = a.q + batch * a.q_stride_b + head * a.q_stride_h;
+  const u16* k = a.k + batch * a.k_stride_b + head * a.k_stride_h;
+  const u16* v = a.v + batch * a.v_stride_b + head * a.v_stride_h;
+  const u16* dout = a.dout + batch * a.do_stride_b + head * a.do_stride_h;
+  const float* lse = a.lse + batch * a.lse_stride_b + head * a.lse_stride_h;
+  const float* delta = a.delta + batch * a.lse_stride_b + head * a.lse_stride_h;
+  u16* q_lds = lds + Shape::kQOffset;
+  u16* do_lds = lds + Shape::kDoOffset;
+  u16* qt_lds = lds + Shape::kQtOffset;
+  u16* dot_lds = lds + Shape::kDotOffset;
+  float* lse_lds = reinterpret_cast<float*>(lds + Shape::kStatsOffset);
+  float* delta_lds = lse_lds + BLOCK_M;
+
+  const int wave_key0 = k0 + wave * kFrag;
+  const int key = wave_key0 + (lane & 15);
+
+  v8f acc[kOutFrags];
+  #pragma unroll
+  for (int f = 0; f < kOutFrags; ++f) acc[f] = zero_v8f();
+
+  // Top-left causal: query i sees keys 0..i, so queries before this key block contribute nothing.
+  const int q_begin = a.causal ? k0 / BLOCK_M * BLOCK_M : 0;
+  for (int q0 = q_begin; q0 < a.seqlen_q; q0 += BLOCK_M) {
+    block_barrier();
+    load_rows<BLOCK_M, D_PAD, Shape::kRow, Shape::kThreads>(q_lds, q, a.q_stride_s, q0, a.seqlen_q, a.head_dim, tid);
+    if (make_dk) {
+      load_rows<BLOCK_M, D_PAD, Shape::kRow, Shape::kThreads>(do_lds, dout, a.do_stride_s, q0, a.seqlen_q, a.head_dim,
+                                                              tid);
+      load_transposed<BLOCK_M, D_CHUNK, Shape::kTRow, Shape::kThreads>(qt_lds, q, a.q_stride_s, q0, a.seqlen_q, col0,
+                                                                       a.head_dim, tid);
+    } else {
+      load_transposed<BLOCK_M, D_CHUNK, Shape::kTRow, Shape::kThreads>(dot_lds, dout, a.do_stride_s, q0, a.seqlen_q,
+                                                                       col0, a.head_dim, tid);
+    }
+    for (int i = tid; i < BLOCK_M; i += Shape::kThreads) {
+      const bool valid = q0 + i < a.seqlen_q;
+      lse_lds[i] = valid ? lse[q0 + i] * kLog2e : kInf;  // +inf: padding rows get probability 0
+      delta_lds[i] = valid ? delta[q0 + i] : 0.f;
+    }
+    block_barrier();
+
+    // One query fragment at a time: unrolling this loop multiplies the live accumulators.
+    #pragma unroll 1
+    for (int qf = 0; qf < kQueryFrags; ++qf) {
+      v8f s_acc = zero_v8f(), dp_acc = zero_v8f();
+      #pragma unroll kDimUnroll
+      for (int d = 0; d < kDimFrags; ++d) {
+        const Isa::Operand k_op = load_operand_global(k, a.k_stride_s, wave_key0, a.seqlen_k, d * kFrag, a.head_dim, lane);
+        Isa::mma(dt, s_acc, load_operand<Shape::kRow>(q_lds + qf * kFrag * Shape::kRow, d * kFrag, lane), k_op);
+        if (make_dk) {
+          const Isa::Operand v_op = load_operand_global(v, a.v_stride_s, wave_key0, a.seqlen_k, d * kFrag, a.head_dim,
+                                                        lane);
+          Isa::mma(dt, dp_acc, load_operand<Shape::kRow>(do_lds + qf * kFrag * Shape::kRow, d * kFrag, lane), v_op);
+        }
+      }
+      v8f rest;  // what 16 bits lose of P (for dV) or dS (for dK)
+      #pragma unroll
+      for (int s = 0; s < 8; ++s) {
+        const int row = qf * kFrag + Isa::acc_row(lane, s);
+        const bool visible = key < a.seqlen_k && (!a.causal || key <= q0 + row);
+        const float p = visible ? exp2_approx(s_acc[s] * a.scale_log2 - lse_lds[row]) : 0.f;
+        const float x = make_dk ? p * (dp_acc[s] - delta_lds[row]) : p;
+        s_acc[s] = x;
+        rest[s] = x - round_to(dt, x);
+      }
+      const auto bits = [dt](float x) { return to_bits(dt, x); };
+      accumulate_split<kOutFrags, Shape::kTRow>(dt, acc, make_dk ? qt_lds : dot_lds, qf * kFrag,
+                                                Isa::acc_to_operand(s_acc, lane, bits),
+                                                Isa::acc_to_operand(rest, lane, bits), lane);
+    }
+  }
+
+  block_barrier();
+  stage_transposed<DT, kOutFrags, Shape::kStageRow>(dt, lds + wave * kFrag * Shape::kStageRow, acc,
+                                                    make_dk ? a.scale : 1.f, lane);
+  block_barrier();
+  u16* grad = make_dk ? a.dk + batch * a.dk_stride_b + head * a.dk_stride_h
+                      : a.dv + batch * a.dv_stride_b + head * a.dv_stride_h;
+  store_rows<Shape::kBlockN, D_CHUNK, Shape::kStageRow, Shape::kThreads>(
+      grad, make_dk ? a.dk_stride_s : a.dv_stride_s, lds, k0, a.seqlen_k, col0, a.head_dim, tid);
+}
+
+// LDS of the dQ kernel; rdna_flash_attn/variants.py computes the same size.
+template <int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK>
+struct DqShape {
+  static constexpr int kBlockM = kFrag * WAVES;
+  static constexpr int kThreads = 32 * WAVES;
+  static constexpr int kRow = D_PAD + kRowPad;      // K and V rows
+  static constexpr int kTRow = BLOCK_N + kRowPad;   // K^T rows
+  static constexpr int kStageRow = D_CHUNK + kRowPad;
+  static constexpr int kKOffset = 0;
+  static constexpr int kVOffset = BLOCK_N * kRow;
+  static constexpr int kKtOffset = kVOffset + BLOCK_N * kRow;
+  static constexpr int kLdsElems = kKtOffset + D_CHUNK * kTRow;
+  static_assert(2 * kLdsElems <= 65536, "LDS over 64 KiB");
+  static_assert(kBlockM * kStageRow <= kLdsElems, "gradient staging must fit in the LDS tiles");
+};
+
+template <class DT, int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK>
+RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
+  using Shape = DqShape<D_PAD, WAVES, BLOCK_N, D_CHUNK>;
+  constexpr int kKeyFrags = BLOCK_N / kFrag;
+  constexpr int kOutFrags = D_CHUNK / kFrag;
+  constexpr int kDimFrags = D_PAD / kFrag;
+  constexpr int kChunks = (D_PAD + D_CHUNK - 1) / D_CHUNK;
+  constexpr int kDimUnroll = kDimFrags % 2 == 0 ? 2 : 1;  // a remainder iteration costs registers
+  const DT dt{};
+
+  const int tid = thread_id();
+  const int lane = lane_id();
+  const int wave = tid >> 5;
+  const int chunk = block_id_x() % kChunks;
+  int q_block = block_id_x() / kChunks;
+  if (a.causal) q_block = a.blocks - 1 - q_block;  // longest rows first
+  const int q0 = q_block * Shape::kBlockM;
+  const int col0 = chunk * D_CHUNK;
+  const i64 head = block_id_y(), batch = block_id_z();
+  const u16* q = a.q + batch * a.q_stride_b + head * a.q_stride_h;
+  const u16* k = a.k + batch * a.k_stride_b + head * a.k_stride_h;
+  const u16* v = a.v + batch * a.v_stride_b + head * a.v_stride_h;
+  const u16* dout = a.dout + batch * a.do_stride_b + head * a.do_stride_h;
+  u16* k_lds = lds + Shape::kKOffset;
+  u16* v_lds = lds + Shape::kVOffset;
+  u16* kt_lds = lds + Shape::kKtOffset;
+
+  const int wave_q0 = q0 + wave * kFrag;
+  const int query = wave_q0 + (lane & 15);
+  const bool valid_query = query < a.seqlen_q;
+  const i64 stats = batch * a.lse_stride_b + head * a.lse_stride_h + query;
+  const float lse_log2 = valid_query ? a.lse[stats] * kLog2e : __builtin_inff();
+
+  const int key_end = a.causal ? min_int(a.seqlen_k, q0 + Shape::kBlockM) : a.seqlen_k;
+  const int key_limit = a.causal ? min_int(a.seqlen_k, query + 1) : a.seqlen_k;
+  v8f dq_acc[kOutFrags];
+  #pragma unroll
+  for (int f = 0; f < kOutFrags; ++f) dq_acc[f] = zero_v8f();
+  float delta_share = 0.f;  // this lane's keys' share of rowsum(P * dP); the partner lane has the rest
+  float delta = 0.f;
+
+  // Sweep 0 sums delta, sweep 1 uses it: the same S^T and dP^T each time.
+  #pragma unroll 1
+  for (int sweep = 0; sweep < 2; ++sweep) {
+    if (sweep == 1) {
+      delta = delta_share + other_half(delta_share);
+      if (chunk == 0 && lane < 16 && valid_query) a.delta[stats] = delta;
+    }
+    for (int key0 = 0; key0 < key_end; key0 += BLOCK_N) {
+      block_barrier();
+      load_rows<BLOCK_N, D_PAD, Shape::kRow, Shape::kThreads>(k_lds, k, a.k_stride_s, key0, a.seqlen_k, a.head_dim, tid);
+      load_rows<BLOCK_N, D_PAD, Shape::kRow, Shape::kThreads>(v_lds, v, a.v_stride_s, key0, a.seqlen_k, a.head_dim, tid);
+      if (sweep == 1)
+        load_transposed<BLOCK_N, D_CHUNK, Shape::kTRow, Shape::kThreads>(kt_lds, k, a.k_stride_s, key0, a.seqlen_k,
+                                                                         col0, a.head_dim, tid);
+      block_barrier();
+
+      v8f s_acc[kKeyFrags], dp_acc[kKeyFrags];
+      #pragma unroll
+      for (int j = 0; j < kKeyFrags; ++j) s_acc[j] = dp_acc[j] = zero_v8f();
+      #pragma unroll kDimUnroll
+      for (int d = 0; d < kDimFrags; ++d) {
+        const Isa::Operand q_op = load_operand_global(q, a.q_stride_s, wave_q0, a.seqlen_q, d * kFrag, a.head_dim, lane);
+        const Isa::Operand do_op = load_operand_global(dout, a.do_stride_s, wave_q0, a.seqlen_q, d * kFrag, a.head_dim,
+                                                       lane);
+        #pragma unroll
+        for (int j = 0; j < kKeyFrags; ++j) {
+          Isa::mma(dt, s_acc[j], load_operand<Shape::kRow>(k_lds + j * kFrag * Shape::kRow, d * kFrag, lane), q_op);
+          Isa::mma(dt, dp_acc[j], load_operand<Shape::kRow>(v_lds + j * kFrag * Shape::kRow, d * kFrag, lane), do_op);
+        }
+      }
+      #pragma unroll
+      for (int j = 0; j < kKeyFrags; ++j) {
+        #pragma unroll
+        for (int s = 0; s < 8; ++s) {
+          const int key = key0 + j * kFrag + Isa::acc_row(lane, s);
+          const float p = key < key_limit ? exp2_approx(s_acc[j][s] * a.scale_log2 - lse_log2) : 0.f;
+          delta_share += p * dp_acc[j][s];
+          dp_acc[j][s] = p * (dp_acc[j][s] - delta);                // dS^T (used in sweep 1)
+          s_acc[j][s] = dp_acc[j][s] - round_to(dt, dp_acc[j][s]);  // what 16 bits lose of it
+        }
+        if (sweep == 1) {
+          const auto bits = [dt](float x) { return to_bits(dt, x); };
+          accumulate_split<kOutFrags, Shape::kTRow>(dt, dq_acc, kt_lds, j * kFrag,
+                                                    Isa::acc_to_operand(dp_acc[j], lane, bits),
+                                                    Isa::acc_to_operand(s_acc[j], lane, bits), lane);
+        }
+      }
+    }
+  }
+
+  block_barrier();
+  stage_transposed<DT, kOutFrags, Shape::kStageRow>(dt, lds + wave * kFrag * Shape::kStageRow, dq_acc, a.scale, lane);
+  block_barrier();
+  store_rows<Shape::kBlockM, D_CHUNK, Shape::kStageRow, Shape::kThreads>(
+      a.dq + batch * a.dq_stride_b + head * a.dq_stride_h, a.dq_stride_s, lds, q0, a.seqlen_q, col0, a.head_dim, tid);
+}
+
+}  // namespace rdna

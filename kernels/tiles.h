@@ -1,0 +1,108 @@
+// Moving tiles between global memory, LDS and WMMA fragments; shared by every kernel.
+#pragma once
+#include "isa/isa.h"
+
+namespace rdna {
+
+constexpr int kFrag = 16;
+constexpr int kRowPad = 8;  // elements; keeps 16-byte alignment and spreads rows over LDS banks
+constexpr float kLn2 = 0.69314718055994531f;
+constexpr float kLog2e = 1.44269504088896341f;
+
+RDNA_DEV u16 element_of(const u32x4& v, int e) { return u16(v[e >> 1] >> (16 * (e & 1))); }
+
+RDNA_DEV u32x4 load16(const u16* p) { return *reinterpret_cast<const u32x4*>(p); }
+RDNA_DEV void store16(u16* p, const u32x4& v) { *reinterpret_cast<u32x4*>(p) = v; }
+
+// Copies rows [row0, row0 + ROWS) x columns [0, COLS) of a (seq, dim) matrix into LDS, zero where
+// the row is past seqlen or the column past head_dim: padding never reaches the arithmetic.
+template <int ROWS, int COLS, int LDS_ROW, int THREADS>
+RDNA_DEV void load_rows(u16* dst, const u16* src, i64 stride, int row0, int seqlen, int head_dim, int tid) {
+  constexpr int kChunks = COLS / 8;
+  for (int i = tid; i < ROWS * kChunks; i += THREADS) {
+    const int r = i / kChunks;
+    const int c = (i % kChunks) * 8;
+    const int row = row0 + r;
+    u32x4 val = zero_u32x4();
+    if (row < seqlen && c < head_dim) val = load16(src + row * stride + c);
+    store16(dst + r * LDS_ROW + c, val);
+  }
+}
+
+// Copies V rows [row0, row0 + ROWS), columns [col0, col0 + COLS) into LDS transposed (one LDS row
+// per output column), two keys per 32-bit store. Consecutive threads take consecutive key pairs so
+// the transposed stores fall in consecutive banks.
+template <int ROWS, int COLS, int LDS_ROW, int THREADS>
+RDNA_DEV void load_transposed(u16* dst, const u16* src, i64 stride, int row0, int seqlen, int col0,
+                              int head_dim, int tid) {
+  constexpr int kPairs = ROWS / 2;
+  for (int i = tid; i < kPairs * (COLS / 8); i += THREADS) {
+    const int r = 2 * (i % kPairs);
+    const int c = (i / kPairs) * 8;
+    const int row = row0 + r;
+    u32x4 first = zero_u32x4(), second = zero_u32x4();
+    if (col0 + c < head_dim) {
+      if (row < seqlen) first = load16(src + row * stride + col0 + c);
+      if (row + 1 < seqlen) second = load16(src + (row + 1) * stride + col0 + c);
+    }
+    #pragma unroll
+    for (int e = 0; e < 8; ++e)
+      *reinterpret_cast<u32*>(dst + (c + e) * LDS_ROW + r) = pack_u16x2(element_of(first, e), element_of(second, e));
+  }
+}
+
+// One 16x16 operand fragment from an LDS tile: lane row (l % 16), its run of k values.
+template <int LDS_ROW>
+RDNA_DEV Isa::Operand load_operand(const u16* tile, int col0, int lane) {
+  const u16* p = tile + (lane & 15) * LDS_ROW + col0 + Isa::operand_k0(lane);
+  Isa::Operand op;
+  #pragma unroll
+  for (int c = 0; c < Isa::kOperandElems / 8; ++c) {
+    const u32x4 t = load16(p + 8 * c);
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) op.w[4 * c + i] = t[i];
+  }
+  return op;
+}
+
+// One operand fragment straight from global memory, for operands private to a wave: lane row
+// row0 + (l % 16), zero past seqlen or head_dim.
+RDNA_DEV Isa::Operand load_operand_global(const u16* src, i64 stride, int row0, int seqlen, int col0, int head_dim,
+                                          int lane) {
+  const int row = row0 + (lane & 15);
+  const int col = col0 + Isa::operand_k0(lane);
+  Isa::Operand op;
+  #pragma unroll
+  for (int c = 0; c < Isa::kOperandElems / 8; ++c) {
+    u32x4 t = zero_u32x4();
+    if (row < seqlen && col + 8 * c < head_dim) t = load16(src + row * stride + col + 8 * c);
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) op.w[4 * c + i] = t[i];
+  }
+  return op;
+}
+
+// Writes accumulators that hold a transposed tile (rows = columns of the output, one output row
+// per lane) into LDS as plain rows, scaled, in the output dtype.
+template <class DT, int FRAGS, int LDS_ROW>
+RDNA_DEV void stage_transposed(DT dt, u16* rows, const v8f (&acc)[FRAGS], float scale, int lane) {
+  #pragma unroll
+  for (int f = 0; f < FRAGS; ++f)
+    #pragma unroll
+    for (int s = 0; s < 8; ++s)
+      rows[(lane & 15) * LDS_ROW + f * kFrag + Isa::acc_row(lane, s)] = to_bits(dt, acc[f][s] * scale);
+}
+
+// Writes LDS rows [0, ROWS) x [0, COLS) to rows [row0, ...) x columns [col0, ...) of a (seq, dim)
+// matrix in 16-byte pieces, skipping rows past seqlen and columns past head_dim.
+template <int ROWS, int COLS, int LDS_ROW, int THREADS>
+RDNA_DEV void store_rows(u16* dst, i64 stride, const u16* src, int row0, int seqlen, int col0, int head_dim, int tid) {
+  constexpr int kChunks = COLS / 8;
+  for (int i = tid; i < ROWS * kChunks; i += THREADS) {
+    const int r = i / kChunks;
+    const int c = (i % kChunks) * 8;
+    if (row0 + r < seqlen && col0 + c < head_dim) store16(dst + (row0 + r) * stride + col0 + c, load16(src + r * LDS_ROW + c));
+  }
+}
+
+}  // namespace rdna
