@@ -235,14 +235,18 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
   v8f dq_acc[kOutFrags];
   #pragma unroll
   for (int f = 0; f < kOutFrags; ++f) dq_acc[f] = zero_v8f();
-  float delta_share = 0.f;  // this lane's keys' share of rowsum(P * dP); the partner lane has the rest
+  // This lane's keys' share of rowsum(P * dP) and rowsum(P); the partner lane has the rest.
+  float delta_share = 0.f, p_share = 0.f;
   float delta = 0.f;
 
   // Sweep 0 sums delta, sweep 1 uses it: the same S^T and dP^T each time.
   #pragma unroll 1
   for (int sweep = 0; sweep < 2; ++sweep) {
     if (sweep == 1) {
-      delta = delta_share + other_half(delta_share);
+      // P recomputed from the stored lse sums to 1 only within rounding; dividing by its actual sum
+      // makes dP - delta vanish where it must (one visible key: the gradient is exactly zero).
+      const float p_total = p_share + other_half(p_share);
+      delta = p_total > 0.f ? (delta_share + other_half(delta_share)) / p_total : 0.f;
       if (chunk == 0 && lane < 16 && valid_query) a.delta[stats] = delta;
     }
     for (int key0 = 0; key0 < key_end; key0 += BLOCK_N) {
@@ -275,6 +279,7 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
           const int key = key0 + j * kFrag + Isa::acc_row(lane, s);
           const float p = key < key_limit ? exp2_approx(s_acc[j][s] * a.scale_log2 - lse_log2) : 0.f;
           delta_share += p * dp_acc[j][s];
+          p_share += p;
           dp_acc[j][s] = p * (dp_acc[j][s] - delta);                // dS^T (used in sweep 1)
           s_acc[j][s] = dp_acc[j][s] - round_to(dt, dp_acc[j][s]);  // what 16 bits lose of it
         }
