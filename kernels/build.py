@@ -35,7 +35,7 @@ AMD_TARGETS = ("gfx1100", "gfx1101", "gfx1102", "gfx1103", "gfx1150", "gfx1151",
 EMULATED_LAYERS = ("gfx11", "gfx12")
 CUDA_ARCHS = ("80", "90")
 CODE_OBJECT_VERSION = 5
-KERNEL_SOURCES = ("fa_fwd.hip",)
+MAIN_SOURCE = "attention.hip"
 CLANG_FLAGS = (
     "-x hip --cuda-device-only --no-gpu-bundle-output -nogpulib -nogpuinc -O3 -std=c++17 "
     f"-mcode-object-version={CODE_OBJECT_VERSION}"
@@ -88,15 +88,15 @@ def find_clang(explicit: str | None) -> tuple[str, str]:
 
 def write_instances() -> None:
     GENERATED.mkdir(parents=True, exist_ok=True)
-    path = GENERATED / "fwd_instances.inc"
+    path = GENERATED / "instances.inc"
     text = variants.instantiation_lines()
     if not path.exists() or path.read_text() != text:
         path.write_text(text)
 
 
 def ninja_file(clang: str | None, targets: list[str], emulate: bool, out_dir: Path) -> str:
-    deps = " ".join(str(p) for p in source_files()) + f" {GENERATED / 'fwd_instances.inc'}"
-    main = KERNELS / KERNEL_SOURCES[0]
+    deps = " ".join(str(p) for p in source_files()) + f" {GENERATED / 'instances.inc'}"
+    main = KERNELS / MAIN_SOURCE
     lines = [
         f"rule hip\n  command = {clang} {CLANG_FLAGS} --offload-arch=$target -I{GENERATED} $in -o $out\n"
         "  description = clang $target",
@@ -137,7 +137,7 @@ def write_manifest(out_dir: Path, built: list[str], compiler: str) -> None:
             "file": file.name,
             "sha256": sha256_file(file),
             "size": file.stat().st_size,
-            "kernels": [v.symbol for v in variants.FWD_VARIANTS],
+            "kernels": list(variants.ALL_SYMBOLS),
         }
     manifest = {
         "abi_version": variants.ABI_VERSION,

@@ -1,4 +1,4 @@
-"""Kernel argument blocks, field for field as the kernels declare them (kernels/fa_fwd.hip).
+"""Kernel argument blocks, field for field as the kernels declare them (kernels/fa_fwd.h, fa_bwd.h).
 
 A change here or there is an ABI change: bump variants.ABI_VERSION with it.
 """
@@ -22,4 +22,22 @@ class FwdArgs(ctypes.Structure):
         ("causal", ctypes.c_int32),
         ("scale_log2", ctypes.c_float),
         ("q_blocks", ctypes.c_int32),
+    ]
+
+
+class BwdArgs(ctypes.Structure):
+    """One block for the dQ and dK/dV kernels (kernels/fa_bwd.h)."""
+
+    _fields_ = [
+        *((name, ctypes.c_void_p) for name in ("q", "k", "v", "dout", "lse", "delta", "dq", "dk", "dv")),
+        *((f"{t}_stride_{d}", ctypes.c_int64) for t in ("q", "k", "v", "do", "dq", "dk", "dv") for d in "bhs"),
+        ("lse_stride_b", ctypes.c_int64),
+        ("lse_stride_h", ctypes.c_int64),
+        ("seqlen_q", ctypes.c_int32),
+        ("seqlen_k", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("causal", ctypes.c_int32),
+        ("scale_log2", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("blocks", ctypes.c_int32),
     ]

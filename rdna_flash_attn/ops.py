@@ -11,13 +11,11 @@ import math
 import torch
 
 from . import artifacts, device as devices, runtime, variants
-from .launch_args import FwdArgs
+from .launch_args import BwdArgs, FwdArgs
 from .runtime import KernelUnavailable
 
 __all__ = ["KernelUnavailable", "forward_refusal", "availability", "artifact_info", "flash_attention_forward",
-           "has_backward"]
-
-has_backward = False  # the backward kernels are not built yet; callers needing grad fall back
+           "flash_attention_backward", "kernel_layout"]
 
 _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 _SUPPORTED_HEAD_DIMS = frozenset(variants.SUPPORTED_HEAD_DIMS)
@@ -61,11 +59,30 @@ def forward_refusal(q, k, v, is_causal: bool = False, scale: float | None = None
     for name, t in tensors:
         if t.stride(3) != 1:
             return f"{name} is not contiguous in head_dim"
-        if t.data_ptr() % 16 or any(t.stride(i) % _VECTOR_ELEMS for i in range(3)):
-            return f"{name} is not 16-byte aligned (storage offset or strides not multiples of 8)"
+        if any(t.stride(i) % _VECTOR_ELEMS for i in range(3)):
+            return f"{name} strides are not multiples of 8 elements (16 bytes)"
+        if not _aligned(t):
+            return f"{name} does not start on a 16-byte boundary (storage offset)"
     if scale is not None and not math.isfinite(scale):
         return "softmax scale is not finite"
     return None
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """16-byte aligned, or a tensor without storage (torch.compile's fake tensors): those are
+    checked again when the real call runs."""
+    try:
+        return t.data_ptr() % 16 == 0
+    except (RuntimeError, NotImplementedError):
+        return True
+
+
+def kernel_layout(t: torch.Tensor) -> torch.Tensor:
+    """t itself when the kernels can read it as it is, else a compact copy (only for odd views such
+    as a gradient arriving with a storage offset)."""
+    if t.stride(-1) == 1 and all(s % _VECTOR_ELEMS == 0 for s in t.stride()[:-1]) and _aligned(t):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def availability(device: torch.device) -> str | None:
@@ -84,7 +101,7 @@ def artifact_info(device: torch.device) -> dict:
             "emulated": artifact.emulated}
 
 
-def _output_like(q: torch.Tensor) -> torch.Tensor:
+def output_like(q: torch.Tensor) -> torch.Tensor:
     """Output in q's memory order, so (B, S, H, D) callers can reshape it to (B, S, H*D) for free."""
     batch, heads, seq, dim = q.shape
     if q.stride(2) > q.stride(1):
@@ -96,12 +113,20 @@ def _output_refusal(q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor
     if out is not None:
         if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
             return "out must have the query's shape, dtype and device"
-        if out.stride(3) != 1 or out.data_ptr() % 16 or any(out.stride(i) % _VECTOR_ELEMS for i in range(3)):
+        if out.stride(3) != 1 or not _aligned(out) or any(out.stride(i) % _VECTOR_ELEMS for i in range(3)):
             return "out must be contiguous in head_dim and 16-byte aligned"
     if lse is not None:
         if lse.shape != q.shape[:3] or lse.dtype != torch.float32 or lse.device != q.device or lse.stride(2) != 1:
             return "lse must be float32 (batch, heads, seq_q), contiguous in seq_q, on the query's device"
     return None
+
+
+def _softmax_scale(head_dim: int, scale: float | None) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def _strides(*tensors: torch.Tensor) -> list[int]:
+    return [stride for t in tensors for stride in t.stride()[:3]]
 
 
 def flash_attention_forward(q, k, v, is_causal: bool = False, scale: float | None = None,
@@ -116,16 +141,51 @@ def flash_attention_forward(q, k, v, is_causal: bool = False, scale: float | Non
     batch, heads, seq_q, head_dim = q.shape
     seq_k = k.shape[2]
     variant = variants.fwd_variant(_DTYPES[q.dtype], head_dim)
-    out = _output_like(q) if out is None else out
+    out = output_like(q) if out is None else out
     lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device) if lse is None else lse
-    softmax_scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    softmax_scale = _softmax_scale(head_dim, scale)
     q_blocks = -(-seq_q // variant.block_m)
 
     args = FwdArgs(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                   *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+                   *_strides(q, k, v, out),
                    lse.stride(0), lse.stride(1),
                    seq_q, seq_k, head_dim, int(bool(is_causal)), softmax_scale * _LOG2_E, q_blocks)
     grid = (q_blocks * variant.d_chunks, heads, batch)
     with devices.device_guard(q.device):
         library.launch(variant, grid, args, torch.cuda.current_stream(q.device))
     return out, lse
+
+
+def flash_attention_backward(dout, q, k, v, lse, is_causal: bool = False, scale: float | None = None):
+    """(dq, dk, dv) in the inputs' dtypes and memory orders, from the forward's lse.
+
+    Two launches: dQ per query block, which also writes delta = rowsum(P * dP), then dK/dV per key
+    block. No workgroup writes memory another one reads or writes within a launch, so the result is
+    bitwise reproducible."""
+    reason = forward_refusal(q, k, v, is_causal, scale) or forward_refusal(dout, k, v)
+    if reason is None and dout.shape != q.shape:
+        reason = "dout must match the query's shape"
+    if reason is None and (lse.shape != q.shape[:3] or lse.dtype != torch.float32 or not lse.is_contiguous()):
+        reason = "lse must be the forward's contiguous float32 (batch, heads, seq_q) log-sum-exp"
+    if reason is not None:
+        raise ValueError(reason)
+    library = runtime.library_for(q.device)
+    batch, heads, seq_q, head_dim = q.shape
+    seq_k = k.shape[2]
+    dtype = _DTYPES[q.dtype]
+    dq, dk, dv = output_like(q), output_like(k), output_like(v)
+    delta = torch.empty_like(lse)  # same layout as lse: the kernels share its strides
+    softmax_scale = _softmax_scale(head_dim, scale)
+    args = BwdArgs(q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), lse.data_ptr(), delta.data_ptr(),
+                   dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), *_strides(q, k, v, dout, dq, dk, dv),
+                   lse.stride(0), lse.stride(1), seq_q, seq_k, head_dim, int(bool(is_causal)),
+                   softmax_scale * _LOG2_E, softmax_scale, 0)
+    dq_kernel = variants.bwd_variant("dq", dtype, head_dim)
+    dkdv = variants.bwd_variant("dkdv", dtype, head_dim)
+    stream = torch.cuda.current_stream(q.device)
+    with devices.device_guard(q.device):
+        args.blocks = -(-seq_q // dq_kernel.block_rows)
+        library.launch(dq_kernel, (args.blocks * dq_kernel.jobs_per_block, heads, batch), args, stream)
+        args.blocks = -(-seq_k // dkdv.block_rows)
+        library.launch(dkdv, (args.blocks * dkdv.jobs_per_block, heads, batch), args, stream)
+    return dq, dk, dv

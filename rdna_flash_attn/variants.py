@@ -2,7 +2,8 @@
 report all read, so the tile shapes the kernel is compiled with are the ones the host launches.
 
 A variant is fixed by its dtype and padded head dim. The real head dim (any multiple of 8) is a
-runtime argument; the kernel zero-fills the columns between it and the padded one.
+runtime argument; the kernel zero-fills the columns between it and the padded one. Each LDS size
+below mirrors the kernel's *Shape struct; the static report checks the two agree.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ WAVE_SIZE = 32
 FRAG = 16  # WMMA tile edge on both gfx11 and gfx12
 LDS_LIMIT = 64 * 1024
 LDS_ROW_PAD = 8  # elements added to every LDS row so rows start on different banks
-MAX_O_CHUNK = 256  # output columns one workgroup accumulates in registers
+MAX_O_CHUNK = 256  # output columns one forward workgroup accumulates in registers
+MAX_GRAD_CHUNK = 128  # gradient columns one backward workgroup accumulates (two accumulators in dK/dV)
+BWD_WAVES = 4
 
 SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8)) + (320, 384, 512)
 PADDED_HEAD_DIMS = tuple(sorted({(d + FRAG - 1) // FRAG * FRAG for d in SUPPORTED_HEAD_DIMS}))
@@ -25,7 +28,7 @@ _TILE_PREFERENCE = ((4, 64), (4, 32), (2, 32), (2, 16), (1, 16))
 
 
 def lds_elems_fwd(waves: int, block_n: int, d_pad: int, d_chunk: int) -> int:
-    """16-bit elements of LDS the forward kernel declares; mirrors FwdShape in kernels/fa_fwd.hip."""
+    """16-bit elements of LDS the forward kernel declares; mirrors FwdShape in kernels/fa_fwd.h."""
     row = d_pad + LDS_ROW_PAD
     return waves * FRAG * row + block_n * row + d_chunk * (block_n + LDS_ROW_PAD)
 
@@ -80,9 +83,87 @@ def fwd_variant(dtype: str, head_dim: int) -> FwdVariant:
     return FWD_BY_SYMBOL[f"rdna_fa_fwd_{dtype}_d{padded_head_dim(head_dim)}"]
 
 
+def _grad_chunk(d_pad: int) -> int:
+    """Gradient columns per workgroup: the fewest chunks of at most MAX_GRAD_CHUNK, evenly sized."""
+    chunks = -(-d_pad // MAX_GRAD_CHUNK)
+    return -(-d_pad // chunks // FRAG) * FRAG
+
+
+def lds_elems_dkdv(block_m: int, d_pad: int, d_chunk: int) -> int:
+    """Mirrors DkdvShape in kernels/fa_bwd.h: Q, dO rows; Q^T, dO^T chunks; lse and delta floats."""
+    return 2 * block_m * (d_pad + LDS_ROW_PAD) + 2 * d_chunk * (block_m + LDS_ROW_PAD) + 4 * block_m
+
+
+def lds_elems_dq(block_n: int, d_pad: int, d_chunk: int) -> int:
+    """Mirrors DqShape in kernels/fa_bwd.h: K, V rows; K^T chunk."""
+    return 2 * block_n * (d_pad + LDS_ROW_PAD) + d_chunk * (block_n + LDS_ROW_PAD)
+
+
+@dataclass(frozen=True)
+class BwdVariant:
+    """dK/dV (rows = keys, tile = queries) or dQ (rows = queries, tile = keys) kernel."""
+
+    kind: str  # "dkdv" | "dq"
+    dtype: str
+    d_pad: int
+    waves: int
+    block_tile: int  # rows of the streamed operand per LDS tile
+    d_chunk: int
+
+    @property
+    def symbol(self) -> str:
+        return f"rdna_fa_bwd_{self.kind}_{self.dtype}_d{self.d_pad}"
+
+    @property
+    def block_rows(self) -> int:
+        return self.waves * FRAG
+
+    @property
+    def threads(self) -> int:
+        return self.waves * WAVE_SIZE
+
+    @property
+    def d_chunks(self) -> int:
+        return -(-self.d_pad // self.d_chunk)
+
+    @property
+    def jobs_per_block(self) -> int:
+        """Workgroups per row block along grid x: one per column chunk, and dK/dV apart."""
+        return self.d_chunks * (2 if self.kind == "dkdv" else 1)
+
+    @property
+    def lds_bytes(self) -> int:
+        lds = lds_elems_dkdv if self.kind == "dkdv" else lds_elems_dq
+        return 2 * lds(self.block_tile, self.d_pad, self.d_chunk)
+
+
+def _bwd_variant(kind: str, dtype: str, d_pad: int) -> BwdVariant:
+    d_chunk = _grad_chunk(d_pad)
+    lds = lds_elems_dkdv if kind == "dkdv" else lds_elems_dq
+    # dQ keeps S^T and dP^T of the whole key tile live beside its accumulators: past 64 gradient
+    # columns a 64-key tile spills on gfx11.
+    tiles = (32, 16) if kind == "dq" and d_chunk > 64 else (64, 32, 16)
+    for tile in tiles:
+        staging = BWD_WAVES * FRAG * (d_chunk + LDS_ROW_PAD)
+        elems = lds(tile, d_pad, d_chunk)
+        if 2 * elems <= LDS_LIMIT and staging <= elems:
+            return BwdVariant(kind, dtype, d_pad, BWD_WAVES, tile, d_chunk)
+    raise ValueError(f"no backward tile shape fits LDS for head dim {d_pad}")
+
+
+BWD_VARIANTS = tuple(_bwd_variant(kind, dt, d) for kind in ("dkdv", "dq") for dt in DTYPES for d in PADDED_HEAD_DIMS)
+BWD_BY_SYMBOL = {v.symbol: v for v in BWD_VARIANTS}
+ALL_SYMBOLS = tuple(FWD_BY_SYMBOL) + tuple(BWD_BY_SYMBOL)
+
+
+def bwd_variant(kind: str, dtype: str, head_dim: int) -> BwdVariant:
+    return BWD_BY_SYMBOL[f"rdna_fa_bwd_{kind}_{dtype}_d{padded_head_dim(head_dim)}"]
+
+
 def instantiation_lines() -> str:
     """C preprocessor lines that instantiate every variant; the build writes them to a header."""
-    return "".join(
-        f"RDNA_FA_FWD_INSTANCE({v.symbol}, {v.dtype}, {v.d_pad}, {v.waves}, {v.block_n}, {v.d_chunk})\n"
-        for v in FWD_VARIANTS
-    )
+    lines = [f"RDNA_FA_FWD_INSTANCE({v.symbol}, {v.dtype}, {v.d_pad}, {v.waves}, {v.block_n}, {v.d_chunk})"
+             for v in FWD_VARIANTS]
+    lines += [f"RDNA_FA_BWD_{v.kind.upper()}_INSTANCE({v.symbol}, {v.dtype}, {v.d_pad}, {v.waves}, {v.block_tile}, "
+              f"{v.d_chunk})" for v in BWD_VARIANTS]
+    return "\n".join(lines) + "\n"

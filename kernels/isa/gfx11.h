@@ -17,15 +17,16 @@ struct Isa {
   template <class DT>
   static RDNA_DEV void mma(DT dt, v8f& c, const Operand& a, const Operand& b) { c = wmma_gfx11(dt, a.w, b.w, c); }
 
-  // Turns an accumulator tile X (rows k, columns n) into the B operand X of the next product.
-  // Row 2s + h lives in half h, so each lane takes the odd or even rows from its partner lane.
-  template <class DT>
-  static RDNA_DEV Operand acc_to_operand(DT dt, const v8f& c, int lane) {
+  // Turns an accumulator tile X (rows k, columns n) into the B operand X of the next product,
+  // each value converted to 16 bits by `convert`. Row 2s + h lives in half h, so each lane takes the
+  // odd or even rows from its partner lane.
+  template <class Convert>
+  static RDNA_DEV Operand acc_to_operand(const v8f& c, int lane, Convert convert) {
     Operand out;
     const bool upper = lane >= 16;
     #pragma unroll
     for (int j = 0; j < 8; j += 2) {
-      const u32 mine = pack_u16x2(probability_bits(dt, c[j]), probability_bits(dt, c[j + 1]));
+      const u32 mine = pack_u16x2(convert(c[j]), convert(c[j + 1]));
       const u32 theirs = other_half(mine);
       const u32 even_rows = upper ? theirs : mine;
       const u32 odd_rows = upper ? mine : theirs;

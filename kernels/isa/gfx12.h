@@ -16,11 +16,11 @@ struct Isa {
   static RDNA_DEV void mma(DT dt, v8f& c, const Operand& a, const Operand& b) { c = wmma_gfx12(dt, a.w, b.w, c); }
 
   // The accumulator's rows in a lane are exactly the k values its B operand needs: no exchange.
-  template <class DT>
-  static RDNA_DEV Operand acc_to_operand(DT dt, const v8f& c, int) {
+  template <class Convert>
+  static RDNA_DEV Operand acc_to_operand(const v8f& c, int, Convert convert) {
     Operand out;
     #pragma unroll
-    for (int j = 0; j < 4; ++j) out.w[j] = pack_u16x2(probability_bits(dt, c[2 * j]), probability_bits(dt, c[2 * j + 1]));
+    for (int j = 0; j < 4; ++j) out.w[j] = pack_u16x2(convert(c[2 * j]), convert(c[2 * j + 1]));
     return out;
   }
 };

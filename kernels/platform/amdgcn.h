@@ -35,6 +35,9 @@ RDNA_DEV void block_barrier() {
   __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
 }
 
+// A wave executes in lockstep, so ordering LDS between its own lanes needs only the compiler's word.
+RDNA_DEV void wave_barrier() { __builtin_amdgcn_wave_barrier(); }
+
 RDNA_DEV u32x4 zero_u32x4() { return u32x4{0u, 0u, 0u, 0u}; }
 RDNA_DEV v8f zero_v8f() { return v8f{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}; }
 

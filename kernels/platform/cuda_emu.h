@@ -48,6 +48,8 @@ RDNA_DEV int block_id_y() { return blockIdx.y; }
 RDNA_DEV int block_id_z() { return blockIdx.z; }
 RDNA_DEV int lane_id() { return threadIdx.x & 31; }
 RDNA_DEV void block_barrier() { __syncthreads(); }
+// A warp's lanes may run apart (independent thread scheduling); a wave's never do.
+RDNA_DEV void wave_barrier() { __syncwarp(); }
 
 RDNA_DEV u32x4 zero_u32x4() { return u32x4{{0u, 0u, 0u, 0u}}; }
 RDNA_DEV v8f zero_v8f() { return v8f{{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}}; }

@@ -16,6 +16,10 @@ namespace rdna {
 // compiler's bf16 support.
 RDNA_DEV float from_bits(bf16, u16 x) { return as_f32(u32(x) << 16); }
 
+// x as the nearest 16-bit value, back in float: x - round_to(dt, x) is what 16 bits lose.
+template <class DT>
+RDNA_DEV float round_to(DT dt, float x) { return from_bits(dt, to_bits(dt, x)); }
+
 // A probability as the matrix unit will see it. The row sum adds up these rounded values, so the
 // weights applied to V sum to exactly the normaliser: the rounding error then scales with how far
 // each value row is from the output rather than with the values themselves. Probabilities come
@@ -24,7 +28,7 @@ RDNA_DEV float round_probability(bf16, float x) {
   const u32 u = as_u32(x);
   return as_f32((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
 }
-RDNA_DEV float round_probability(f16 dt, float x) { return from_bits(dt, to_bits(dt, x)); }
+RDNA_DEV float round_probability(f16 dt, float x) { return round_to(dt, x); }
 
 // The 16-bit pattern of a value round_probability produced: exact, so bf16 just drops the low half.
 RDNA_DEV u16 probability_bits(bf16, float rounded) { return u16(as_u32(rounded) >> 16); }

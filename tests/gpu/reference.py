@@ -26,3 +26,17 @@ def sdpa_math(q, k, v, is_causal=False, scale=None):
 
 def max_error(a, b):
     return (a.double() - b.double()).abs().max().item()
+
+
+def grads_fp64(q, k, v, dout, is_causal=False, scale=None):
+    """dq, dk, dv of exact attention in float64."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out, _ = attention_fp64(q, k, v, is_causal, scale)
+    return torch.autograd.grad(out, (q, k, v), dout.double())
+
+
+def grads_sdpa_math(q, k, v, dout, is_causal=False, scale=None):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    with sdpa_kernel(SDPBackend.MATH):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+    return torch.autograd.grad(out, (q, k, v), dout)

@@ -1,6 +1,6 @@
-"""A small forward grid to run under compute-sanitizer (memcheck, racecheck) for one emulated layer:
+"""A small grid, forward and backward, to run under compute-sanitizer for one emulated layer:
 
-    compute-sanitizer --tool racecheck python tests/gpu/sanitize_forward.py gfx11
+    PYTHONPATH=. compute-sanitizer --tool racecheck python tests/gpu/sanitize_kernels.py gfx11
 """
 
 import itertools
@@ -11,7 +11,7 @@ import torch
 
 os.environ["RDNA_FA_EMULATE"] = sys.argv[1] if len(sys.argv) > 1 else "gfx11"
 
-from rdna_flash_attn import ops  # noqa: E402  (the layer is chosen before the first load)
+from rdna_flash_attn.autograd import flash_attention  # noqa: E402  (the layer is chosen before the first load)
 
 
 def main() -> int:
@@ -19,12 +19,12 @@ def main() -> int:
     shapes = itertools.product((torch.float16, torch.bfloat16), (40, 64, 160, 512), ((1, 77), (100, 33), (130, 130)),
                                (False, True))
     for dtype, head_dim, (seq_q, seq_k), causal in shapes:
-        q = torch.randn(1, 2, seq_q, head_dim, dtype=dtype, device="cuda")
-        k = torch.randn(1, 2, seq_k, head_dim, dtype=dtype, device="cuda")
-        v = torch.randn(1, 2, seq_k, head_dim, dtype=dtype, device="cuda")
-        out, _ = ops.flash_attention_forward(q, k, v, causal)
+        q, k, v = (torch.randn(1, 2, seq, head_dim, dtype=dtype, device="cuda", requires_grad=True)
+                   for seq in (seq_q, seq_k, seq_k))
+        out = flash_attention(q, k, v, causal)
+        grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
         torch.cuda.synchronize()
-        assert torch.isfinite(out).all()
+        assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
     print(f"sanitize grid done on emulated {os.environ['RDNA_FA_EMULATE']}")
     return 0
 

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The kernels' GPU checks on the NVIDIA test machine, one call: forward and backward test grids and
+# the custom-op tests through both emulated layers, then compute-sanitizer memcheck and racecheck on
+# a small forward+backward grid. Needs build/emu/ (python kernels/build.py --no-amd --emulate).
+# Results go to ${OUT:-bench/out}. SKIP_FORWARD=1 / SKIP_API=1 leave those parts out.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+out=${OUT:-bench/out}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/device.txt"
+python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$out/device.txt"
+
+run_tests() {  # name, files...
+  local name=$1; shift
+  local start=$(date +%s)
+  python3 -m pytest -q -p no:cacheprovider "$@" > "$out/pytest_$name.txt" 2>&1
+  echo "$name: $(tail -n 1 "$out/pytest_$name.txt") ($(( $(date +%s) - start )) s)"
+}
+[ -z "${SKIP_FORWARD:-}" ] && RDNA_FA_GRID_REPORT="$out/forward_grid.json" run_tests forward tests/gpu/test_forward.py
+RDNA_FA_BWD_GRID_REPORT="$out/backward_grid.json" run_tests backward tests/gpu/test_backward.py
+run_tests custom_ops tests/gpu/test_custom_ops.py
+[ -z "${SKIP_API:-}" ] && RDNA_FA_FORCE=1 run_tests api tests/gpu/test_api_gpu.py
+
+for layer in gfx11 gfx12; do
+  for tool in memcheck racecheck; do
+    PYTHONPATH=. compute-sanitizer --tool "$tool" --error-exitcode 3 python3 tests/gpu/sanitize_kernels.py "$layer" \
+      > "$out/sanitizer_${tool}_${layer}.txt" 2>&1
+    echo "$tool $layer: exit $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer_${tool}_${layer}.txt" | tail -1)"
+  done
+done | tee "$out/sanitizer_summary.txt"
+grep -h -E "^(FAILED|ERROR)" "$out"/pytest_*.txt | head -n 30

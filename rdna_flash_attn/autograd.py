@@ -1,0 +1,83 @@
+"""The differentiable attention op.
+
+On torch >= 2.4 the forward and backward kernels are registered as torch.library custom ops with
+fake implementations (exact shapes, strides and dtypes), so torch.compile traces through them
+without graph breaks. Older torch (ZLUDA users run 2.2 to 2.7) gets a torch.autograd.Function with
+the same behaviour.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops
+
+HAS_CUSTOM_OP = hasattr(torch, "library") and hasattr(torch.library, "custom_op")
+
+
+def _forward(q, k, v, is_causal, scale):
+    q, k, v = (ops.kernel_layout(t) for t in (q, k, v))
+    return ops.flash_attention_forward(q, k, v, is_causal, scale)
+
+
+def _backward(dout, q, k, v, lse, is_causal, scale):
+    q, k, v = (ops.kernel_layout(t) for t in (q, k, v))
+    return ops.flash_attention_backward(ops.kernel_layout(dout), q, k, v, lse, is_causal, scale)
+
+
+if HAS_CUSTOM_OP:
+
+    @torch.library.custom_op("rdna_flash_attn::fwd", mutates_args=(), device_types="cuda")
+    def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return _forward(q, k, v, is_causal, scale)
+
+    @_fwd_op.register_fake
+    def _(q, k, v, is_causal, scale):
+        return ops.output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+    @torch.library.custom_op("rdna_flash_attn::bwd", mutates_args=(), device_types="cuda")
+    def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+                is_causal: bool, scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _backward(dout, q, k, v, lse, is_causal, scale)
+
+    @_bwd_op.register_fake
+    def _(dout, q, k, v, lse, is_causal, scale):
+        return ops.output_like(q), ops.output_like(k), ops.output_like(v)
+
+    def _setup_context(ctx, inputs, output):
+        q, k, v, is_causal, scale = inputs
+        ctx.save_for_backward(q, k, v, output[1])  # the backward needs only the lse, not the output
+        ctx.is_causal, ctx.scale = is_causal, scale
+        ctx.mark_non_differentiable(output[1])
+
+    def _fwd_backward(ctx, dout, _dlse):
+        q, k, v, lse = ctx.saved_tensors
+        dq, dk, dv = _bwd_op(dout, q, k, v, lse, ctx.is_causal, ctx.scale)
+        return dq, dk, dv, None, None
+
+    _fwd_op.register_autograd(_fwd_backward, setup_context=_setup_context)
+
+    def flash_attention(q, k, v, is_causal: bool = False, scale: float | None = None) -> torch.Tensor:
+        """Attention through the kernels, differentiable in q, k and v; (B, H, S, D) views."""
+        return _fwd_op(q, k, v, bool(is_causal), None if scale is None else float(scale))[0]
+
+else:
+
+    class _FlashAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, is_causal, scale):
+            out, lse = _forward(q, k, v, is_causal, scale)
+            ctx.save_for_backward(q, k, v, lse)
+            ctx.is_causal, ctx.scale = is_causal, scale
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, lse = ctx.saved_tensors
+            dq, dk, dv = _backward(dout, q, k, v, lse, ctx.is_causal, ctx.scale)
+            return dq, dk, dv, None, None
+
+    def flash_attention(q, k, v, is_causal: bool = False, scale: float | None = None) -> torch.Tensor:
+        """Attention through the kernels, differentiable in q, k and v; (B, H, S, D) views."""
+        return _FlashAttention.apply(q, k, v, bool(is_causal), None if scale is None else float(scale))

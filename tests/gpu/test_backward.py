@@ -1,0 +1,113 @@
+"""The backward kernels through the emulation of both AMD layers, against fp64 gradients.
+
+Each of dq, dk, dv must have max error against fp64 at most 2x that of PyTorch's math SDPA
+gradients in the same dtype (fresh random inputs per case). Set RDNA_FA_BWD_GRID_REPORT=path.json
+to record the grid's summary.
+"""
+
+import json
+import os
+import random
+import time
+
+import pytest
+import torch
+
+from rdna_flash_attn import variants
+from rdna_flash_attn.autograd import flash_attention
+
+from .reference import grads_fp64, grads_sdpa_math, max_error
+from .test_forward import make_inputs
+
+CASES_PER_LAYER = 1000
+SEQ_LENGTHS = (1, 2, 7, 16, 17, 33, 64, 65, 77, 100, 128, 154, 257, 333, 600)
+REQUIRED_HEAD_DIMS = (40, 80, 160, 512)
+
+
+def _grid(seed=20261123):
+    rng = random.Random(seed)
+    cases = []
+    for index in range(CASES_PER_LAYER):
+        head_dim = REQUIRED_HEAD_DIMS[index % 4] if index % 2 else rng.choice(variants.SUPPORTED_HEAD_DIMS)
+        seq_k = 77 if index % 10 == 0 else rng.choice(SEQ_LENGTHS)
+        cases.append(dict(
+            index=index, dtype=(torch.float16, torch.bfloat16)[(index // 2) % 2], head_dim=head_dim,
+            seq_q=rng.choice(SEQ_LENGTHS), seq_k=seq_k, batch=rng.randint(1, 2), heads=rng.randint(1, 3),
+            layout=rng.choice(("bhsd", "bshd", "strided")), causal=rng.random() < 0.35,
+            scale=None if rng.random() < 0.7 else rng.uniform(0.02, 0.5)))
+    return cases
+
+
+GRID = _grid()
+_results: list[dict] = []
+
+
+def _inputs(case, layer):
+    generator = torch.Generator(device="cuda").manual_seed(5000 + case["index"] + (0 if layer == "gfx11" else 3))
+    shape = case["batch"], case["heads"]
+    q = make_inputs(*shape, case["seq_q"], case["head_dim"], case["dtype"], case["layout"], generator)
+    k = make_inputs(*shape, case["seq_k"], case["head_dim"], case["dtype"], case["layout"], generator)
+    v = make_inputs(*shape, case["seq_k"], case["head_dim"], case["dtype"], case["layout"], generator)
+    dout = torch.randn(q.shape, dtype=q.dtype, device="cuda", generator=generator)
+    return q, k, v, dout
+
+
+def _kernel_grads(q, k, v, dout, causal, scale):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = flash_attention(q, k, v, causal, scale)
+    return torch.autograd.grad(out, (q, k, v), dout)
+
+
+@pytest.mark.parametrize("case", GRID, ids=lambda c: "{index}-{head_dim}-{seq_q}x{seq_k}-{layout}".format(**c))
+def test_backward_matches_fp64(case, emulated_layer):
+    start = time.perf_counter()
+    q, k, v, dout = _inputs(case, emulated_layer)
+    grads = _kernel_grads(q, k, v, dout, case["causal"], case["scale"])
+    reference = grads_fp64(q, k, v, dout, case["causal"], case["scale"])
+    baseline = grads_sdpa_math(q, k, v, dout, case["causal"], case["scale"])
+    record = dict(layer=emulated_layer, **{key: str(value) for key, value in case.items()})
+    for name, grad, ref, base in zip(("dq", "dk", "dv"), grads, reference, baseline):
+        assert grad.dtype == case["dtype"] and grad.shape == ref.shape
+        assert torch.isfinite(grad).all(), f"{name} not finite"
+        record[f"{name}_error"], record[f"{name}_sdpa_math_error"] = max_error(grad, ref), max_error(base, ref)
+        record[f"{name}_ratio"] = record[f"{name}_error"] / max(record[f"{name}_sdpa_math_error"], 1e-12)
+    record["seconds"] = time.perf_counter() - start
+    _results.append(record)
+    for name in ("dq", "dk", "dv"):
+        # An exact zero baseline (e.g. one key: dk is exactly 0) leaves only rounding of zero.
+        bound = max(2 * record[f"{name}_sdpa_math_error"], 1e-6)
+        assert record[f"{name}_error"] <= bound, f"{name}: {record[f'{name}_error']:.3e} > {bound:.3e}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def grid_report():
+    yield
+    path = os.environ.get("RDNA_FA_BWD_GRID_REPORT")
+    if path and _results:
+        worst = {name: max(_results, key=lambda r: r[f"{name}_ratio"]) for name in ("dq", "dk", "dv")}
+        summary = dict(cases=len(_results), seconds=sum(r["seconds"] for r in _results),
+                       worst_ratio={name: r[f"{name}_ratio"] for name, r in worst.items()}, worst_case=worst,
+                       device=torch.cuda.get_device_name(), torch=torch.__version__)
+        with open(path, "w") as file:
+            json.dump(dict(summary=summary, cases=_results), file)
+
+
+@pytest.mark.parametrize("head_dim, causal", [(64, False), (160, True), (512, False)])
+def test_backward_is_bitwise_deterministic(emulated_layer, head_dim, causal):
+    generator = torch.Generator(device="cuda").manual_seed(head_dim)
+    q = make_inputs(2, 3, 333, head_dim, torch.bfloat16, "bshd", generator)
+    k = make_inputs(2, 3, 257, head_dim, torch.bfloat16, "bshd", generator)
+    v = make_inputs(2, 3, 257, head_dim, torch.bfloat16, "bshd", generator)
+    dout = torch.randn(q.shape, dtype=q.dtype, device="cuda", generator=generator)
+    first = _kernel_grads(q, k, v, dout, causal, None)
+    for _ in range(4):
+        again = _kernel_grads(q, k, v, dout, causal, None)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_gradients_keep_input_layouts(emulated_layer):
+    generator = torch.Generator(device="cuda").manual_seed(11)
+    q = make_inputs(1, 2, 40, 64, torch.float16, "bshd", generator)
+    k = make_inputs(1, 2, 77, 64, torch.float16, "bhsd", generator)
+    dq, dk, dv = _kernel_grads(q, k, k, torch.randn_like(q), False, None)
+    assert dq.stride() == q.stride() and dk.stride() == k.stride() and dv.stride() == k.stride()

@@ -1,0 +1,58 @@
+"""The custom ops as torch.library and torch.compile see them."""
+
+import pytest
+import torch
+
+from rdna_flash_attn import autograd
+
+pytestmark = pytest.mark.skipif(not autograd.HAS_CUSTOM_OP, reason="torch.library.custom_op needs torch >= 2.4")
+
+
+def _inputs(layout="bhsd", requires_grad=False):
+    generator = torch.Generator(device="cuda").manual_seed(7)
+    shape = (2, 3, 70, 64) if layout == "bhsd" else (2, 70, 3, 64)
+    tensors = [torch.randn(shape, dtype=torch.float16, device="cuda", generator=generator) for _ in range(3)]
+    if layout == "bshd":
+        tensors = [t.transpose(1, 2) for t in tensors]
+    return [t.requires_grad_(requires_grad) for t in tensors]
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_opcheck_forward(emulated_layer, layout, causal):
+    q, k, v = _inputs(layout, requires_grad=True)
+    torch.library.opcheck(torch.ops.rdna_flash_attn.fwd.default, (q, k, v, causal, None))
+
+
+def test_opcheck_backward(emulated_layer):
+    q, k, v = _inputs("bshd")
+    out, lse = torch.ops.rdna_flash_attn.fwd(q, k, v, False, 0.2)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.rdna_flash_attn.bwd.default, (dout, q, k, v, lse, False, 0.2))
+
+
+class TinyAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(64, 3 * 64, dtype=torch.float16, device="cuda")
+
+    def forward(self, x):
+        batch, seq, _ = x.shape
+        q, k, v = self.proj(x).view(batch, seq, 3, 1, 64).unbind(2)
+        out = autograd.flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), True)
+        return out.transpose(1, 2).reshape(batch, seq, 64)
+
+
+def test_compiles_fullgraph_forward_and_backward(emulated_layer):
+    torch.manual_seed(0)
+    model = TinyAttention()
+    x = torch.randn(2, 50, 64, dtype=torch.float16, device="cuda")
+    eager = model(x)
+    eager.float().square().sum().backward()
+    eager_grad = model.proj.weight.grad.clone()
+    model.proj.weight.grad = None
+    compiled = torch.compile(model, fullgraph=True)
+    out = compiled(x)
+    out.float().square().sum().backward()
+    torch.testing.assert_close(out, eager, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(model.proj.weight.grad, eager_grad, atol=5e-2, rtol=2e-2)
