@@ -1,0 +1,365 @@
+"""`python -m rdna_flash_attn bench`: the kernels against every SDPA backend the device offers, on the
+attention shapes of Stable Diffusion-family models (DESIGN.md section 4), forward and backward.
+
+Reports the median time (CUDA events on a GPU), TFLOP/s (FlashAttention's convention: 4*B*H*Sq*Sk*D
+forward, 2.5 times that backward) and the peak memory a call allocates beyond its inputs; writes
+JSON and a PNG plot. On a CPU it runs a small quick set, so it finishes in a minute or two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import re
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, ContextManager
+
+import torch
+
+from . import __version__, autograd, dispatch, ops
+from . import device as _device
+
+MIN_REPS, MAX_REPS = 3, 50
+MATH_MEMORY_FACTOR = {"forward": 3, "backward": 8}  # (Sq x Sk) buffers the math backend keeps alive
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    batch: int
+    heads: int
+    q_tokens: int
+    k_tokens: int
+    head_dim: int
+
+    def flops(self, pass_: str) -> float:
+        forward = 4.0 * self.batch * self.heads * self.q_tokens * self.k_tokens * self.head_dim
+        return forward * 2.5 if pass_ == "backward" else forward
+
+
+# Batch 2 where the model runs with classifier-free guidance, 1 where it does not (Flux, WAN, VAE).
+SHAPES = (
+    Shape("sd15-self-4096", 2, 8, 4096, 4096, 40),
+    Shape("sd15-self-1024", 2, 8, 1024, 1024, 80),
+    Shape("sd15-self-256", 2, 8, 256, 256, 160),
+    Shape("sd15-mid-64", 2, 8, 64, 64, 160),
+    Shape("sd15-cross-4096", 2, 8, 4096, 77, 40),
+    Shape("sd15-cross-1024", 2, 8, 1024, 77, 80),
+    Shape("sd2-self-9216", 2, 5, 9216, 9216, 64),
+    Shape("sd2-self-2304", 2, 10, 2304, 2304, 64),
+    Shape("sd2-self-576", 2, 20, 576, 576, 64),
+    Shape("sd2-cross-9216", 2, 5, 9216, 77, 64),
+    Shape("sdxl-self-4096", 2, 10, 4096, 4096, 64),
+    Shape("sdxl-self-1024", 2, 20, 1024, 1024, 64),
+    Shape("sdxl-cross-4096", 2, 10, 4096, 77, 64),
+    Shape("sd3-joint-4250", 2, 24, 4250, 4250, 64),
+    Shape("flux-joint-4608", 1, 24, 4608, 4608, 128),
+    Shape("wan-self-32760", 1, 40, 32760, 32760, 128),
+    Shape("wan-cross-32760", 1, 40, 32760, 512, 128),
+    Shape("vae-mid-4096", 1, 1, 4096, 4096, 512),
+    Shape("vae-mid-16384", 1, 1, 16384, 16384, 512),
+)
+_QUICK_NAMES = ("sd15-mid-64", "sd15-self-256", "sd15-cross-1024", "sd15-self-1024", "sdxl-self-1024")
+QUICK_SHAPES = tuple(s for s in SHAPES if s.name in _QUICK_NAMES)
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Provider:
+    name: str
+    run: Callable  # (q, k, v) -> out, differentiable
+    context: Callable[[], ContextManager] = contextlib.nullcontext
+    refusal: Callable = lambda q, k, v: None  # (q, k, v) -> why this provider cannot take them
+
+
+def _sdpa_backend_context(backend: str) -> Callable[[], ContextManager] | None:
+    """A context that limits SDPA to one backend, or None where this torch cannot select it."""
+    attention = getattr(torch.nn, "attention", None)
+    if attention is not None and hasattr(attention, "sdpa_kernel"):  # torch >= 2.3
+        member = getattr(attention.SDPBackend, backend.upper(), None)
+        return None if member is None else (lambda: attention.sdpa_kernel(member))
+    flags = {"math": "enable_math", "flash_attention": "enable_flash", "efficient_attention": "enable_mem_efficient"}
+    if backend not in flags:
+        return None
+    only = {flag: flag == flags[backend] for flag in flags.values()}
+    return lambda: torch.backends.cuda.sdp_kernel(**only)
+
+
+def _sdpa_providers() -> list[Provider]:
+    names = {"math": "math", "flash_attention": "flash", "efficient_attention": "efficient", "cudnn_attention": "cudnn"}
+    providers = []
+    for backend, short in names.items():
+        context = _sdpa_backend_context(backend)
+        if context is not None:
+            providers.append(Provider(f"sdpa-{short}", lambda q, k, v: dispatch.torch_sdpa(q, k, v), context))
+    return providers
+
+
+def _kernels(q, k, v):
+    """The kernels as the dispatcher calls them: the plain op unless autograd needs the differentiable one."""
+    if torch.is_grad_enabled() and q.requires_grad:
+        return autograd.flash_attention(q, k, v, False, None)
+    return ops.flash_attention_forward(q, k, v, False, None)[0]
+
+
+def _kernel_provider(device: torch.device) -> Provider | str:
+    refusal = dispatch.device_refusal(device) or dispatch.selftest_refusal(device)
+    if refusal:
+        return refusal
+    return Provider("rdna_fa", _kernels, refusal=lambda q, k, v: ops.forward_refusal(q, k, v, False, None))
+
+
+def available_providers(device: torch.device, dtype: torch.dtype, note: Callable[[str], None]) -> list[Provider]:
+    """The kernels (when they run here) and each SDPA backend that accepts a tiny call on `device`."""
+    providers = []
+    kernels = _kernel_provider(device)
+    if isinstance(kernels, str):
+        note(f"kernels not benchmarked: {kernels}")
+    else:
+        artifact = ops.artifact_info(device)
+        note(f"kernels: {artifact['path']}{' (NVIDIA emulation build)' if artifact['emulated'] else ''}")
+        providers.append(kernels)
+    probe = [torch.randn(1, 1, 16, 64, device=device, dtype=dtype) for _ in range(3)]
+    for provider in _sdpa_providers():
+        try:
+            with provider.context(), torch.no_grad():
+                provider.run(*probe)
+        except RuntimeError as exc:
+            note(f"{provider.name} not available: {_first_line(exc)}")
+            continue
+        providers.append(provider)
+    return providers
+
+
+# --- measuring ------------------------------------------------------------------------------------
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if hasattr(os, "sysconf") and "SC_AVPHYS_PAGES" in os.sysconf_names:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return None
+
+
+def _time_ms(fn: Callable[[], object], device: torch.device, budget_s: float) -> tuple[float, float | None]:
+    """(median milliseconds, peak MiB allocated beyond what existed before) of fn() on `device`."""
+    cuda = device.type == "cuda"
+    fn()  # warm-up: lazy loading, autotuning, allocator growth
+    _sync(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    probe_s = time.perf_counter() - start
+    peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if cuda else None
+    times = []
+    for _ in range(max(MIN_REPS, min(MAX_REPS, int(budget_s / max(probe_s, 1e-6))))):
+        if cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+        else:
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times), peak
+
+
+def _inputs(shape: Shape, device: torch.device, dtype: torch.dtype, grad: bool) -> list[torch.Tensor]:
+    return [
+        torch.randn(shape.batch, shape.heads, n, shape.head_dim, device=device, dtype=dtype, requires_grad=grad)
+        for n in (shape.q_tokens, shape.k_tokens, shape.k_tokens)
+    ]
+
+
+def measure(
+    provider: Provider, shape: Shape, pass_: str, device: torch.device, dtype: torch.dtype, budget_s: float
+) -> dict:
+    """One result row; `error` says why a case has no time."""
+    row = {"shape": shape.name, **asdict(shape), "provider": provider.name, "pass": pass_}
+    row.update(ms=None, tflops=None, peak_extra_mib=None, error=None)
+    need = shape.batch * shape.heads * shape.q_tokens * shape.k_tokens * 4 * MATH_MEMORY_FACTOR[pass_]
+    free = _free_bytes(device)
+    if provider.name == "sdpa-math" and free is not None and need > 0.8 * free:
+        return dict(row, error=f"skipped: needs ~{need / 2**30:.0f} GiB")
+    try:
+        q, k, v = _inputs(shape, device, dtype, grad=pass_ == "backward")
+        refusal = provider.refusal(q, k, v)
+        if refusal:
+            return dict(row, error=f"unsupported: {refusal}")
+        with provider.context():
+            if pass_ == "forward":
+                with torch.no_grad():
+                    ms, peak = _time_ms(lambda: provider.run(q, k, v), device, budget_s)
+            else:
+                out = provider.run(q, k, v)
+                grad_out = torch.randn_like(out)
+                ms, peak = _time_ms(
+                    lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True), device, budget_s
+                )
+    except RuntimeError as exc:  # out of memory, or a backend refusing this shape
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return dict(row, error=_first_line(exc))
+    return dict(row, ms=ms, tflops=shape.flops(pass_) / (ms * 1e-3) / 1e12, peak_extra_mib=peak)
+
+
+# --- output ---------------------------------------------------------------------------------------
+
+
+def _progress(done: int, total: int, text: str) -> None:
+    bar = "#" * (20 * done // total)
+    print(f"[{bar:<20}] {done:>3}/{total} {text}", file=sys.stderr, flush=True)
+
+
+def _row_text(row: dict) -> str:
+    if row["error"]:
+        return row["error"]
+    peak = "" if row["peak_extra_mib"] is None else f", +{row['peak_extra_mib']:.0f} MiB"
+    return f"{row['ms']:.3f} ms, {row['tflops']:.2f} TFLOP/s{peak}"
+
+
+def summary_table(rows: list[dict]) -> str:
+    """Text table: one line per shape and pass, one column per provider (TFLOP/s)."""
+    providers = list(dict.fromkeys(r["provider"] for r in rows))
+    widths = [max(10, len(p) + 2) for p in providers]
+    cells = {(r["shape"], r["pass"], r["provider"]): r for r in rows}
+    lines = [f"{'shape':<18}{'pass':<10}" + "".join(f"{p:>{w}}" for p, w in zip(providers, widths)) + "   (TFLOP/s)"]
+    for shape, pass_ in dict.fromkeys((r["shape"], r["pass"]) for r in rows):
+        values = []
+        for p, w in zip(providers, widths):
+            row = cells.get((shape, pass_, p))
+            values.append(f"{row['tflops']:>{w}.3g}" if row and row["tflops"] is not None else f"{'-':>{w}}")
+        lines.append(f"{shape:<18}{pass_:<10}" + "".join(values))
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Grouped bars of TFLOP/s per shape and provider, one panel per pass."""
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
+
+    passes = list(dict.fromkeys(r["pass"] for r in rows))
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    providers = list(dict.fromkeys(r["provider"] for r in rows))
+    cells = {(r["shape"], r["pass"], r["provider"]): r["tflops"] for r in rows}
+    fig = Figure(figsize=(max(8.0, 0.8 * len(shapes) + 2), 4.2 * len(passes)))
+    width = 0.8 / len(providers)
+    for index, pass_ in enumerate(passes):
+        ax = fig.add_subplot(len(passes), 1, index + 1)
+        for i, provider in enumerate(providers):
+            values = [cells.get((s, pass_, provider)) or 0.0 for s in shapes]
+            ax.bar([x + i * width for x in range(len(shapes))], values, width, label=provider)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))], shapes, rotation=35, ha="right", fontsize=8)
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(pass_)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# --- command --------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: fp16 on a GPU, fp32 on a CPU")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="the small shape set (always on a CPU unless --full)")
+    size.add_argument("--full", action="store_true", help="every shape, even on a CPU")
+    parser.add_argument("--shapes", help="comma-separated shape names to keep (see the JSON for names)")
+    parser.add_argument("--no-backward", action="store_true", help="forward only")
+    parser.add_argument("--budget", type=float, default=0.5, help="seconds of timing per case (default 0.5)")
+    parser.add_argument("--out", default=".", help="folder for the JSON and PNG (default: current folder)")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _shapes(args: argparse.Namespace, quick: bool) -> tuple[Shape, ...] | str:
+    """The shapes to run, or an error message."""
+    if not args.shapes:
+        return QUICK_SHAPES if quick else SHAPES
+    wanted = set(args.shapes.split(","))
+    unknown = wanted - {s.name for s in SHAPES}
+    if unknown:
+        return f"unknown shapes: {', '.join(sorted(unknown))}"
+    return tuple(s for s in SHAPES if s.name in wanted)
+
+
+def _measure_all(shapes, device: torch.device, dtype: torch.dtype, args: argparse.Namespace) -> list[dict]:
+    with warnings.catch_warnings():  # SDPA warns why a backend refuses a shape; the rows say it once
+        warnings.simplefilter("ignore", UserWarning)
+        providers = available_providers(device, dtype, lambda text: print(text, file=sys.stderr))
+        passes = ("forward",) if args.no_backward else ("forward", "backward")
+        cases = [(s, p, prov) for s in shapes for p in passes for prov in providers]
+        rows = []
+        for done, (shape, pass_, provider) in enumerate(cases, 1):
+            rows.append(measure(provider, shape, pass_, device, dtype, args.budget))
+            _progress(done, len(cases), f"{shape.name} {pass_} {provider.name}: {_row_text(rows[-1])}")
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype or ("fp32" if device.type == "cpu" else "fp16")]
+    quick = args.quick or (device.type == "cpu" and not args.full)
+    shapes = _shapes(args, quick)
+    if isinstance(shapes, str):
+        print(shapes, file=sys.stderr)
+        return 2
+    info = _device.describe(device)
+    print(f"bench on {info.name} ({device}), {_dtype_name(dtype)}, {len(shapes)} shapes"
+          f"{' (quick set)' if quick else ''}", file=sys.stderr)
+    rows = _measure_all(shapes, device, dtype, args)
+    meta = {
+        "rdna_flash_attn": __version__,
+        "torch": torch.__version__,
+        "device": asdict(info),
+        "dtype": _dtype_name(dtype),
+        "quick": quick,
+        # why the kernels were off, or which artifact ran (cached verdicts: nothing runs again)
+        "kernels": dispatch.device_refusal(device) or dispatch.selftest_refusal(device) or ops.artifact_info(device),
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "flops_convention": "forward 4*B*H*Sq*Sk*D, backward 2.5x forward",
+    }
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"bench-{re.sub(r'[^A-Za-z0-9]+', '-', info.name).strip('-').lower()}-{meta['dtype']}"
+    json_path = out_dir / f"{stem}.json"
+    json_path.write_text(json.dumps({"meta": meta, "results": rows}, indent=1), encoding="utf-8")
+    print(summary_table(rows))
+    print(f"wrote {json_path}")
+    try:
+        plot(rows, out_dir / f"{stem}.png", f"rdna_flash_attn {__version__}: {info.name}, {meta['dtype']}")
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+    else:
+        print(f"wrote {out_dir / f'{stem}.png'}")
+    return 0

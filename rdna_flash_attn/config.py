@@ -1,0 +1,158 @@
+"""Settings: each is an environment variable read once at import and a plain attribute of `settings`.
+
+The dispatcher reads the attributes on every call, so changing one from Python takes effect at once;
+the environment is never read again on the hot path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+LOGGER_NAME = "rdna_flash_attn"
+FP32_CAST_CHOICES = ("off", "bf16", "fp16")
+
+log = logging.getLogger(LOGGER_NAME)
+
+
+def _option(env: str, default: Any, doc: str) -> Any:
+    return field(default=default, metadata={"env": env, "doc": doc})
+
+
+def _parse_bool(text: str) -> bool:
+    word = text.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected 0 or 1, got {text!r}")
+
+
+def _check_bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"expected a bool, got {value!r}")
+    return value
+
+
+def _check_fp32_cast(value: Any) -> str:
+    choice = value.strip().lower() if isinstance(value, str) else value
+    if choice not in FP32_CAST_CHOICES:
+        raise ValueError(f"expected one of {', '.join(FP32_CAST_CHOICES)}, got {value!r}")
+    return choice
+
+
+def _check_log_level(value: Any) -> str | None:
+    if value is None:
+        return None
+    level = str(value).strip().upper()
+    if not level.isdigit() and not isinstance(logging.getLevelName(level), int):
+        raise ValueError(f"expected a logging level such as INFO or DEBUG, got {value!r}")
+    return level
+
+
+def _check_optional_str(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+@dataclass
+class Settings:
+    """Runtime switches of rdna_flash_attn; `Settings.options()` lists them with their variables."""
+
+    disable: bool = _option(
+        "RDNA_FA_DISABLE", False, "1: never launch the kernels; every call goes to PyTorch SDPA."
+    )
+    force: bool = _option(
+        "RDNA_FA_FORCE",
+        False,
+        "1: use the kernels where policy would not (NVIDIA emulation builds, other GPU targets); "
+        "the self-test still applies.",
+    )
+    training: bool = _option(
+        "RDNA_FA_TRAINING",
+        True,
+        "0: calls that need gradients fall back to SDPA instead of running backward on the kernels.",
+    )
+    fp32_cast: str = _option(
+        "RDNA_FA_FP32_CAST",
+        "off",
+        "off | bf16 | fp16: float32 inputs fall back to SDPA (off), or run on the kernels in that "
+        "precision and come back as float32.",
+    )
+    log_level: str | None = _option(
+        "RDNA_FA_LOG_LEVEL",
+        None,
+        "Level of the 'rdna_flash_attn' logger (DEBUG, INFO, WARNING...); fallback reasons are INFO.",
+    )
+    cache_dir: str | None = _option(
+        "RDNA_FA_CACHE_DIR",
+        None,
+        "Folder of the cached self-test verdicts (default: the user cache folder, "
+        "subfolder rdna_flash_attn).",
+    )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Validate on every assignment so a typo fails where it is made, not inside an attention call.
+        value = _CHECKS[name](value)
+        super().__setattr__(name, value)
+        if name == "log_level" and self is globals().get("settings"):  # only the live object owns the logger
+            _apply_log_level(value)
+
+    @classmethod
+    def options(cls) -> list[tuple[str, str, Any, str]]:
+        """(attribute, environment variable, default, description) for every setting."""
+        return [(f.name, f.metadata["env"], f.default, f.metadata["doc"]) for f in fields(cls)]
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+        """Settings from environment variables; a malformed value is logged and left at its default."""
+        environ = os.environ if environ is None else environ
+        values = {}
+        for f in fields(cls):
+            text = environ.get(f.metadata["env"], "").strip()
+            if not text:
+                continue
+            try:
+                values[f.name] = _CHECKS[f.name](_parse_bool(text) if f.type == "bool" else text)
+            except ValueError as exc:
+                log.warning("ignoring %s=%r: %s", f.metadata["env"], text, exc)
+        return cls(**values)
+
+    def load(self, other: "Settings") -> None:
+        """Copy every value of `other` into this object (keeps the one shared `settings` instance)."""
+        for f in fields(self):
+            setattr(self, f.name, getattr(other, f.name))
+
+
+_CHECKS = {
+    "disable": _check_bool,
+    "force": _check_bool,
+    "training": _check_bool,
+    "fp32_cast": _check_fp32_cast,
+    "log_level": _check_log_level,
+    "cache_dir": _check_optional_str,
+}
+
+_stderr_handler: logging.Handler | None = None
+
+
+def _apply_log_level(level: str | None) -> None:
+    """Set our logger's level; with no logging set up by the host, also print our records to stderr,
+    since otherwise Python shows only warnings and RDNA_FA_LOG_LEVEL=INFO would show nothing."""
+    global _stderr_handler
+    if level is None:
+        log.setLevel(logging.NOTSET)
+        if _stderr_handler is not None:
+            log.removeHandler(_stderr_handler)
+            _stderr_handler = None
+        return
+    log.setLevel(int(level) if level.isdigit() else level)
+    if _stderr_handler is None and not logging.getLogger().handlers:
+        _stderr_handler = logging.StreamHandler()
+        _stderr_handler.setFormatter(logging.Formatter("rdna_flash_attn %(levelname)s: %(message)s"))
+        log.addHandler(_stderr_handler)
+
+
+settings = Settings.from_env()
+_apply_log_level(settings.log_level)

@@ -1,0 +1,219 @@
+"""First-use self-test: the kernels, forward and backward, against float32 attention on small shapes.
+
+The verdict is cached on disk, keyed by what could change the kernels' results (artifact sha256,
+torch version, HIP/CUDA runtime version, device name, this test's revision), so a user's GPU is
+tested once per setup. A failure turns the kernels off for that device, with one warning.
+
+The criterion is FlashAttention's own: the kernel's error against the float32 reference must stay
+within twice the error of the same math done in the input dtype, plus two units of that dtype's
+rounding, so it adapts to fp16 and bf16 alike.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from . import device as _device
+from . import autograd, ops
+from .config import LOGGER_NAME, settings
+
+log = logging.getLogger(LOGGER_NAME)
+
+ON_WINDOWS = os.name == "nt"
+REVISION = 1  # bump when the checks change, so cached verdicts are redone
+CACHE_FILE_NAME = "selftest.json"
+
+# (batch, heads, query tokens, key tokens, head dim, causal): SD head dims, lengths that are not
+# multiples of any tile, cross-attention, causal with Sq != Sk (top-left aligned), the VAE's 512.
+CASES = (
+    (1, 2, 128, 128, 64, False),
+    (2, 3, 77, 200, 40, False),
+    (1, 2, 100, 130, 128, True),
+    (1, 2, 33, 33, 160, True),
+    (1, 1, 64, 64, 512, False),
+)
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    error: float
+    tolerance: float
+
+    @property
+    def passed(self) -> bool:
+        return self.error <= self.tolerance  # False for NaN too
+
+
+def cache_dir() -> Path:
+    """settings.cache_dir, else the user cache folder (%LOCALAPPDATA%, $XDG_CACHE_HOME or ~/.cache)."""
+    if settings.cache_dir:
+        return Path(settings.cache_dir)
+    if ON_WINDOWS:
+        base = os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local"
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "rdna_flash_attn"
+
+
+def cache_key(device: torch.device) -> dict:
+    """What the verdict depends on. Raises ops.KernelUnavailable when there is no artifact."""
+    info = _device.describe(device)
+    return {
+        "artifact_sha256": ops.artifact_info(device)["sha256"],
+        "torch": torch.__version__,
+        "runtime": info.runtime_version,
+        "device": info.name,
+        "revision": REVISION,
+    }
+
+
+def _key_id(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _load_cache() -> dict:
+    try:
+        data = json.loads((cache_dir() / CACHE_FILE_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _store(key: dict, record: dict) -> None:
+    folder = cache_dir()
+    entries = _load_cache()
+    entries[_key_id(key)] = record
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f"{CACHE_FILE_NAME}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(entries, indent=1, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, folder / CACHE_FILE_NAME)  # atomic: concurrent processes never see half a file
+    except OSError as exc:
+        log.debug("could not cache the self-test verdict in %s: %s", folder, exc)
+
+
+def cached(device: torch.device) -> dict | None:
+    """The cached record for this device's current setup, or None."""
+    try:
+        key = cache_key(device)
+    except ops.KernelUnavailable:
+        return None
+    record = _load_cache().get(_key_id(key))
+    return record if isinstance(record, dict) and record.get("key") == key else None
+
+
+# --- the checks ---------------------------------------------------------------------------------
+
+
+def _reference(q, k, v, causal: bool, dtype: torch.dtype):
+    """Attention as SDPA's math backend defines it, computed in `dtype` on fresh leaves:
+    (out, logsumexp in float32, the leaves)."""
+    leaves = tuple(t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    q, k, v = leaves
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    if causal:
+        allowed = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return scores.softmax(-1) @ v, scores.float().logsumexp(-1), leaves
+
+
+def _max_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.detach().float() - b.detach().float()).abs().max().item()
+
+
+def _compare(name: str, got, ref32, ref_low, dtype: torch.dtype) -> Check:
+    floor = 2 * torch.finfo(dtype).eps
+    return Check(name, _max_error(got, ref32), 2 * _max_error(ref_low, ref32) + floor)
+
+
+def _case_checks(device, dtype, case, generator) -> list[Check]:
+    batch, heads, sq, sk, dim, causal = case
+    dtype_name = str(dtype).removeprefix("torch.")
+    shape = f"{dtype_name} b{batch} h{heads} q{sq} k{sk} d{dim}{' causal' if causal else ''}"
+    q, k, v = (
+        torch.randn(batch, heads, n, dim, generator=generator, device=device, dtype=dtype) for n in (sq, sk, sk)
+    )
+    with torch.no_grad():
+        out, lse = ops.flash_attention_forward(q, k, v, causal, None)
+    grad_out = torch.randn(out.shape, generator=generator, device=device, dtype=dtype)
+    with torch.enable_grad():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        grads = torch.autograd.grad(autograd.flash_attention(*leaves, causal, None), leaves, grad_out)
+        out32, lse32, leaves32 = _reference(q, k, v, causal, torch.float32)
+        grads32 = torch.autograd.grad(out32, leaves32, grad_out.float())
+        out_low, lse_low, leaves_low = _reference(q, k, v, causal, dtype)
+        grads_low = torch.autograd.grad(out_low, leaves_low, grad_out)
+    return [
+        _compare(f"forward out {shape}", out, out32, out_low, dtype),
+        _compare(f"forward lse {shape}", lse, lse32, lse_low, dtype),
+    ] + [
+        _compare(f"backward d{n} {shape}", g, g32, g_low, dtype)
+        for n, g, g32, g_low in zip("qkv", grads, grads32, grads_low)
+    ]
+
+
+def run_checks(device: torch.device) -> list[Check]:
+    """Every check on `device`, forward and backward. May raise."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.autocast(device.type, enabled=False):
+        return [check for dtype in DTYPES for case in CASES for check in _case_checks(device, dtype, case, generator)]
+
+
+# --- verdicts -----------------------------------------------------------------------------------
+
+
+def _failure(checks: list[Check]) -> str | None:
+    failed = [c for c in checks if not c.passed]
+    if not failed:
+        return None
+    more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+    return f"self-test failed: {failed[0].name}: error {failed[0].error:.3g} > {failed[0].tolerance:.3g}{more}"
+
+
+def run(device: torch.device) -> dict:
+    """Run the self-test now, cache and return its record: passed, reason, checks, key, time."""
+    key = cache_key(device)
+    try:
+        checks = run_checks(device)
+        reason = _failure(checks)
+    except Exception as exc:  # a kernel that cannot even run is a failed self-test, not a crash
+        checks, reason = [], f"self-test raised {type(exc).__name__}: {exc}"
+    record = {
+        "passed": reason is None,
+        "reason": reason,
+        "checks": [dict(asdict(c), passed=c.passed) for c in checks],
+        "key": key,
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    _store(key, record)
+    return record
+
+
+def verdict(device: torch.device) -> str | None:
+    """None when the kernels passed the self-test on `device` (cached or run now), else why not.
+    Logs the outcome once: a failure as a warning, since it turns the kernels off for the device."""
+    try:
+        record = cached(device) or run(device)
+    except ops.KernelUnavailable as exc:
+        return str(exc)
+    name = _device.describe(device).name
+    if record["passed"]:
+        log.info("self-test passed on %s: using the kernels", name)
+        return None
+    log.warning(
+        "%s on %s: the kernels are off for this device and attention falls back to PyTorch SDPA "
+        "(re-run with `python -m rdna_flash_attn selftest`)",
+        record["reason"],
+        name,
+    )
+    return record["reason"]

@@ -1,0 +1,124 @@
+"""Shared fixtures: isolated settings and caches for every test, and a CPU stand-in for an RDNA GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from rdna_flash_attn import autograd, device, dispatch, ops, sdpa_patch, selftest
+from rdna_flash_attn.config import LOGGER_NAME, Settings, settings
+
+ZLUDA_NAME = "AMD Radeon RX 7900 XTX [ZLUDA]"
+FAKE_ARTIFACT = {"target": "gfx1100", "path": "/fake/prebuilt/gfx1100.hsaco", "sha256": "ab" * 32, "emulated": False}
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    """Fresh settings, counters, per-device verdicts and log memory; a private self-test cache."""
+    saved = Settings(**dataclasses.asdict(settings))
+    settings.load(Settings())
+    settings.cache_dir = str(tmp_path / "cache")
+    dispatch.forget_devices()
+    dispatch.reset_stats()
+    monkeypatch.setattr(dispatch, "_logged_reasons", set())
+    yield
+    sdpa_patch.disable_sdpa_patch()
+    settings.load(saved)
+    dispatch.forget_devices()
+
+
+class _CudaLooking(torch.Tensor):
+    """A CPU tensor that reports a GPU device, so ops' real checks can judge CPU test tensors."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+def _as_gpu(t):
+    return t.as_subclass(_CudaLooking) if isinstance(t, torch.Tensor) and t.device.type == "cpu" else t
+
+
+def _math_attention(q, k, v, is_causal=False, scale=None):
+    """Attention in float32 (as a kernel accumulates), out in q's dtype, plus the log-sum-exp."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q.float() @ k.float().transpose(-2, -1)) * scale
+    if is_causal:
+        allowed = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return (scores.softmax(-1) @ v.float()).to(q.dtype), scores.logsumexp(-1)
+
+
+class FakeDevices:
+    """device.describe's double: every device is the one these attributes describe (counts calls)."""
+
+    def __init__(self):
+        self.info = dict(backend="zluda", name=ZLUDA_NAME, gfx_target="gfx1100", runtime_version="6.2.41512")
+        self.calls = 0
+
+    def describe(self, dev):
+        self.calls += 1
+        return device.DeviceInfo(index=torch.device(dev).index, **self.info)
+
+
+_real_forward_refusal = ops.forward_refusal
+
+
+class FakeKernels:
+    """The kernels' double on the CPU: ops' real argument checks, float32 math for the result."""
+
+    def __init__(self):
+        self.devices = FakeDevices()
+        self.launches = []  # (q, k, v, is_causal, scale) of each plain forward launch
+        self.differentiable_launches = 0
+        self.error = 0.0  # added to every output: a broken kernel
+        self.raises: Exception | None = None
+
+    def forward_refusal(self, q, k, v, is_causal=False, scale=None):
+        return _real_forward_refusal(_as_gpu(q), _as_gpu(k), _as_gpu(v), is_causal, scale)
+
+    def flash_attention_forward(self, q, k, v, is_causal=False, scale=None):
+        assert self.forward_refusal(q, k, v, is_causal, scale) is None, "launched on refused input"
+        if self.raises is not None:
+            raise self.raises
+        self.launches.append((q, k, v, is_causal, scale))
+        out, lse = _math_attention(q, k, v, is_causal, scale)
+        return out + self.error, lse
+
+    def flash_attention(self, q, k, v, is_causal=False, scale=None):
+        assert self.forward_refusal(q, k, v, is_causal, scale) is None, "launched on refused input"
+        self.differentiable_launches += 1
+        return _math_attention(q, k, v, is_causal, scale)[0] + self.error
+
+
+@pytest.fixture
+def untested_fake_gpu(monkeypatch) -> FakeKernels:
+    """The CPU plays an RX 7900 XTX under ZLUDA whose kernels compute attention in float32 math;
+    its self-test has not run yet."""
+    kernels = FakeKernels()
+    monkeypatch.setattr(device, "describe", kernels.devices.describe)
+    monkeypatch.setattr(ops, "availability", lambda dev: None)
+    monkeypatch.setattr(ops, "artifact_info", lambda dev: dict(FAKE_ARTIFACT))
+    monkeypatch.setattr(ops, "forward_refusal", kernels.forward_refusal)
+    monkeypatch.setattr(ops, "flash_attention_forward", kernels.flash_attention_forward)
+    monkeypatch.setattr(autograd, "flash_attention", kernels.flash_attention)
+    return kernels
+
+
+@pytest.fixture
+def fake_gpu(untested_fake_gpu, monkeypatch) -> FakeKernels:
+    """untested_fake_gpu with a passed self-test already cached, so no test launch is counted."""
+    with monkeypatch.context() as patch:
+        patch.setattr(selftest, "run_checks", lambda dev: [])
+        selftest.run(torch.device("cpu"))
+    return untested_fake_gpu
+
+
+@pytest.fixture
+def log_records(caplog):
+    """caplog capturing everything the package logs."""
+    caplog.set_level(logging.DEBUG, logger=LOGGER_NAME)
+    return caplog

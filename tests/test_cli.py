@@ -1,0 +1,198 @@
+"""`python -m rdna_flash_attn doctor | selftest | bench | report`, and environment detection with a
+faked ZLUDA device."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rdna_flash_attn import benchmark, cli, device, dispatch, driver, ops, report, selftest
+
+ZLUDA_NAME = "AMD Radeon RX 7900 XTX [ZLUDA]"
+GPU = torch.device("cuda", 0)
+
+
+class FakeHip:
+    """The HIP runtime ZLUDA loads, as device.describe asks it."""
+
+    def device_arch(self, ordinal):
+        return "gfx1100"
+
+    def runtime_version(self):
+        return "6.2.41512"
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch sees one CUDA device named `fake_cuda.name` (ZLUDA's by default); describe is real."""
+
+    class Fake:
+        name = ZLUDA_NAME
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: Fake.name)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(driver, "hip_driver", lambda zluda: FakeHip())
+    device._describe.cache_clear()  # describe caches per device: forget the fake before and after
+    yield Fake
+    device._describe.cache_clear()
+
+
+def test_zluda_is_detected_by_its_device_name(fake_cuda):
+    info = device.describe(GPU)
+    assert info == device.DeviceInfo("zluda", ZLUDA_NAME, 0, "gfx1100", "6.2.41512")
+    assert dispatch._policy_refusal(info) is None
+
+
+def test_the_same_gpu_without_the_suffix_is_an_nvidia_device_to_policy(fake_cuda):
+    fake_cuda.name = "NVIDIA GeForce RTX 4090"
+    info = device.describe(GPU)
+    assert info.backend == "cuda" and info.gfx_target is None
+    assert "RDNA_FA_FORCE" in dispatch._policy_refusal(info)
+
+
+# --- doctor -------------------------------------------------------------------------------------------
+
+
+def run_cli(capsys, *argv):
+    """(exit code, stdout, stderr), runs of spaces in stdout squeezed to one for matching."""
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, re.sub(r" +", " ", out), err
+
+
+def test_doctor_on_a_cpu_machine(capsys):
+    code, out, _ = run_cli(capsys, "doctor")
+    assert code == 0
+    for text in ("rdna_flash_attn 0.1.0", f"torch {torch.__version__}", "RDNA_FA_DISABLE",
+                 "RDNA_FA_FP32_CAST", "backward", "none: torch sees no GPU"):
+        assert text in out
+
+
+def test_doctor_with_a_zluda_gpu(fake_cuda, monkeypatch, capsys):
+    monkeypatch.setattr(ops, "availability", lambda d: None)
+    monkeypatch.setattr(ops, "artifact_info", lambda d: {"target": "gfx1100", "path": "/p/gfx1100.hsaco",
+                                                         "sha256": "ef" * 32, "emulated": False})
+    monkeypatch.setattr(selftest, "run_checks", lambda d: [selftest.Check("forward out", 1e-4, 2e-3)])
+    code, out, _ = run_cli(capsys, "doctor")
+    assert code == 0
+    for text in ("cuda:0:", ZLUDA_NAME, "zluda", "gfx1100", "6.2.41512", "/p/gfx1100.hsaco", "ef" * 32,
+                 "loadable yes (sha256 verified)", "self-test passed (run now)", "kernels ON"):
+        assert text in out, text
+    _, again, _ = run_cli(capsys, "doctor")
+    assert "passed (cached)" in again
+
+
+def test_doctor_says_why_the_kernels_are_off(fake_cuda, monkeypatch, capsys):
+    monkeypatch.setattr(ops, "availability", lambda d: "no code object for gfx1100 in prebuilt/")
+
+    def missing(d):
+        raise ops.KernelUnavailable("no code object for gfx1100 in prebuilt/")
+
+    monkeypatch.setattr(ops, "artifact_info", missing)
+    _, out, _ = run_cli(capsys, "doctor")
+    assert "artifact none: no code object" in out
+    assert "kernels OFF: no code object for gfx1100 in prebuilt/" in out
+
+
+def test_doctor_reports_a_failed_self_test_and_the_disable_switch(fake_cuda, monkeypatch, capsys):
+    monkeypatch.setattr(ops, "availability", lambda d: None)
+    artifact = {"target": "gfx1100", "path": "p", "sha256": "0" * 64, "emulated": False}
+    monkeypatch.setattr(ops, "artifact_info", lambda d: artifact)
+    monkeypatch.setattr(selftest, "run_checks", lambda d: [selftest.Check("forward out x", 0.5, 2e-3)])
+    _, out, _ = run_cli(capsys, "doctor")
+    assert "kernels OFF: self-test failed: forward out x" in out
+    monkeypatch.setattr(dispatch.settings, "disable", True)
+    _, out, _ = run_cli(capsys, "doctor")
+    assert "OFF: disabled (RDNA_FA_DISABLE" in out
+
+
+# --- selftest -----------------------------------------------------------------------------------------
+
+
+def test_selftest_without_a_gpu(capsys):
+    code, out, _ = run_cli(capsys, "selftest")
+    assert code == 2 and "no GPU" in out
+
+
+def test_selftest_reruns_and_prints_every_check(untested_fake_gpu, capsys):
+    code, out, _ = run_cli(capsys, "selftest", "--device", "cpu")
+    assert code == 0 and out.count(" ok forward") == len(selftest.CASES) * len(selftest.DTYPES) * 2
+    assert f"cpu ({ZLUDA_NAME}): passed" in out
+    untested_fake_gpu.error = 0.3  # a rerun ignores the cached pass
+    code, out, _ = run_cli(capsys, "selftest", "--device", "cpu")
+    assert code == 1 and "FAIL" in out and "self-test failed" in out
+
+
+def test_selftest_without_kernels(untested_fake_gpu, monkeypatch, capsys):
+    monkeypatch.setattr(ops, "availability", lambda d: "no artifact")
+    code, out, _ = run_cli(capsys, "selftest", "--device", "cpu")
+    assert code == 2 and "no kernels to test: no artifact" in out
+
+
+# --- bench --------------------------------------------------------------------------------------------
+
+
+def test_bench_on_the_cpu_writes_json_and_png(tmp_path, capsys):
+    code, out, err = run_cli(capsys, "bench", "--shapes", "sd15-mid-64", "--budget", "0.01", "--out", str(tmp_path))
+    assert code == 0
+    (json_path,) = tmp_path.glob("bench-*.json")
+    assert (tmp_path / (json_path.stem + ".png")).stat().st_size > 1000
+    data = json.loads(json_path.read_text())
+    assert data["meta"]["device"]["backend"] == "cpu" and data["meta"]["quick"] is True
+    rows = data["results"]
+    assert {r["provider"] for r in rows} >= {"sdpa-math"} and {r["pass"] for r in rows} == {"forward", "backward"}
+    assert all(r["ms"] > 0 and r["tflops"] > 0 for r in rows if r["provider"] == "sdpa-math")
+    assert "kernels not benchmarked: CPU tensors" in err and "[####################]" in err
+    assert "sd15-mid-64" in out and "TFLOP/s" in out
+
+
+def test_bench_includes_the_kernels_where_they_run(fake_gpu, tmp_path, capsys):
+    code, _, err = run_cli(capsys, "bench", "--shapes", "sd15-mid-64,sd15-cross-1024", "--dtype", "fp16",
+                           "--budget", "0.01", "--out", str(tmp_path))
+    assert code == 0
+    rows = json.loads(next(tmp_path.glob("*.json")).read_text())["results"]
+    kernel_rows = [r for r in rows if r["provider"] == "rdna_fa"]
+    assert [(r["shape"], r["pass"], r["error"]) for r in kernel_rows] == [
+        ("sd15-mid-64", "forward", None), ("sd15-mid-64", "backward", None),
+        ("sd15-cross-1024", "forward", None), ("sd15-cross-1024", "backward", None),
+    ]
+    assert fake_gpu.launches and fake_gpu.differentiable_launches
+
+
+def test_bench_shape_table_follows_design_section_4():
+    names = {s.name for s in benchmark.SHAPES}
+    assert {"sd15-self-4096", "sdxl-self-4096", "flux-joint-4608", "wan-self-32760", "vae-mid-16384"} <= names
+    assert set(benchmark.QUICK_SHAPES) <= set(benchmark.SHAPES)
+    flux = next(s for s in benchmark.SHAPES if s.name == "flux-joint-4608")
+    assert (flux.heads, flux.head_dim) == (24, 128)
+    assert flux.flops("backward") == 2.5 * flux.flops("forward") == 2.5 * 4 * 24 * 4608 * 4608 * 128
+
+
+def test_bench_rejects_unknown_shapes(capsys):
+    code, _, err = run_cli(capsys, "bench", "--shapes", "sd9-self-1")
+    assert code == 2 and "sd9-self-1" in err
+
+
+# --- report and the module entry point ----------------------------------------------------------------
+
+
+def test_report_gets_the_rest_of_the_command_line(monkeypatch):
+    seen = []
+    monkeypatch.setattr(report, "main", lambda argv: seen.append(argv) or 5)
+    assert cli.main(["report", "--check", "x.hsaco"]) == 5
+    assert seen == [["--check", "x.hsaco"]]
+
+
+def test_python_dash_m():
+    result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "doctor"], capture_output=True, text=True)
+    assert result.returncode == 0 and "rdna_flash_attn" in result.stdout
+    result = subprocess.run([sys.executable, "-m", "rdna_flash_attn"], capture_output=True, text=True)
+    assert result.returncode == 2 and "doctor" in result.stderr

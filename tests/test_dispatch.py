@@ -1,0 +1,357 @@
+"""The support matrix: which calls reach the kernels, every fallback reason, counters and logging."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rdna_flash_attn as rfa
+from rdna_flash_attn import dispatch, ops, selftest
+from rdna_flash_attn.config import settings
+
+
+def qkv(batch=2, heads=3, q_len=40, k_len=40, dim=64, dtype=torch.float16, **kwargs):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(batch, heads, n, dim, generator=gen, dtype=dtype, **kwargs) for n in (q_len, k_len, k_len)]
+
+
+def assert_close_to_sdpa(out, q, k, v, **kwargs):
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs)
+    assert out.dtype == q.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref, atol=2e-2 if q.dtype == torch.bfloat16 else 2e-3, rtol=0)
+
+
+def only_reason() -> str:
+    reasons = rfa.stats()["fallback_reasons"]
+    assert rfa.stats()["kernel"] == 0 and len(reasons) == 1, rfa.stats()
+    return next(iter(reasons))
+
+
+# --- the kernel path --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "shape, kwargs",
+    [
+        ((2, 3, 40, 40, 64), {}),
+        ((1, 8, 33, 77, 40), {}),  # cross-attention, odd lengths
+        ((1, 2, 50, 30, 128), {"is_causal": True}),  # top-left causal with Sq > Sk
+        ((1, 2, 30, 50, 160), {"is_causal": True, "scale": 0.3}),
+        ((1, 1, 16, 16, 512), {"scale": 1}),
+    ],
+)
+def test_supported_calls_run_on_the_kernels_and_match_sdpa(fake_gpu, dtype, shape, kwargs):
+    batch, heads, q_len, k_len, dim = shape
+    q, k, v = qkv(batch, heads, q_len, k_len, dim, dtype)
+    out = rfa.scaled_dot_product_attention(q, k, v, **kwargs)
+    assert rfa.stats() == {"kernel": 1, "fallback": 0, "fallback_reasons": {}}
+    assert len(fake_gpu.launches) == 1
+    assert_close_to_sdpa(out, q, k, v, **kwargs)
+
+
+def test_kernels_get_the_callers_tensors_without_copies(fake_gpu):
+    q, k, v = qkv()
+    rfa.scaled_dot_product_attention(q, k, v)
+    launched = fake_gpu.launches[0][:3]
+    assert all(a is b for a, b in zip(launched, (q, k, v)))
+
+
+def test_enable_gqa_with_equal_head_counts_still_runs_on_the_kernels(fake_gpu):
+    q, k, v = qkv()
+    rfa.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert rfa.stats()["kernel"] == 1
+
+
+def test_explain_says_kernel(fake_gpu):
+    q, k, v = qkv()
+    assert rfa.explain(q, k, v, is_causal=True) == "runs on the kernels: torch.float16, head dim 64, causal"
+    assert rfa.stats()["kernel"] == 0 and not fake_gpu.launches  # explaining runs nothing
+
+
+# --- every fallback reason --------------------------------------------------------------------------
+
+
+def misaligned():
+    """(2, 3, 40, 64) float16 starting 8 bytes into its storage."""
+    return torch.randn(2 * 3 * 40 * 64 + 4, dtype=torch.float16)[4:].view(2, 3, 40, 64)
+
+
+def _nested():
+    with warnings.catch_warnings():  # "prototype stage"
+        warnings.simplefilter("ignore")
+        return torch.nested.nested_tensor([torch.randn(2, 5, 64), torch.randn(2, 7, 64)], dtype=torch.float16)
+
+
+FALLBACKS = {
+    # name: (make (args, kwargs), a word the reason must contain)
+    "3-D inputs": (lambda: ([t[0] for t in qkv()], {}), "4-D"),
+    "5-D inputs": (lambda: ([t.unsqueeze(0) for t in qkv()], {}), "4-D"),
+    "bool mask": (lambda: (qkv(), {"attn_mask": torch.ones(40, 40, dtype=torch.bool)}), "attn_mask"),
+    "additive mask": (lambda: (qkv(), {"attn_mask": torch.zeros(40, 40, dtype=torch.float16)}), "attn_mask"),
+    "dropout": (lambda: (qkv(), {"dropout_p": 0.1}), "dropout"),
+    "dropout as a tensor": (lambda: (qkv(), {"dropout_p": torch.tensor(0.0)}), "dropout"),
+    "scale as a tensor": (lambda: (qkv(), {"scale": torch.tensor(0.5)}), "scale"),
+    "float32 inputs": (lambda: (qkv(dtype=torch.float32), {}), "float32"),
+    "float64 inputs": (lambda: (qkv(dtype=torch.float64), {}), "dtype"),
+    "head dim 12": (lambda: (qkv(dim=12), {}), "head dim"),
+    "head dim 264": (lambda: (qkv(dim=264), {}), "head dim"),
+    "value head dim differs": (lambda: (qkv()[:2] + [torch.randn(2, 3, 40, 32, dtype=torch.float16)], {}), "head dim"),
+    "grouped-query": (lambda: ([qkv(heads=4)[0]] + qkv(heads=2)[1:], {"enable_gqa": True}), "head counts"),
+    "broadcast batch": (lambda: ([qkv(batch=2)[0]] + qkv(batch=1)[1:], {}), "batch"),
+    "empty query": (lambda: (qkv(q_len=0), {}), "empty"),
+    "empty keys": (lambda: (qkv(k_len=0), {}), "empty"),
+    "head dim 0": (lambda: (qkv(dim=0), {}), "head dim"),
+    "strided head dim": (lambda: ([t[..., ::2] for t in qkv(dim=128)], {}), "contiguous"),
+    "misaligned storage": (lambda: ([misaligned()] * 3, {}), "16-byte"),
+    "infinite scale": (lambda: (qkv(), {"scale": float("inf")}), "scale"),
+    "nested tensors": (lambda: ([_nested()] * 3, {}), "nested"),
+    "parameter subclass": (lambda: ([torch.nn.Parameter(t) for t in qkv()], {}), "plain"),
+}
+
+
+@pytest.mark.parametrize("name", FALLBACKS)
+def test_every_fallback_reason_gives_sdpas_own_result(fake_gpu, name):
+    make, word = FALLBACKS[name]
+    args, kwargs = make()
+    with torch.no_grad():
+        expected = F.scaled_dot_product_attention(*args, **kwargs) if "dropout_p" not in kwargs else None
+        out = rfa.scaled_dot_product_attention(*args, **kwargs)
+    assert word in only_reason()
+    assert not fake_gpu.launches
+    if expected is not None:
+        if expected.is_nested:
+            assert all(torch.equal(a, b) for a, b in zip(out.unbind(), expected.unbind()))
+        else:
+            assert torch.equal(out, expected)
+    assert word in rfa.explain(*args, **kwargs)
+
+
+def test_key_value_length_mismatch_falls_back_where_sdpa_decides(fake_gpu):
+    q, k, _ = qkv()
+    v = torch.randn(2, 3, 39, 64, dtype=torch.float16)
+    try:
+        expected = F.scaled_dot_product_attention(q, k, v)
+    except RuntimeError as exc:
+        with pytest.raises(type(exc)):
+            rfa.scaled_dot_product_attention(q, k, v)
+    else:
+        assert torch.equal(rfa.scaled_dot_product_attention(q, k, v), expected)
+    assert "lengths" in only_reason() and not fake_gpu.launches
+
+
+def test_disabled_by_setting(fake_gpu):
+    settings.disable = True
+    rfa.scaled_dot_product_attention(*qkv())
+    assert "RDNA_FA_DISABLE" in only_reason() and not fake_gpu.launches
+
+
+def test_torch_compile_tracing_falls_back(fake_gpu, monkeypatch):
+    monkeypatch.setattr(dispatch, "_is_compiling", lambda: True)
+    rfa.scaled_dot_product_attention(*qkv())
+    assert "torch.compile" in only_reason()
+
+
+def test_cpu_tensors_fall_back_without_fakes():
+    q, k, v = qkv(dtype=torch.float32)
+    assert torch.equal(rfa.scaled_dot_product_attention(q, k, v), F.scaled_dot_product_attention(q, k, v))
+    assert "CPU" in only_reason()
+
+
+@pytest.mark.parametrize(
+    "info, word",
+    [
+        (dict(backend="cuda", name="NVIDIA H100", gfx_target=None, runtime_version="12.8"), "NVIDIA"),
+        (dict(backend="rocm", name="AMD Instinct MI210", gfx_target="gfx90a", runtime_version="6.2"), "gfx90a"),
+        (dict(backend="zluda", name="RX 6800 [ZLUDA]", gfx_target="gfx1030", runtime_version="6.2"), "gfx1030"),
+        (dict(backend="zluda", name="AMD Radeon [ZLUDA]", gfx_target=None, runtime_version=None), "unknown"),
+        (dict(backend="other", name="xpu", gfx_target=None, runtime_version=None), "xpu"),
+    ],
+)
+def test_policy_keeps_kernels_off_and_force_overrides_it(fake_gpu, info, word):
+    fake_gpu.devices.info = info
+    rfa.scaled_dot_product_attention(*qkv())
+    assert word in only_reason()
+    settings.force = True
+    rfa.scaled_dot_product_attention(*qkv())
+    assert rfa.stats()["kernel"] == 1
+
+
+@pytest.mark.parametrize("target", ["gfx1100", "gfx1101", "gfx1102", "gfx1103",
+                                    "gfx1150", "gfx1151", "gfx1200", "gfx1201"])
+def test_rdna3_and_rdna4_targets_are_on(fake_gpu, target):
+    fake_gpu.devices.info["gfx_target"] = target
+    fake_gpu.devices.info["backend"] = "rocm"
+    rfa.scaled_dot_product_attention(*qkv())
+    assert rfa.stats()["kernel"] == 1
+
+
+def test_missing_artifact_falls_back_with_its_reason(fake_gpu, monkeypatch):
+    monkeypatch.setattr(ops, "availability", lambda dev: "no code object for gfx1100")
+    settings.force = True  # force cannot conjure an artifact
+    rfa.scaled_dot_product_attention(*qkv())
+    assert only_reason() == "no code object for gfx1100"
+
+
+def test_device_verdict_is_cached(fake_gpu, monkeypatch):
+    asked = []
+    monkeypatch.setattr(ops, "availability", lambda dev: asked.append(dev))
+    rfa.scaled_dot_product_attention(*qkv())
+    described = fake_gpu.devices.calls
+    for _ in range(5):
+        rfa.scaled_dot_product_attention(*qkv())
+    assert len(asked) == 1 and fake_gpu.devices.calls == described
+    assert rfa.stats()["kernel"] == 6
+
+
+# --- dtypes: the fp32 opt-in and autocast ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cast, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_fp32_cast_runs_fp32_inputs_on_the_kernels_and_returns_fp32(fake_gpu, cast, dtype):
+    settings.fp32_cast = cast
+    q, k, v = qkv(dtype=torch.float32)
+    out = rfa.scaled_dot_product_attention(q, k, v)
+    assert rfa.stats()["kernel"] == 1 and fake_gpu.launches[0][0].dtype == dtype
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v), atol=3e-2, rtol=0)
+
+
+def test_fp32_cast_does_not_touch_mixed_dtypes(fake_gpu):
+    settings.fp32_cast = "bf16"
+    q, k, v = qkv(dtype=torch.float32)
+    with pytest.raises(RuntimeError):
+        F.scaled_dot_product_attention(q, k.half(), v)
+    with pytest.raises(RuntimeError):
+        rfa.scaled_dot_product_attention(q, k.half(), v)
+    assert not fake_gpu.launches
+
+
+@pytest.mark.parametrize("inputs", [torch.float32, torch.float16, torch.bfloat16])
+def test_autocast_runs_in_the_autocast_dtype_like_sdpa(fake_gpu, inputs):
+    q, k, v = qkv(dtype=inputs)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = F.scaled_dot_product_attention(q, k, v)
+        out = rfa.scaled_dot_product_attention(q, k, v)
+    assert rfa.stats()["kernel"] == 1 and fake_gpu.launches[0][0].dtype == torch.bfloat16
+    assert out.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, atol=3e-2, rtol=0)
+
+
+# --- gradients --------------------------------------------------------------------------------------
+
+
+def test_grad_runs_the_differentiable_kernels(fake_gpu):
+    q, k, v = qkv(requires_grad=True)
+    rfa.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    assert fake_gpu.differentiable_launches == 1 and rfa.stats()["kernel"] == 1 and not fake_gpu.launches
+    q2, k2, v2 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    F.scaled_dot_product_attention(q2, k2, v2, is_causal=True).sum().backward()
+    for ours, theirs in ((q, q2), (k, k2), (v, v2)):
+        torch.testing.assert_close(ours.grad.float(), theirs.grad, atol=1e-2, rtol=0)
+
+
+def test_grad_with_training_off_falls_back(fake_gpu):
+    settings.training = False
+    q, k, v = qkv(requires_grad=True)
+    rfa.scaled_dot_product_attention(q, k, v).sum().backward()
+    assert "RDNA_FA_TRAINING" in only_reason() and q.grad is not None and not fake_gpu.differentiable_launches
+
+
+def test_grad_through_the_fp32_cast(fake_gpu):
+    q, k, v = qkv(dtype=torch.float32, requires_grad=True)
+    settings.fp32_cast = "bf16"
+    rfa.scaled_dot_product_attention(q, k, v).sum().backward()
+    assert fake_gpu.differentiable_launches == 1 and rfa.stats()["kernel"] == 1
+    assert q.grad.dtype == torch.float32 and q.grad.shape == q.shape
+
+
+def test_no_grad_and_inference_use_the_plain_forward(fake_gpu):
+    q, k, v = qkv(requires_grad=True)
+    with torch.no_grad():
+        rfa.scaled_dot_product_attention(q, k, v)
+    with torch.inference_mode():
+        rfa.scaled_dot_product_attention(*qkv())
+    rfa.scaled_dot_product_attention(*qkv())  # no input requires grad
+    assert rfa.stats()["kernel"] == 3 and len(fake_gpu.launches) == 3 and fake_gpu.differentiable_launches == 0
+
+
+# --- self-test and kernel failures -------------------------------------------------------------------
+
+
+def test_self_test_runs_once_on_the_first_supported_call(untested_fake_gpu, monkeypatch):
+    runs = []
+    monkeypatch.setattr(selftest, "run_checks", lambda dev: runs.append(dev) or [])
+    rfa.scaled_dot_product_attention(*qkv(dtype=torch.float32))  # unsupported: no self-test yet
+    assert runs == []
+    for _ in range(3):
+        rfa.scaled_dot_product_attention(*qkv())
+    assert len(runs) == 1
+
+
+def test_failed_self_test_turns_the_kernels_off_with_one_warning(untested_fake_gpu, log_records):
+    untested_fake_gpu.error = 0.5
+    q, k, v = qkv()
+    for _ in range(3):
+        out = rfa.scaled_dot_product_attention(q, k, v)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v))
+    assert "self-test failed" in only_reason() and rfa.stats()["fallback"] == 3
+    warnings = [r for r in log_records.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "RX 7900 XTX" in warnings[0].getMessage()
+
+
+def test_kernel_unavailable_at_launch_falls_back(fake_gpu):
+    fake_gpu.raises = ops.KernelUnavailable("variant d64 missing from the artifact")
+    q, k, v = qkv()
+    assert torch.equal(rfa.scaled_dot_product_attention(q, k, v), F.scaled_dot_product_attention(q, k, v))
+    assert only_reason() == "variant d64 missing from the artifact"
+
+
+def test_kernel_error_disables_the_device_and_falls_back(fake_gpu, log_records):
+    fake_gpu.raises = OSError("hipModuleLaunchKernel failed")
+    q, k, v = qkv()
+    for _ in range(2):
+        assert torch.equal(rfa.scaled_dot_product_attention(q, k, v), F.scaled_dot_product_attention(q, k, v))
+    fake_gpu.raises = None
+    rfa.scaled_dot_product_attention(q, k, v)
+    assert not fake_gpu.launches and rfa.stats()["fallback"] == 3
+    assert "hipModuleLaunchKernel failed" in only_reason()
+    assert [r.levelno for r in log_records.records].count(logging.ERROR) == 1
+
+
+# --- counters and logging ---------------------------------------------------------------------------
+
+
+def test_counters_count_each_path_and_reset(fake_gpu):
+    q, k, v = qkv()
+    rfa.scaled_dot_product_attention(q, k, v)
+    rfa.scaled_dot_product_attention(q, k, v)
+    rfa.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    rfa.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    stats = rfa.stats()
+    assert stats["kernel"] == 2 and stats["fallback"] == 2 and len(stats["fallback_reasons"]) == 2
+    stats["fallback_reasons"].clear()  # a copy: callers cannot corrupt the counters
+    assert rfa.stats()["fallback"] == 2
+    rfa.reset_stats()
+    assert rfa.stats() == {"kernel": 0, "fallback": 0, "fallback_reasons": {}}
+
+
+def test_each_fallback_reason_is_logged_once(fake_gpu, log_records):
+    q, k, v = qkv()
+    for _ in range(3):
+        rfa.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+        rfa.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    rfa.reset_stats()
+    rfa.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    fallbacks = [r for r in log_records.records if "falling back" in r.getMessage()]
+    assert len(fallbacks) == 2 and all(r.levelno == logging.INFO for r in fallbacks)
+
+
+def test_logs_go_through_the_package_logger_not_print(fake_gpu, log_records, capsys):
+    rfa.scaled_dot_product_attention(*qkv(), dropout_p=0.5)
+    assert capsys.readouterr() == ("", "")
+    assert {r.name for r in log_records.records} == {"rdna_flash_attn"}
