@@ -246,7 +246,8 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
       // P recomputed from the stored lse sums to 1 only within rounding; dividing by its actual sum
       // makes dP - delta vanish where it must (one visible key: the gradient is exactly zero).
       const float p_total = p_share + other_half(p_share);
-      delta = p_total > 0.f ? (delta_share + other_half(delta_share)) / p_total : 0.f;
+      const float pdp_total = delta_share + other_half(delta_share);  // exchanges outside any branch
+      delta = p_total > 0.f ? pdp_total / p_total : 0.f;
       if (chunk == 0 && lane < 16 && valid_query) a.delta[stats] = delta;
     }
     for (int key0 = 0; key0 < key_end; key0 += BLOCK_N) {
