@@ -36,9 +36,11 @@ EMULATED_LAYERS = ("gfx11", "gfx12")
 CUDA_ARCHS = ("80", "90")
 CODE_OBJECT_VERSION = 5
 MAIN_SOURCE = "attention.hip"
+# -cuid: clang otherwise names a symbol after a hash of paths and options, and the code objects would
+# differ between checkouts.
 CLANG_FLAGS = (
     "-x hip --cuda-device-only --no-gpu-bundle-output -nogpulib -nogpuinc -O3 -std=c++17 "
-    f"-mcode-object-version={CODE_OBJECT_VERSION}"
+    f"-mcode-object-version={CODE_OBJECT_VERSION} -cuid=rdna_flash_attn"
 )
 NVCC_FLAGS = "-O3 -std=c++17 -x cu -fatbin " + " ".join(f"-gencode arch=compute_{a},code=sm_{a}" for a in CUDA_ARCHS)
 MIN_CLANG_MAJOR = 19

@@ -144,7 +144,7 @@ def flash_attention_forward(q, k, v, is_causal: bool = False, scale: float | Non
     out = output_like(q) if out is None else out
     lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device) if lse is None else lse
     softmax_scale = _softmax_scale(head_dim, scale)
-    q_blocks = -(-seq_q // variant.block_m)
+    q_blocks = -(-seq_q // variant.block_rows)
 
     args = FwdArgs(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
                    *_strides(q, k, v, out),

@@ -33,8 +33,24 @@ def lds_elems_fwd(waves: int, block_n: int, d_pad: int, d_chunk: int) -> int:
     return waves * FRAG * row + block_n * row + d_chunk * (block_n + LDS_ROW_PAD)
 
 
+class _WaveTiled:
+    """Workgroups of `waves` waves, each wave one 16-row fragment, over `d_chunk`-column chunks."""
+
+    @property
+    def block_rows(self) -> int:
+        return self.waves * FRAG
+
+    @property
+    def threads(self) -> int:
+        return self.waves * WAVE_SIZE
+
+    @property
+    def d_chunks(self) -> int:
+        return -(-self.d_pad // self.d_chunk)
+
+
 @dataclass(frozen=True)
-class FwdVariant:
+class FwdVariant(_WaveTiled):
     dtype: str
     d_pad: int
     waves: int
@@ -44,18 +60,6 @@ class FwdVariant:
     @property
     def symbol(self) -> str:
         return f"rdna_fa_fwd_{self.dtype}_d{self.d_pad}"
-
-    @property
-    def block_m(self) -> int:
-        return self.waves * FRAG
-
-    @property
-    def threads(self) -> int:
-        return self.waves * WAVE_SIZE
-
-    @property
-    def d_chunks(self) -> int:
-        return self.d_pad // self.d_chunk
 
     @property
     def lds_bytes(self) -> int:
@@ -100,7 +104,7 @@ def lds_elems_dq(block_n: int, d_pad: int, d_chunk: int) -> int:
 
 
 @dataclass(frozen=True)
-class BwdVariant:
+class BwdVariant(_WaveTiled):
     """dK/dV (rows = keys, tile = queries) or dQ (rows = queries, tile = keys) kernel."""
 
     kind: str  # "dkdv" | "dq"
@@ -113,18 +117,6 @@ class BwdVariant:
     @property
     def symbol(self) -> str:
         return f"rdna_fa_bwd_{self.kind}_{self.dtype}_d{self.d_pad}"
-
-    @property
-    def block_rows(self) -> int:
-        return self.waves * FRAG
-
-    @property
-    def threads(self) -> int:
-        return self.waves * WAVE_SIZE
-
-    @property
-    def d_chunks(self) -> int:
-        return -(-self.d_pad // self.d_chunk)
 
     @property
     def jobs_per_block(self) -> int:
