@@ -1,0 +1,426 @@
+#!/usr/bin/env python3
+"""Static throughput estimate of the forward kernel on RDNA3 (gfx1100), read from its disassembly.
+
+Not a measurement: it counts the instructions of one key-tile iteration of the compiled main loop
+and turns them into cycles with the simple pipe model below (see bench/results/
+forward_estimate_gfx1100.md for the sources of every constant).
+
+    python3 bench/estimate_gfx1100.py /tmp/est/rdna_fa_gfx1100.hsaco /tmp/est/rdna_fa_gfx1201.hsaco \
+        --json bench/results/forward_estimate_gfx1100.json --png bench/results/forward_estimate_gfx1100.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import re
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from rdna_flash_attn import variants  # noqa: E402
+from rdna_flash_attn.codeobject import load_code_object  # noqa: E402
+from rdna_flash_attn.report import find_objdump, occupancy  # noqa: E402
+
+# --- Problem and model constants ---------------------------------------------------------------
+SEQ, BATCH_HEADS = 4096, 16  # non-causal self-attention, Sq = Sk
+HEAD_DIMS, DTYPES = (64, 128), ("f16", "bf16")
+TARGET_TFLOPS = 75.0  # DESIGN.md section 5, 7900 XTX forward
+SIMDS_PER_CU, CUS_PER_WGP = 2, 2
+TRANS_CYCLES_PESS = 4  # SISchedule.td: "F16 or F32 transcendental instructions (these are quarter rate)"
+VMEM_LATENCY = 320  # SISchedule.td GFX11SpeedModel WriteVMEM (the compiler's figure, not a measurement)
+LDS_LATENCY = 20  # SISchedule.td GFX11SpeedModel WriteLDS
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpu: str
+    cus: int
+    peak_tflops: float  # dense f16 WMMA, DESIGN.md section 3
+    flop_per_clk_cu: int  # AMD's FLOPS/clock/CU table for f16 WMMA (RDNA3 512, RDNA4 1024 dense)
+    dram_gbs: float
+    cache_gbs: float | None  # K/V re-reads hit L2 / Infinity Cache: AMD's 5.3 TB/s GCD-MCD peak; None: unknown
+    lds_bytes_clk_cu: int  # assumed 128 (32 banks x 4 B per CU), see the .md
+    operand_copies: int  # gfx11 WMMA operands are duplicated in both half-waves (DESIGN.md section 3)
+    published_tflops: float  # best published forward, DESIGN.md section 3
+
+    @property
+    def clock_hz(self) -> float:  # the clock the peak figure implies: 2.50 GHz (7900 XTX), 2.97 (9070 XT)
+        return self.peak_tflops * 1e12 / (self.cus * self.flop_per_clk_cu)
+
+    @property
+    def wmma_cycles(self) -> float:  # one 16x16x16 WMMA = 8192 FLOP on one SIMD
+        return 2 * 16**3 / (self.flop_per_clk_cu / SIMDS_PER_CU)
+
+    def bytes_per_clk_simd(self, gbs: float) -> float:
+        return gbs * 1e9 / self.clock_hz / (self.cus * SIMDS_PER_CU)
+
+
+HARDWARE = {
+    "gfx1100": Hardware("RX 7900 XTX", 96, 122.9, 512, 960, 5300, 128, 2, 61.0),
+    "gfx1201": Hardware("RX 9070 XT", 64, 194.6, 1024, 640, None, 128, 1, 103.0),
+}
+
+# --- Disassembly ---------------------------------------------------------------------------------
+_HEADER = re.compile(r"^[0-9a-fA-F]+ <(.+)>:$")
+_INSN = re.compile(r"^\s+(\S+)\s*(.*?)\s*//\s*([0-9A-Fa-f]+):")
+_TRANS = re.compile(r"^v_(exp|log|rcp|rsq|sqrt|sin|cos)_")
+_WIDTH = re.compile(r"_(2addr_(?:stride64_)?)?[biu](8|16|32|64|96|128)")
+# Scheduling hints and cache control: they take no pipe time in this model.
+_HINTS = ("s_nop", "s_delay_alu", "s_set_inst_prefetch_distance", "s_clause", "buffer_gl0_inv",
+          "global_inv", "global_wb", "s_barrier_signal")
+
+
+@dataclass(frozen=True)
+class Insn:
+    addr: int
+    op: str
+    args: str
+
+
+def disassemble(objdump: str, path: Path, target: str) -> dict[str, list[Insn]]:
+    text = subprocess.run([objdump, "-d", f"--mcpu={target}", str(path)],
+                          capture_output=True, text=True, check=True).stdout
+    functions: dict[str, list[Insn]] = {}
+    body: list[Insn] = []
+    for line in text.splitlines():
+        if header := _HEADER.match(line):
+            body = functions.setdefault(header.group(1), [])
+        elif m := _INSN.match(line):
+            body.append(Insn(int(m.group(3), 16), m.group(1), m.group(2)))
+    return functions
+
+
+def back_edges(body: list[Insn]) -> list[tuple[int, int]]:
+    """(target, branch address) of every backward branch; SOPP offsets count dwords after the branch."""
+    edges = []
+    for i in body:
+        if i.op == "s_branch" or i.op.startswith("s_cbranch_"):
+            offset = int(i.args.split()[0]) & 0xFFFF
+            target = i.addr + 4 + 4 * (offset - ((offset & 0x8000) << 1))
+            if target <= i.addr:
+                edges.append((target, i.addr))
+    return edges
+
+
+def lane_bytes(op: str) -> int:
+    m = _WIDTH.search(op)
+    return (2 if m.group(1) else 1) * int(m.group(2)) // 8
+
+
+def classify(op: str) -> str:
+    if op.startswith("v_wmma"):
+        return "wmma"
+    if _TRANS.match(op):
+        return "trans"
+    if op.startswith("v_"):
+        return "valu"
+    if op.startswith(("ds_load", "ds_read")):
+        return "lds_read"
+    if op.startswith(("ds_store", "ds_write")):
+        return "lds_write"
+    if op.startswith(("global_load", "buffer_load")):
+        return "global_load"
+    if op.startswith(("global_store", "buffer_store")):
+        return "global_store"
+    if op in ("s_barrier", "s_barrier_wait"):
+        return "barrier"
+    if op.startswith(("s_waitcnt", "s_wait_")):
+        return "waitcnt"
+    if op == "s_branch" or op.startswith("s_cbranch"):
+        return "branch"
+    if op.startswith(("s_load", "s_buffer_load")):
+        return "smem"
+    if op in _HINTS:
+        return "hint"
+    if op.startswith("s_"):
+        return "salu"
+    raise ValueError(f"unclassified instruction {op}")
+
+
+# --- One key tile of the main loop ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class InnerLoop:
+    role: str
+    start: int
+    end: int
+    trips: int
+
+
+@dataclass
+class TileCounts:
+    wmma: int = 0
+    valu: int = 0  # issues; a VOPD pair is one issue
+    vopd: int = 0  # of which dual-issue pairs
+    trans: int = 0
+    salu: int = 0
+    branch: int = 0
+    barrier: int = 0
+    waitcnt: int = 0
+    hint: int = 0  # s_delay_alu, s_nop, prefetch, cache-invalidate: no pipe time in the model
+    smem: int = 0
+    global_store: int = 0
+    lds_read_insts: int = 0
+    lds_write_insts: int = 0
+    lds_read_bytes: int = 0  # per wave: lane bytes x 32 lanes
+    lds_write_bytes: int = 0
+    global_load_insts: int = 0
+    global_load_bytes: int = 0
+    vmem_rounds: int = 0  # waits that drain the vector-memory counter: latencies the wave sits out
+    lds_rounds: int = 0  # same for LDS
+    valu_by_region: dict = field(default_factory=dict)  # VALU + TRANS issues per inner loop / rest
+    valu_mix: list = field(default_factory=list)  # most frequent VALU + TRANS opcodes per tile
+
+
+def main_loop(body: list[Insn]) -> tuple[int, int]:
+    """The key-tile loop: the widest backward-branch span that holds a WMMA."""
+    wmma = [i.addr for i in body if i.op.startswith("v_wmma")]
+    spans = [(s, e) for s, e in back_edges(body) if any(s <= a <= e for a in wmma)]
+    return max(spans, key=lambda span: span[1] - span[0])
+
+
+def inner_loops(body: list[Insn], main: tuple[int, int], variant) -> list[InnerLoop]:
+    """The loops inside the key-tile loop, with trip counts from the kernel source.
+
+    The source has three single-level loops there (fa_fwd.hip): load_rows for K, load_transposed for
+    V^T, and the head-dim loop. The compiler rotates the load loops, so one loop can have several
+    backward branches; overlapping spans are merged into one loop."""
+    spans = sorted((s, e) for s, e in back_edges(body) if main[0] <= s and e <= main[1] and (s, e) != main)
+    merged: list[list[int]] = []
+    for s, e in spans:
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    key_frags, dim_frags = variant.block_n // 16, variant.d_pad // 16
+    load_trips = iter((variant.block_n * variant.d_pad // 8 // variant.threads,  # K: 16-byte chunks
+                       variant.block_n // 2 * variant.d_chunk // 8 // variant.threads))  # V^T: key pairs
+    loops = []
+    for s, e in merged:
+        ops = [i.op for i in body if s <= i.addr <= e]
+        wmma = sum(op.startswith("v_wmma") for op in ops)
+        if wmma:
+            unroll = wmma // key_frags  # head-dim steps per trip (the source asks for #pragma unroll 2)
+            loops.append(InnerLoop(f"head-dim loop (unroll {unroll})", s, e, dim_frags // unroll))
+        elif any(op.startswith("global_load") for op in ops):
+            role = "K rows -> LDS" if any(op == "ds_store_b128" for op in ops) else "V^T -> LDS"
+            loops.append(InnerLoop(role, s, e, next(load_trips)))
+    roles = [loop.role.split()[0] for loop in loops]
+    if roles != ["K", "V^T", "head-dim"] or len(loops) != len(merged):
+        raise RuntimeError(f"unexpected loop structure inside the key-tile loop: {[l.role for l in loops]}")
+    return loops
+
+
+def count_tile(body: list[Insn], main: tuple[int, int], loops: list[InnerLoop]) -> TileCounts:
+    items = []
+    for i in body:
+        if main[0] <= i.addr <= main[1]:
+            loop = next((loop for loop in loops if loop.start <= i.addr <= loop.end), None)
+            items.append((i, loop.trips if loop else 1,
+                          loop.role if loop else "rest of tile (S init, softmax, P^T, PV)"))
+    return tally(items)
+
+
+def tally(items) -> TileCounts:
+    """Counts of (instruction, times executed, region) triples; regions split the VALU + TRANS issues."""
+    c, regions, mix = TileCounts(), Counter(), Counter()
+    for i, n, region in items:
+        kind = classify(i.op)
+        if kind in ("valu", "trans"):
+            regions[region] += n
+            mix[i.op] += n
+        if kind in ("wmma", "valu", "trans", "salu", "branch", "barrier", "waitcnt", "hint", "smem", "global_store"):
+            setattr(c, kind, getattr(c, kind) + n)
+        c.vopd += n * i.op.startswith("v_dual_")
+        if kind in ("lds_read", "lds_write", "global_load"):
+            setattr(c, f"{kind}_insts", getattr(c, f"{kind}_insts") + n)
+            setattr(c, f"{kind}_bytes", getattr(c, f"{kind}_bytes") + n * 32 * lane_bytes(i.op))
+        if kind == "waitcnt":  # a wait to zero: gfx11 "s_waitcnt vmcnt(0)", gfx12 "s_wait_loadcnt 0x0"
+            to_zero = i.args in ("0", "0x0")
+            c.vmem_rounds += n * ("vmcnt(0)" in i.args or (i.op == "s_wait_loadcnt" and to_zero))
+            c.lds_rounds += n * ("lgkmcnt(0)" in i.args or (i.op == "s_wait_dscnt" and to_zero))
+    c.valu_by_region, c.valu_mix = dict(regions), mix.most_common(12)
+    return c
+
+
+# --- The model -------------------------------------------------------------------------------------
+
+
+def model(c: TileCounts, hw: Hardware, variant, waves_per_simd: int, flops: int, groups: int) -> dict:
+    """Cycles one SIMD spends per wave per key tile, optimistic and pessimistic, and the TFLOP/s.
+
+    flops: useful FLOP per wave per tile; groups: workgroups of the launch (for the tail)."""
+    t = {}
+    t["wmma"] = c.wmma * hw.wmma_cycles
+    # WMMA and VALU share the SIMD's issue and datapath (same 512 FLOP/clk/CU peak): they add up.
+    t["simd_opt"] = t["wmma"] + c.valu + c.trans  # TRANS runs beside the VALU: one issue cycle each
+    t["simd_pess"] = t["wmma"] + c.valu + c.trans * TRANS_CYCLES_PESS
+    lds_rate = hw.lds_bytes_clk_cu / SIMDS_PER_CU  # both SIMDs of a CU share its LDS bandwidth
+    t["lds_opt"] = (c.lds_read_bytes / hw.operand_copies + c.lds_write_bytes) / lds_rate
+    t["lds_pess"] = (c.lds_read_bytes + c.lds_write_bytes) / lds_rate
+    # K/V tiles are re-read by all seqlen/block_m workgroups of a head: they hit L2 / Infinity Cache.
+    t["global_cache"] = c.global_load_bytes / hw.bytes_per_clk_simd(hw.cache_gbs) if hw.cache_gbs else 0.0
+    # Reported as a separate cap, not in either bound: every K/V byte from DRAM, no reuse at all.
+    t["global_dram"] = c.global_load_bytes / hw.bytes_per_clk_simd(hw.dram_gbs)
+    t["salu"] = c.salu
+    # Latency one wave cannot overlap with its own work: each wait-to-zero is a full round trip.
+    t["latency"] = c.vmem_rounds * VMEM_LATENCY + c.lds_rounds * LDS_LATENCY
+    t["latency_bound"] = (t["simd_pess"] + t["latency"]) / waves_per_simd  # other waves fill the gap
+    opt_terms = {k: t[k] for k in ("simd_opt", "lds_opt", "global_cache", "salu")}
+    pess_terms = {k: t[k] for k in ("simd_pess", "lds_pess", "global_cache", "salu", "latency_bound")}
+    cycles_opt, cycles_pess = max(opt_terms.values()), max(pess_terms.values())
+
+    # Tail: workgroups run in rounds of (resident workgroups); the pessimistic bound pays the last,
+    # partly filled round in full.
+    resident = hw.cus // CUS_PER_WGP * (waves_per_simd * SIMDS_PER_CU * CUS_PER_WGP // variant.waves)
+    tail = groups / resident / math.ceil(groups / resident)
+
+    per_cycle = hw.cus * SIMDS_PER_CU * hw.clock_hz / 1e12
+    return {
+        "cycles": {k: round(v, 1) for k, v in t.items()},
+        "bound_opt": max(opt_terms, key=opt_terms.get),
+        "bound_pess": max(pess_terms, key=pess_terms.get),
+        "cycles_opt": round(cycles_opt, 1),
+        "cycles_pess": round(cycles_pess, 1),
+        "workgroups": groups,
+        "resident_workgroups": resident,
+        "tail_efficiency": round(tail, 3),
+        "flops_per_wave_tile": flops,
+        "tflops_opt": round(flops / cycles_opt * per_cycle, 1),
+        "tflops_pess": round(flops / cycles_pess * per_cycle * tail, 1),
+        "tflops_dram_no_reuse_cap": round(flops / t["global_dram"] * per_cycle, 1),
+        "wmma_utilization_opt": round(t["wmma"] / cycles_opt, 3),
+    }
+
+
+# --- Driver ------------------------------------------------------------------------------------------
+
+
+def analyse(path: Path, objdump: str) -> list[dict]:
+    co = load_code_object(path)
+    hw = HARDWARE[co.target]
+    functions = disassemble(objdump, path, co.target)
+    kernels = {k.name: k for k in co.kernels}
+    manifest = path.parent / "manifest.json"  # written by kernels/build.py: ties the numbers to a source
+    source_hash = json.loads(manifest.read_text()).get("source_hash") if manifest.exists() else None
+    rows = []
+    for dtype in DTYPES:
+        for d in HEAD_DIMS:
+            variant = variants.fwd_variant(dtype, d)
+            body = functions[variant.symbol]
+            main = main_loop(body)
+            loops = inner_loops(body, main, variant)
+            counts = count_tile(body, main, loops)
+            expected = 2 * (variant.d_pad // 16) * (variant.block_n // 16)
+            if counts.wmma != expected:  # S^T and O^T each take d/16 x block_n/16 WMMAs per tile
+                raise RuntimeError(f"{variant.symbol}: {counts.wmma} WMMA per tile, expected {expected}")
+            occ = occupancy(co.target, kernels[variant.symbol], variant.threads)
+            rows.append({
+                "target": co.target, "gpu": hw.gpu, "kernel": variant.symbol, "dtype": dtype, "d": d,
+                "code_object": {"file": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+                                "source_hash": source_hash},
+                "waves": variant.waves, "block_m": variant.block_rows, "block_n": variant.block_n,
+                "waves_per_simd": occ.waves_per_simd, "occupancy_limit": occ.limited_by,
+                "main_loop": [hex(main[0]), hex(main[1])],
+                "inner_loops": [{"role": l.role, "span": [hex(l.start), hex(l.end)], "trips": l.trips} for l in loops],
+                "counts_per_wave_tile": asdict(counts),
+                "model": model(counts, hw, variant, occ.waves_per_simd,
+                               flops=4 * 16 * variant.block_n * variant.d_pad,  # 4 * queries * keys * d
+                               groups=(SEQ // variant.block_rows) * variant.d_chunks * BATCH_HEADS),
+            })
+    return rows
+
+
+def print_report(rows: list[dict]) -> None:
+    for hw_target in dict.fromkeys(r["target"] for r in rows):
+        hw = HARDWARE[hw_target]
+        print(f"\n{hw_target} ({hw.gpu}): clock {hw.clock_hz / 1e9:.2f} GHz implied by {hw.peak_tflops} TFLOP/s, "
+              f"WMMA 16x16x16 = {hw.wmma_cycles:g} SIMD cycles")
+        for r in (r for r in rows if r["target"] == hw_target):
+            c, m = r["counts_per_wave_tile"], r["model"]
+            loops = ", ".join(f"{l['role']} x{l['trips']}" for l in r["inner_loops"])
+            print(f"\n  {r['kernel']}  waves/SIMD {r['waves_per_simd']} ({r['occupancy_limit']}); "
+                  f"main loop {r['main_loop'][0]}-{r['main_loop'][1]}; inner: {loops}")
+            print(f"    per wave per key tile: WMMA {c['wmma']}  VALU {c['valu']} (VOPD {c['vopd']})  "
+                  f"TRANS {c['trans']}  SALU {c['salu']}  branch {c['branch']}  barrier {c['barrier']}  "
+                  f"waitcnt {c['waitcnt']}  hints {c['hint']}")
+            print(f"    LDS read {c['lds_read_insts']} insts / {c['lds_read_bytes']} B, write "
+                  f"{c['lds_write_insts']} / {c['lds_write_bytes']} B; global load {c['global_load_insts']} / "
+                  f"{c['global_load_bytes']} B; rounds vmem {c['vmem_rounds']} lds {c['lds_rounds']}")
+            print("    VALU+TRANS by region: " + ", ".join(f"{k} {v}" for k, v in c["valu_by_region"].items()))
+            print("    VALU+TRANS mix: " + ", ".join(f"{op} {n}" for op, n in c["valu_mix"]))
+            print("    cycles/SIMD: " + "  ".join(f"{k} {v:g}" for k, v in m["cycles"].items()))
+            print(f"    => optimistic {m['cycles_opt']:g} cyc ({m['bound_opt']}) {m['tflops_opt']} TFLOP/s; "
+                  f"pessimistic {m['cycles_pess']:g} cyc ({m['bound_pess']}, tail x{m['tail_efficiency']}) "
+                  f"{m['tflops_pess']} TFLOP/s; no-reuse DRAM cap {m['tflops_dram_no_reuse_cap']} TFLOP/s")
+    print(f"\n{'target':8} {'kernel':22} {'W/SIMD':>6} {'pess':>6} {'opt':>6} {'DRAMcap':>8}  TFLOP/s "
+          f"(target {TARGET_TFLOPS:g}, best published gfx1100 {HARDWARE['gfx1100'].published_tflops:g})")
+    for r in rows:
+        m = r["model"]
+        print(f"{r['target']:8} {r['kernel']:22} {r['waves_per_simd']:>6} {m['tflops_pess']:>6} {m['tflops_opt']:>6} "
+              f"{m['tflops_dram_no_reuse_cap']:>8}")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    targets = list(dict.fromkeys(r["target"] for r in rows))
+    fig, axes = plt.subplots(1, len(targets), figsize=(6.5 * len(targets), 5.5), squeeze=False)
+    bars = (("tflops_pess", "pessimistic", "tab:blue"), ("tflops_opt", "optimistic", "tab:cyan"),
+            ("tflops_dram_no_reuse_cap", "cap if K/V never hit in cache", "lightgray"))
+    for ax, target in zip(axes[0], targets):
+        hw, sel = HARDWARE[target], [r for r in rows if r["target"] == target]
+        for k, (key, label, color) in enumerate(bars):
+            x = [i + (k - 1) * 0.27 for i in range(len(sel))]
+            values = [r["model"][key] for r in sel]
+            ax.bar(x, values, width=0.27, color=color, label=label)
+            for xi, value in zip(x, values):
+                ax.text(xi, value + 1, f"{value:g}", ha="center", fontsize=7)
+        ax.axhline(hw.peak_tflops, color="black", lw=1, label=f"peak {hw.peak_tflops:g}")
+        if target == "gfx1100":
+            ax.axhline(TARGET_TFLOPS, color="tab:green", ls="--", label=f"target {TARGET_TFLOPS:g}")
+        ax.axhline(hw.published_tflops, color="tab:red", ls=":", label=f"best published {hw.published_tflops:g}")
+        ax.set_xticks(range(len(sel)), [f"{r['dtype']} d{r['d']}" for r in sel])
+        ax.set_ylim(0, hw.peak_tflops * 1.08)
+        ax.set_ylabel("TFLOP/s (4·Sq·Sk·D)")
+        ax.set_title(f"{target} {hw.gpu}: static estimate, not measured", fontsize=10)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3)
+    fig.suptitle(f"Forward, {SEQ} tokens, batch*heads {BATCH_HEADS}, non-causal")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("hsaco", nargs="+", type=Path, help="code objects (gfx1100 and optionally gfx1201)")
+    parser.add_argument("--json", type=Path, metavar="PATH")
+    parser.add_argument("--png", type=Path, metavar="PATH")
+    args = parser.parse_args(argv)
+    objdump = find_objdump()
+    if objdump is None:
+        print("llvm-objdump (>= 19) not found", file=sys.stderr)
+        return 2
+    rows = [row for path in args.hsaco for row in analyse(path, objdump)]
+    print_report(rows)
+    if args.json:
+        constants = {"seq": SEQ, "batch_heads": BATCH_HEADS, "trans_cycles_pess": TRANS_CYCLES_PESS,
+                     "vmem_latency": VMEM_LATENCY, "lds_latency": LDS_LATENCY,
+                     "hardware": {k: {**asdict(v), "clock_hz": v.clock_hz, "wmma_cycles": v.wmma_cycles}
+                                  for k, v in HARDWARE.items()}}
+        args.json.write_text(json.dumps({"constants": constants, "kernels": rows}, indent=1))
+    if args.png:
+        plot(rows, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

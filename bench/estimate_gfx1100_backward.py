@@ -1,0 +1,443 @@
+#!/usr/bin/env python3
+"""Static throughput estimate of the backward kernels on RDNA3 (gfx1100), read from their disassembly.
+
+Not a measurement. Same pipe model as bench/estimate_gfx1100.py (the forward estimate); what differs
+is the counting: the backward main loops hold uniform branches (dQ: sweep 0 / 1; dK/dV: make_dk), so
+one iteration is traced through the control-flow graph per path instead of summing a span. See
+bench/results/backward_estimate_gfx1100.md.
+
+    python3 bench/estimate_gfx1100_backward.py /tmp/est_bwd/rdna_fa_gfx1100.hsaco \
+        --json bench/results/backward_estimate_gfx1100.json --png bench/results/backward_estimate_gfx1100.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import sys
+from collections import Counter
+from dataclasses import asdict, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from estimate_gfx1100 import (BATCH_HEADS, DTYPES, HARDWARE, HEAD_DIMS, SEQ, SIMDS_PER_CU, Insn,  # noqa: E402
+                              disassemble, model, tally, variants)
+from rdna_flash_attn.codeobject import load_code_object  # noqa: E402
+from rdna_flash_attn.report import find_objdump, occupancy  # noqa: E402
+
+TARGET_TFLOPS, PUBLISHED_TFLOPS = 35.0, 25.0  # DESIGN.md section 5; best published 7900 XTX backward
+FRAG, THREADS_PER_WAVE = 16, 32
+
+
+# --- Control-flow graph ----------------------------------------------------------------------------
+
+
+def branch_target(i: Insn) -> int | None:
+    if i.op == "s_branch" or i.op.startswith("s_cbranch_"):
+        offset = int(i.args.split()[0]) & 0xFFFF  # SOPP: signed dwords after the branch
+        return i.addr + 4 + 4 * (offset - ((offset & 0x8000) << 1))
+    return None
+
+
+class Cfg:
+    """Basic blocks, successors, dominators and natural loops of one kernel."""
+
+    def __init__(self, body: list[Insn]):
+        self.body, self.index = body, {i.addr: n for n, i in enumerate(body)}
+        leaders = {body[0].addr} | {t for i in body if (t := branch_target(i)) is not None}
+        leaders |= {body[n + 1].addr for n, i in enumerate(body[:-1]) if branch_target(i) is not None}
+        self.blocks: dict[int, list[Insn]] = {}
+        for i in body:
+            if i.addr in leaders:
+                block = self.blocks.setdefault(i.addr, [])
+            block.append(i)
+        self.succ: dict[int, list[int]] = {}
+        for start, insns in self.blocks.items():
+            last, n = insns[-1], self.index[insns[-1].addr]
+            fall = [body[n + 1].addr] if n + 1 < len(body) and last.op not in ("s_branch", "s_endpgm") else []
+            target = branch_target(last)
+            self.succ[start] = fall + ([target] if target is not None else [])
+        reached, stack = {body[0].addr}, [body[0].addr]  # drop padding that only aligns a loop
+        while stack:
+            for s in self.succ[stack.pop()]:
+                if s not in reached:
+                    reached.add(s)
+                    stack.append(s)
+        self.blocks = {b: insns for b, insns in self.blocks.items() if b in reached}
+        self.succ = {b: s for b, s in self.succ.items() if b in reached}
+        self.dom = self._dominators()
+        self.loops: dict[int, set[int]] = {}  # header -> blocks
+        for b, succs in self.succ.items():
+            for h in succs:
+                if h in self.dom[b]:  # back edge b -> h
+                    self.loops.setdefault(h, {h}).update(self._reaching(b, h))
+
+    def _dominators(self) -> dict[int, set[int]]:
+        entry, every = self.body[0].addr, set(self.blocks)
+        pred = {b: [p for p, s in self.succ.items() if b in s] for b in self.blocks}
+        dom = {b: ({b} if b == entry else set(every)) for b in self.blocks}
+        changed = True
+        while changed:
+            changed = False
+            for b in self.blocks:
+                if b != entry and pred[b]:
+                    new = {b} | set.intersection(*(dom[p] for p in pred[b]))
+                    changed |= new != dom[b]
+                    dom[b] = new
+        return dom
+
+    def _reaching(self, tail: int, header: int) -> set[int]:
+        pred = {b: [p for p, s in self.succ.items() if b in s] for b in self.blocks}
+        seen, stack = {header, tail}, [tail]
+        while stack:
+            for p in pred[stack.pop()]:
+                if p not in seen:
+                    seen.add(p)
+                    stack.append(p)
+        return seen
+
+    def ops(self, blocks: set[int]) -> list[str]:
+        return [i.op for b in blocks for i in self.blocks[b]]
+
+    def innermost(self, block: int) -> int | None:
+        holding = [h for h, blocks in self.loops.items() if block in blocks]
+        return min(holding, key=lambda h: len(self.loops[h])) if holding else None
+
+
+# --- Tracing one main-loop iteration ------------------------------------------------------------------
+
+
+def loop_trips(cfg: Cfg, main: int, v) -> dict[int, int]:
+    """Trip count of every loop inside the main loop, by its content, from kernels/fa_bwd.h + tiles.h."""
+    dim_frags, chunk_frags = v.d_pad // FRAG, v.d_chunk // FRAG
+    trips = {}
+    for h, blocks in cfg.loops.items():
+        if h == main or not blocks < cfg.loops[main]:
+            continue
+        ops = cfg.ops(blocks)
+        inner_wmma = any(g != h and g in blocks and blocks > cfg.loops[g] and
+                         any(op.startswith("v_wmma") for op in cfg.ops(cfg.loops[g])) for g in cfg.loops)
+        if inner_wmma:  # dK/dV: the 16-query fragment loop (#pragma unroll 1)
+            trips[h] = v.block_tile // FRAG
+        elif any(op.startswith("v_wmma") for op in ops):  # head-dim loop, #pragma unroll 2
+            trips[h] = dim_frags // 2
+        elif any(op.startswith("ds_store") and op != "ds_store_b128" for op in ops):
+            # load_transposed (32-bit or 16-bit stores): (rows / 2) key pairs x (cols / 8) per thread
+            trips[h] = v.block_tile // 2 * chunk_frags * 2 // v.threads
+        elif "ds_store_b128" in ops:  # load_rows: rows x d/8 16-byte chunks per thread
+            trips[h] = v.block_tile * dim_frags * 2 // v.threads
+        else:
+            raise RuntimeError(f"{v.symbol}: unrecognised loop at {h:#x}: {Counter(ops).most_common(5)}")
+        if trips[h] < 1:
+            raise RuntimeError(f"{v.symbol}: loop at {h:#x} has {trips[h]} trips")
+    return trips
+
+
+def flag_of(block: list[Insn]) -> str | None:
+    """The SGPR the block's closing uniform branch tests ('!' if negated), from the last write of what it
+    tests: 's_and[_not1]_b32 vcc_lo, exec_lo, sN' (vcc branches) or 's_and_saveexec_b32 sM, sN' (exec)."""
+    tests = "vcc_lo" if "vcc" in block[-1].op else "exec_lo"
+    for i in reversed(block[:-1]):
+        args = [a.strip() for a in i.args.split(",")]
+        if i.op == "s_and_saveexec_b32" and tests == "exec_lo":
+            return args[1]
+        if args[0] == tests:
+            if i.op in ("s_and_b32", "s_and_not1_b32") and args[1] == "exec_lo":
+                return ("!" if i.op == "s_and_not1_b32" else "") + args[2]
+            return None
+    return None
+
+
+def trace(cfg: Cfg, main: int, trips: dict[int, int], flags: dict[str, bool]) -> Counter:
+    """Times each instruction runs in one main-loop iteration: all lanes active (every divergent block
+    runs), inner loops run their trip counts, uniform branches follow the given SGPR flag values."""
+    given, flags, runs, visits, entered, pc = set(flags), dict(flags), Counter(), Counter(), {}, main
+    while not (pc == main and visits[main]):
+        visits[pc] += 1
+        if pc in trips and entered.get(pc) is None:
+            entered[pc] = visits[pc] - 1
+        for h in [h for h in entered if entered[h] is not None and pc not in cfg.loops[h]]:
+            entered[h] = None  # left loop h: the next visit of its header is a new entry
+        block = cfg.blocks[pc]
+        for i in block:
+            runs[i.addr] += 1
+            args = [a.strip() for a in i.args.split(",")]
+            if i.op.startswith("s_") and args[0] not in given:  # track the compiler's phi flags
+                if i.op == "s_mov_b32" and args[1] in ("-1", "0"):
+                    flags[args[0]] = args[1] == "-1"
+                else:
+                    flags.pop(args[0], None)
+        succ, last = cfg.succ[pc], block[-1]
+        if len(succ) == 1:
+            pc = succ[0]
+            continue
+        loop = cfg.innermost(pc)
+        inside = [s in cfg.loops[loop] for s in succ] if loop is not None else [True, True]
+        if inside != [True, True] and loop == main:  # the main loop's exit: stay
+            pc = succ[inside.index(True)]
+        elif inside != [True, True]:  # an inner loop's exit test
+            done = visits[loop] - entered[loop] > trips[loop] - (pc != loop)
+            pc = succ[inside.index(not done)]
+        elif last.op in ("s_cbranch_execz", "s_cbranch_execnz"):  # divergent unless exec came from a flag
+            reg = flag_of(block)
+            active = flags.get(reg, True)
+            pc = succ[1] if (last.op == "s_cbranch_execz") != active else succ[0]
+        else:
+            reg = flag_of(block)
+            if last.op not in ("s_cbranch_vccz", "s_cbranch_vccnz") or reg is None or reg.lstrip("!") not in flags:
+                raise RuntimeError(f"unhandled branch {last.op} at {last.addr:#x}")
+            vcc = flags[reg.lstrip("!")] != reg.startswith("!")
+            pc = succ[1] if (last.op == "s_cbranch_vccnz") == vcc else succ[0]
+        if pc not in cfg.loops[main]:
+            raise RuntimeError(f"trace left the main loop at {last.addr:#x}")
+    return runs
+
+
+# --- Paths and expected counts ----------------------------------------------------------------------------
+
+
+def paths(v) -> dict[str, tuple[int, int]]:
+    """Per path, (WMMA, global loads) per wave per main-loop iteration, from the source; the trace must match."""
+    dim, out, tile = v.d_pad // FRAG, v.d_chunk // FRAG, v.block_tile
+    rows = tile * dim * 2 // v.threads  # load_rows: one 16-byte load per trip
+    trans = 2 * (tile // 2 * out * 2 // v.threads)  # load_transposed: two loads per trip
+    if v.kind == "dq":  # per key tile: K, V rows; Q, dO operands 2 x 16 B per lane per head-dim step
+        base = rows * 2 + 4 * dim
+        return {"sweep 0 (delta)": (2 * dim * tile // FRAG, base),
+                "sweep 1 (dQ)": (2 * dim * tile // FRAG + 2 * out * tile // FRAG, base + trans)}
+    frags = tile // FRAG  # per query tile: Q rows, lse + delta, then per fragment K (and V) operands
+    return {"dV": (frags * (dim + 2 * out), rows + trans + 2 + frags * 2 * dim),
+            "dK": (frags * (2 * dim + 2 * out), 2 * rows + trans + 2 + frags * 4 * dim)}
+
+
+def main_loop(cfg: Cfg) -> int:
+    """The innermost loop that holds every WMMA of the kernel and a barrier (the LDS tile loop)."""
+    wmma = {b for b, insns in cfg.blocks.items() if any(i.op.startswith("v_wmma") for i in insns)}
+    candidates = [h for h, blocks in cfg.loops.items() if wmma <= blocks and "s_barrier" in cfg.ops(blocks)]
+    return min(candidates, key=lambda h: len(cfg.loops[h]))
+
+
+def count_path(cfg: Cfg, main: int, trips: dict[int, int], v, expect: tuple[int, int]):
+    """Tries every value of the uniform flags the main loop tests; exactly one count must match."""
+    written = {i.args.split(",")[0].strip() for b in cfg.loops[main] for i in cfg.blocks[b] if i.op.startswith("s_")
+               and not (i.op == "s_mov_b32" and i.args.split(",")[1].strip() in ("-1", "0"))}
+    regs = sorted({r.lstrip("!") for b in cfg.loops[main] if len(cfg.succ[b]) == 2
+                   and (r := flag_of(cfg.blocks[b])) and r.lstrip("!") not in written})
+    found = {}
+    for values in itertools.product((False, True), repeat=len(regs)):
+        try:
+            runs = trace(cfg, main, trips, dict(zip(regs, values)))
+        except RuntimeError:  # a flag combination the loop cannot take (e.g. an untested phi flag)
+            continue
+        insns = [(i, runs[i.addr], region(cfg, trips, i)) for i in cfg.body if runs[i.addr]]
+        c = tally(insns)
+        if (c.wmma, c.global_load_insts) == expect:
+            found[json.dumps(asdict(c), sort_keys=True)] = (c, dict(zip(regs, values)), insns)
+    if not found:
+        raise RuntimeError(f"{v.symbol}: no trace matches {expect} (flags {regs})")
+    # Flags the expected counts leave open are lane masks (e.g. key < seqlen): all lanes active, as
+    # in the forward estimate, i.e. the longest trace.
+    return max(found.values(), key=lambda f: sum(n for _, n, _ in f[2]))
+
+
+def region(cfg: Cfg, trips: dict[int, int], i: Insn) -> str:
+    """Where an instruction sits, for the VALU breakdown: its innermost inner loop, or 'rest'."""
+    block = max(b for b in cfg.blocks if b <= i.addr)
+    loops = [h for h in trips if block in cfg.loops[h]]
+    if not loops:
+        return "rest"
+    h = min(loops, key=lambda h: len(cfg.loops[h]))
+    if any(g != h and g in cfg.loops[h] for g in trips):
+        return "fragment loop"
+    return "head-dim loop" if any(op.startswith("v_wmma") for op in cfg.ops(cfg.loops[h])) else "LDS copy loops"
+
+
+# --- Time of a full backward --------------------------------------------------------------------------------
+
+
+def kernel_time(v, hw, waves_per_simd: int, counts: dict, which: str) -> dict:
+    """Seconds for one launch at SEQ x SEQ, BATCH_HEADS, from per-path cycles per wave-iteration.
+
+    Every wave runs SEQ / block_tile iterations of each of its paths (dQ: both sweeps; dK/dV: half the
+    workgroups take dV, half dK), and each SIMD works through its share of the waves."""
+    groups = SEQ // v.block_rows * v.jobs_per_block * BATCH_HEADS
+    per_path = {name: model(c, hw, v, waves_per_simd, flops=8192 * c.wmma, groups=groups)
+                for name, c in counts.items() if c is not None}
+    share = 1 if v.kind == "dq" else 0.5  # dQ waves run both paths; dK/dV waves one of the two
+    wave_iters = groups * v.waves * share * SEQ // v.block_tile
+    simd_clk = hw.cus * SIMDS_PER_CU * hw.clock_hz
+    cycles = sum(m[f"cycles_{which}"] for m in per_path.values())
+    tail = next(iter(per_path.values()))["tail_efficiency"] if which == "pess" else 1.0
+    return {"seconds": wave_iters * cycles / simd_clk / tail, "paths": per_path, "workgroups": groups}
+
+
+def backward(rows: dict, hw, scenario=lambda kind, name, c: c) -> dict:
+    """Both launches, optimistic and pessimistic, for one (dtype, d); scenario edits the counts."""
+    out = {}
+    for which in ("opt", "pess"):
+        t = {kind: kernel_time(r["variant"], hw, r["waves_per_simd"],
+                               {n: scenario(kind, n, c) for n, c in r["counts"].items()}, which)["seconds"]
+             for kind, r in rows.items()}
+        out[which] = t
+    return out
+
+
+def changes(v, head_dim_loop: dict):
+    """The three changes of the .md as count edits (None drops a path)."""
+    acc = (v.d_chunk // FRAG) * (v.block_tile // FRAG)  # WMMAs of one part of the split product
+
+    def no_split(kind, name, c):  # dS / P enter dQ, dV, dK as one 16-bit part
+        return replace(c, wmma=c.wmma - acc) if name in ("sweep 1 (dQ)", "dV", "dK") else c
+
+    def one_sweep(kind, name, c):  # delta from a separate rowsum(dO * O_fp32) pass: no sweep 0
+        return None if name == "sweep 0 (delta)" else c
+
+    def operands_resident(kind, name, c):  # Q, dO (dQ) / K, V (dK/dV) kept in LDS, not re-read from global
+        h = head_dim_loop[kind][name]
+        return replace(c, global_load_insts=c.global_load_insts - h.global_load_insts,
+                       global_load_bytes=c.global_load_bytes - h.global_load_bytes,
+                       vmem_rounds=c.vmem_rounds - h.vmem_rounds,
+                       lds_read_insts=c.lds_read_insts + h.global_load_insts,
+                       lds_read_bytes=c.lds_read_bytes + h.global_load_bytes)
+
+    return {"1. no two-part split": no_split, "2. one sweep (delta precomputed)": one_sweep,
+            "3. Q/dO, K/V operands from LDS": operands_resident}
+
+
+def delta_pass_seconds(hw, d: int) -> float:
+    """rowsum(dO * O) with an fp32 O: reads 2 + 4 bytes per element at DRAM speed (change 2)."""
+    return SEQ * d * 6 * BATCH_HEADS / (hw.dram_gbs * 1e9)
+
+
+# --- Driver -------------------------------------------------------------------------------------------------
+
+
+def analyse(path: Path, objdump: str) -> list[dict]:
+    co = load_code_object(path)
+    hw = HARDWARE[co.target]
+    functions = disassemble(objdump, path, co.target)
+    kernels = {k.name: k for k in co.kernels}
+    results = []
+    for dtype in DTYPES:
+        for d in HEAD_DIMS:
+            rows, hd = {}, {}
+            for kind in ("dq", "dkdv"):
+                v = variants.bwd_variant(kind, dtype, d)
+                cfg = Cfg(functions[v.symbol])
+                main = main_loop(cfg)
+                trips = loop_trips(cfg, main, v)
+                counts, flags, loops = {}, {}, {}
+                for name, expect in paths(v).items():
+                    counts[name], flags[name], insns = count_path(cfg, main, trips, v, expect)
+                    loops[name] = tally([x for x in insns if x[2] == "head-dim loop"])
+                occ = occupancy(co.target, kernels[v.symbol], v.threads)
+                rows[kind] = {"variant": v, "waves_per_simd": occ.waves_per_simd, "counts": counts,
+                              "flags": flags, "limited_by": occ.limited_by, "main": hex(main),
+                              "trips": {hex(h): t for h, t in trips.items()}}
+                hd[kind] = loops
+            flops = 10 * SEQ * SEQ * d * BATCH_HEADS  # backward = 2.5 x forward
+            edits = {kind: changes(r["variant"], hd) for kind, r in rows.items()}
+            scen = {"now": backward(rows, hw)}
+            for label in edits["dq"]:
+                scen[label] = backward(rows, hw, lambda kind, name, c, label=label, edits=edits: edits[kind][label](kind, name, c))
+
+            def all_three(kind, name, c, edits=edits):
+                for edit in edits[kind].values():
+                    c = edit(kind, name, c) if c is not None else None
+                return c
+            scen["1 + 2 + 3"] = backward(rows, hw, all_three)
+            for label, s in scen.items():
+                extra = delta_pass_seconds(hw, d) if label.startswith(("2.", "1 + 2")) else 0.0
+                for which in ("opt", "pess"):
+                    total = sum(s[which].values()) + extra
+                    s[f"tflops_{which}"] = round(flops / total / 1e12, 1)
+                    s[f"ms_{which}"] = round(total * 1e3, 3)
+                    s[f"share_{which}"] = {k: round(t / total, 3) for k, t in s[which].items()}
+                    del s[which]
+            results.append({
+                "target": co.target, "gpu": hw.gpu, "dtype": dtype, "d": d, "flops": flops,
+                "code_object": {"file": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()},
+                "kernels": {kind: {"symbol": r["variant"].symbol, "block_tile": r["variant"].block_tile,
+                                   "d_chunk": r["variant"].d_chunk, "jobs_per_block": r["variant"].jobs_per_block,
+                                   "waves_per_simd": r["waves_per_simd"], "occupancy_limit": r["limited_by"],
+                                   "main_loop_header": r["main"], "inner_loop_trips": r["trips"],
+                                   "flags_per_path": r["flags"],
+                                   "counts_per_wave_iteration": {n: asdict(c) for n, c in r["counts"].items()},
+                                   "model": {n: kernel_time(r["variant"], hw, r["waves_per_simd"], {n: c}, "opt")
+                                             ["paths"][n] for n, c in r["counts"].items()}}
+                            for kind, r in rows.items()},
+                "estimate": scen,
+            })
+    return results
+
+
+def print_report(results: list[dict]) -> None:
+    for r in results:
+        print(f"\n{r['target']} {r['dtype']} d{r['d']}: {r['flops'] / 1e9:.0f} GFLOP (10*Sq*Sk*D*BH)")
+        for kind, k in r["kernels"].items():
+            print(f"  {k['symbol']}: tile {k['block_tile']}, W/SIMD {k['waves_per_simd']} ({k['occupancy_limit']}), "
+                  f"loops {k['inner_loop_trips']}")
+            for name, c in k["counts_per_wave_iteration"].items():
+                m = k["model"][name]
+                print(f"    {name:16} flags {k['flags_per_path'][name]}\n      WMMA {c['wmma']} VALU {c['valu']} "
+                      f"(VOPD {c['vopd']}) TRANS {c['trans']} SALU {c['salu']} LDS r {c['lds_read_insts']}/"
+                      f"{c['lds_read_bytes']} B w {c['lds_write_insts']}/{c['lds_write_bytes']} B global "
+                      f"{c['global_load_insts']}/{c['global_load_bytes']} B waits vmem {c['vmem_rounds']} lds "
+                      f"{c['lds_rounds']}; VALU+TRANS {c['valu_by_region']}")
+                print("      cycles: " + " ".join(f"{a} {b:g}" for a, b in m["cycles"].items())
+                      + f" => opt {m['cycles_opt']:g} ({m['bound_opt']}) pess {m['cycles_pess']:g} ({m['bound_pess']})")
+        for label, s in r["estimate"].items():
+            print(f"  {label:36} {s['tflops_pess']:5} - {s['tflops_opt']:5} TFLOP/s  ({s['ms_pess']} - {s['ms_opt']} ms; "
+                  f"share opt {s['share_opt']})")
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sel = [r for r in results if r["target"] == "gfx1100"]
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for k, (key, label, color) in enumerate((("tflops_pess", "pessimistic", "tab:blue"),
+                                             ("tflops_opt", "optimistic", "tab:cyan"))):
+        x = [i + (k - 0.5) * 0.35 for i in range(len(sel))]
+        values = [r["estimate"]["now"][key] for r in sel]
+        ax.bar(x, values, width=0.35, color=color, label=label)
+        for xi, value in zip(x, values):
+            ax.text(xi, value + 0.5, f"{value:g}", ha="center", fontsize=8)
+    ax.axhline(TARGET_TFLOPS, color="tab:green", ls="--", label=f"target {TARGET_TFLOPS:g}")
+    ax.axhline(PUBLISHED_TFLOPS, color="tab:red", ls=":", label=f"best published ~{PUBLISHED_TFLOPS:g}")
+    ax.set_xticks(range(len(sel)), [f"{r['dtype']} d{r['d']}" for r in sel])
+    ax.set_ylim(0, TARGET_TFLOPS * 1.3)
+    ax.set_ylabel("TFLOP/s (backward = 10·Sq·Sk·D)")
+    ax.set_title(f"Backward (dQ + dK/dV), gfx1100 7900 XTX, {SEQ} tokens, batch*heads {BATCH_HEADS}, non-causal:\n"
+                 "static estimate, not measured", fontsize=10)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("hsaco", type=Path, help="gfx1100 code object")
+    parser.add_argument("--json", type=Path, metavar="PATH")
+    parser.add_argument("--png", type=Path, metavar="PATH")
+    args = parser.parse_args(argv)
+    objdump = find_objdump()
+    if objdump is None:
+        print("llvm-objdump (>= 19) not found", file=sys.stderr)
+        return 2
+    results = analyse(args.hsaco, objdump)
+    print_report(results)
+    if args.json:
+        args.json.write_text(json.dumps({"seq": SEQ, "batch_heads": BATCH_HEADS, "target_tflops": TARGET_TFLOPS,
+                                         "published_tflops": PUBLISHED_TFLOPS, "results": results}, indent=1))
+    if args.png:
+        plot(results, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
