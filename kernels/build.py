@@ -55,14 +55,16 @@ def emulated_name(layer: str) -> str:
 
 
 def source_files() -> list[Path]:
-    """Everything that decides what the code objects contain."""
-    files = sorted(p for p in KERNELS.rglob("*") if p.suffix in (".h", ".hip"))
-    return files + [ROOT / "rdna_flash_attn" / "variants.py"]
+    """The kernel sources; with the flags and the variant list they decide the code objects."""
+    return sorted(p for p in KERNELS.rglob("*") if p.suffix in (".h", ".hip"))
 
 
 def source_hash() -> str:
+    """Hash of the sources, the clang flags and the generated variant list: a change to anything else
+    (variants.py's Python included) leaves the code objects as they are."""
     digest = hashlib.sha256()
     digest.update(f"clang flags: {CLANG_FLAGS}\n".encode())
+    digest.update(f"variants:\n{variants.instantiation_lines()}".encode())
     for path in source_files():
         digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0")
         digest.update(path.read_bytes().replace(b"\r\n", b"\n") + b"\0")

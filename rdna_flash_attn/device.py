@@ -75,8 +75,6 @@ def _describe(device_type: str, index: int | None) -> DeviceInfo:
         return DeviceInfo("cpu", "cpu", None, None, None)
     if device_type != "cuda":
         return DeviceInfo("other", device_type, index, None, None)
-    if index is None:
-        index = torch.cuda.current_device()
     try:
         return _describe_cuda_device(index)
     except (RuntimeError, AssertionError) as error:  # a broken or missing driver must not escape
@@ -89,7 +87,11 @@ def describe(device: torch.device | str) -> DeviceInfo:
     device = torch.device(device)
     index = device.index
     if device.type == "cuda" and index is None:
-        index = torch.cuda.current_device()
+        try:
+            index = torch.cuda.current_device()
+        except (RuntimeError, AssertionError) as error:  # no usable GPU: describe it, do not raise
+            log.debug("no current cuda device: %s", error)
+            return DeviceInfo("other", "cuda", None, None, None)
     return _describe(device.type, index)
 
 

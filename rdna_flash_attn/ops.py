@@ -57,12 +57,9 @@ def forward_refusal(q, k, v, is_causal: bool = False, scale: float | None = None
     if q.shape[0] > _MAX_GRID_YZ or q.shape[1] > _MAX_GRID_YZ:
         return "batch or heads above 65535"
     for name, t in tensors:
-        if t.stride(3) != 1:
-            return f"{name} is not contiguous in head_dim"
-        if any(t.stride(i) % _VECTOR_ELEMS for i in range(3)):
-            return f"{name} strides are not multiples of 8 elements (16 bytes)"
-        if not _aligned(t):
-            return f"{name} does not start on a 16-byte boundary (storage offset)"
+        reason = _layout_refusal(name, t)
+        if reason:
+            return reason
     if scale is not None and not math.isfinite(scale):
         return "softmax scale is not finite"
     return None
@@ -77,12 +74,21 @@ def _aligned(t: torch.Tensor) -> bool:
         return True
 
 
+def _layout_refusal(name: str, t: torch.Tensor) -> str | None:
+    """Why the kernels cannot address a 4-D tensor as it lies in memory, or None."""
+    if t.stride(3) != 1:
+        return f"{name} is not contiguous in head_dim"
+    if any(t.stride(i) % _VECTOR_ELEMS for i in range(3)):
+        return f"{name} strides are not multiples of 8 elements (16 bytes)"
+    if not _aligned(t):
+        return f"{name} does not start on a 16-byte boundary (storage offset)"
+    return None
+
+
 def kernel_layout(t: torch.Tensor) -> torch.Tensor:
     """t itself when the kernels can read it as it is, else a compact copy (only for odd views such
     as a gradient arriving with a storage offset)."""
-    if t.stride(-1) == 1 and all(s % _VECTOR_ELEMS == 0 for s in t.stride()[:-1]) and _aligned(t):
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
+    return t if _layout_refusal("", t) is None else t.clone(memory_format=torch.contiguous_format)
 
 
 def availability(device: torch.device) -> str | None:
@@ -113,8 +119,9 @@ def _output_refusal(q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor
     if out is not None:
         if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
             return "out must have the query's shape, dtype and device"
-        if out.stride(3) != 1 or not _aligned(out) or any(out.stride(i) % _VECTOR_ELEMS for i in range(3)):
-            return "out must be contiguous in head_dim and 16-byte aligned"
+        reason = _layout_refusal("out", out)
+        if reason:
+            return reason
     if lse is not None:
         if lse.shape != q.shape[:3] or lse.dtype != torch.float32 or lse.device != q.device or lse.stride(2) != 1:
             return "lse must be float32 (batch, heads, seq_q), contiguous in seq_q, on the query's device"

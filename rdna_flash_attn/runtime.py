@@ -34,22 +34,23 @@ class KernelLibrary:
         self._functions: dict[str, object] = {}
         self._lock = threading.Lock()
 
+    def _dynamic_lds(self, variant) -> int:
+        """The emulation's LDS is dynamic; on AMD it is static and a launch adds none."""
+        return variant.lds_bytes if self.artifact.emulated else 0
+
     def function(self, variant) -> object:
         function = self._functions.get(variant.symbol)
         if function is None:
             with self._lock:
-                # The emulation's LDS is dynamic; on AMD it is static and the launch adds none.
-                shared = variant.lds_bytes if self.artifact.emulated else 0
-                function = self.driver.get_function(self._module, variant.symbol, shared)
+                function = self.driver.get_function(self._module, variant.symbol, self._dynamic_lds(variant))
                 self._functions[variant.symbol] = function
         return function
 
     def launch(self, variant, grid: tuple[int, int, int], args, stream: torch.cuda.Stream) -> None:
         function = self.function(variant)
         params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
-        shared = variant.lds_bytes if self.artifact.emulated else 0
         native_stream = self.driver.native_stream(stream.cuda_stream)
-        self.driver.launch(function, grid, (variant.threads, 1, 1), shared, native_stream, params)
+        self.driver.launch(function, grid, (variant.threads, 1, 1), self._dynamic_lds(variant), native_stream, params)
 
 
 _libraries: dict[tuple, KernelLibrary] = {}

@@ -17,11 +17,18 @@ FRAG = 16  # WMMA tile edge on both gfx11 and gfx12
 LDS_LIMIT = 64 * 1024
 LDS_ROW_PAD = 8  # elements added to every LDS row so rows start on different banks
 MAX_O_CHUNK = 256  # output columns one forward workgroup accumulates in registers
-MAX_GRAD_CHUNK = 128  # gradient columns one backward workgroup accumulates (two accumulators in dK/dV)
+MAX_GRAD_CHUNK = 128  # gradient columns one backward workgroup accumulates in registers
 BWD_WAVES = 4
 
 SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8)) + (320, 384, 512)
-PADDED_HEAD_DIMS = tuple(sorted({(d + FRAG - 1) // FRAG * FRAG for d in SUPPORTED_HEAD_DIMS}))
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The head dim a kernel variant is compiled for: the next multiple of the WMMA tile edge."""
+    return (head_dim + FRAG - 1) // FRAG * FRAG
+
+
+PADDED_HEAD_DIMS = tuple(sorted({padded_head_dim(d) for d in SUPPORTED_HEAD_DIMS}))
 
 # Preferred (waves per workgroup, keys per LDS tile), best first; the first that fits LDS wins.
 _TILE_PREFERENCE = ((4, 64), (4, 32), (2, 32), (2, 16), (1, 16))
@@ -77,10 +84,6 @@ def _fwd_variant(dtype: str, d_pad: int) -> FwdVariant:
 
 FWD_VARIANTS = tuple(_fwd_variant(dt, d) for dt in DTYPES for d in PADDED_HEAD_DIMS)
 FWD_BY_SYMBOL = {v.symbol: v for v in FWD_VARIANTS}
-
-
-def padded_head_dim(head_dim: int) -> int:
-    return (head_dim + FRAG - 1) // FRAG * FRAG
 
 
 def fwd_variant(dtype: str, head_dim: int) -> FwdVariant:
