@@ -12,13 +12,14 @@ Importing touches no GPU: devices are probed on their first attention call.
 __version__ = "0.1.0"
 
 from .config import Settings, settings
-from .dispatch import explain, reset_stats, scaled_dot_product_attention, stats
+from .dispatch import attention_or_reason, explain, reset_stats, scaled_dot_product_attention, stats
 from .flash_attn_interface import flash_attn_func
 from .sdpa_patch import disable_sdpa_patch, enable_sdpa_patch, patch_sdpa, sdpa_patch_enabled
 
 __all__ = [
     "Settings",
     "__version__",
+    "attention_or_reason",
     "disable_sdpa_patch",
     "enable_sdpa_patch",
     "explain",

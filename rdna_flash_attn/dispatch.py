@@ -204,10 +204,10 @@ def _note_fallback(reason: str) -> None:
     _fallbacks[reason] += 1
     if reason not in _logged_reasons:
         _logged_reasons.add(reason)
-        log.info("falling back to PyTorch SDPA: %s", reason)
+        log.info("not using the kernels: %s", reason)
 
 
-# --- the entry point ----------------------------------------------------------------------------------
+# --- the entry points ---------------------------------------------------------------------------------
 
 
 def _launch(call: KernelCall) -> torch.Tensor:
@@ -218,11 +218,12 @@ def _launch(call: KernelCall) -> torch.Tensor:
     return out.to(call.out_dtype)
 
 
-def scaled_dot_product_attention(
+def attention_or_reason(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False
-):
-    """Drop-in for `torch.nn.functional.scaled_dot_product_attention`: same arguments, results and
-    exceptions; supported calls run on the kernels, all others on PyTorch SDPA unchanged."""
+) -> torch.Tensor | str:
+    """The kernels' result for a supported call, else the reason it is not (counted in stats() and
+    logged once); the caller then runs its own fallback. For hosts whose fallback is their own
+    attention backend rather than PyTorch SDPA."""
     global _kernel_calls
     call = plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if not isinstance(call, str):
@@ -238,6 +239,19 @@ def scaled_dot_product_attention(
             _kernel_calls += 1
             return out
     _note_fallback(call)
+    return call
+
+
+def scaled_dot_product_attention(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False
+):
+    """Drop-in for `torch.nn.functional.scaled_dot_product_attention`: same arguments, results and
+    exceptions; supported calls run on the kernels, all others on PyTorch SDPA unchanged."""
+    out = attention_or_reason(
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+    )
+    if isinstance(out, torch.Tensor):
+        return out
     # The caller's own arguments, untouched; enable_gqa only when given, as torch < 2.5 lacks it.
     extra = {} if enable_gqa is False else {"enable_gqa": enable_gqa}
     return torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **extra)
