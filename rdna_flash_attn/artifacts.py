@@ -1,22 +1,35 @@
 """Where the code objects are and whether they are the ones the manifest names.
 
 AMD code objects ship in prebuilt/ (inside the package in a wheel, beside it in a git checkout) with
-a manifest of sha256s; the NVIDIA emulation builds are made locally by kernels/build.py --emulate.
+a manifest of sha256s. A local rebuild (`python -m rdna_flash_attn rebuild`) puts code objects and
+their own manifest in the user cache, in a folder named after the kernel sources' hash, so an upgraded
+package never picks up code objects built from other sources; a target built there is preferred to
+the prebuilt one (the user asked for it, or there is no prebuilt one). The NVIDIA emulation builds are
+made locally by kernels/build.py --emulate.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 from . import variants
+from .config import LOGGER_NAME, settings
+
+log = logging.getLogger(LOGGER_NAME)
 
 PACKAGE_DIR = Path(__file__).resolve().parent
+ON_WINDOWS = os.name == "nt"
 EMULATED_LAYERS = ("gfx11", "gfx12")
+RDNA_PREFIXES = ("gfx11", "gfx12")
+LOCAL_BUILDS = "kernels"  # subfolder of the user cache
+REINSTALL_HINT = "reinstall rdna_flash_attn to repair it"
+REBUILD_HINT = "python -m rdna_flash_attn rebuild makes it again"
 
 
 class ArtifactError(RuntimeError):
@@ -29,11 +42,14 @@ class Artifact:
     path: Path
     sha256: str
     emulated: bool
+    local: bool = False  # built on this machine by `python -m rdna_flash_attn rebuild`
 
     def read_verified(self) -> bytes:
         data = self.path.read_bytes()
         if hashlib.sha256(data).hexdigest() != self.sha256:
-            raise ArtifactError(f"{self.path.name} does not match the sha256 in its manifest (damaged or replaced)")
+            repair = REBUILD_HINT if self.local else REINSTALL_HINT
+            raise ArtifactError(
+                f"{self.path.name} does not match the sha256 in its manifest (damaged or replaced): {repair}")
         return data
 
 
@@ -46,31 +62,131 @@ def emulation_dir() -> Path:
     return Path(os.environ.get("RDNA_FA_EMU_DIR") or PACKAGE_DIR.parent / "build" / "emu")
 
 
-@lru_cache(maxsize=None)
-def load_manifest(directory: Path | None = None) -> dict:
-    path = (directory or prebuilt_dir()) / "manifest.json"
+def _read_manifest(path: Path, repair: str = REINSTALL_HINT) -> dict:
     try:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ArtifactError(f"no kernel manifest at {path}") from None
+        raise ArtifactError(f"no kernel manifest at {path}: {repair}") from None
     except (OSError, ValueError) as error:
-        raise ArtifactError(f"kernel manifest {path} is unreadable: {error}") from None
+        raise ArtifactError(f"kernel manifest {path} is unreadable ({error}): {repair}") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("targets"), dict):
-        raise ArtifactError(f"kernel manifest {path} has no targets table")
+        raise ArtifactError(f"kernel manifest {path} has no targets table: {repair}")
     if manifest.get("abi_version") != variants.ABI_VERSION:
         raise ArtifactError(f"kernel manifest ABI {manifest.get('abi_version')} != {variants.ABI_VERSION} of this package")
     return manifest
 
 
-def amd_artifact(target: str) -> Artifact:
-    directory = prebuilt_dir()
-    entry = load_manifest(directory)["targets"].get(target)
+@lru_cache(maxsize=None)
+def load_manifest(directory: Path | None = None) -> dict:
+    return _read_manifest((directory or prebuilt_dir()) / "manifest.json")
+
+
+def user_cache_dir() -> Path:
+    """settings.cache_dir, else the user cache folder (%LOCALAPPDATA%, $XDG_CACHE_HOME or ~/.cache)."""
+    if settings.cache_dir:
+        return Path(settings.cache_dir)
+    if ON_WINDOWS:
+        base = os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local"
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "rdna_flash_attn"
+
+
+def local_builds_root() -> Path:
+    return user_cache_dir() / LOCAL_BUILDS
+
+
+def local_build_dir() -> Path:
+    """Where local builds of this package's kernel sources go: named after their hash."""
+    from .rebuild import source_hash  # rebuild imports this module when it builds
+
+    return local_builds_root() / source_hash()[:16]
+
+
+def local_build_targets() -> list[str]:
+    """Targets built locally from these sources ([] when none, or when their manifest is unreadable)."""
+    try:
+        return sorted(_read_manifest(local_build_dir() / "manifest.json", REBUILD_HINT)["targets"])
+    except ArtifactError:
+        return []
+
+
+def _entry(manifest: dict, target: str, manifest_path: Path, repair: str = REINSTALL_HINT) -> dict | None:
+    entry = manifest["targets"].get(target)
     if entry is None:
-        raise ArtifactError(f"no prebuilt code object for {target}")
+        return None
+    if not (isinstance(entry, dict) and isinstance(entry.get("file"), str) and isinstance(entry.get("sha256"), str)):
+        raise ArtifactError(f"kernel manifest {manifest_path} has a malformed entry for {target}: {repair}")
+    return entry
+
+
+def local_artifact(target: str) -> Artifact | None:
+    """The local build of `target` for these sources, or None. An unreadable local manifest or a
+    missing local file is logged and skipped, so the prebuilt code object (if any) serves instead."""
+    directory = local_build_dir()
+    manifest_path = directory / "manifest.json"
+    if not manifest_path.is_file():
+        return None
+    try:
+        entry = _entry(_read_manifest(manifest_path, REBUILD_HINT), target, manifest_path, REBUILD_HINT)
+    except ArtifactError as error:
+        log.warning("ignoring the local kernel builds: %s", error)
+        return None
+    if entry is None:
+        return None
     path = directory / entry["file"]
     if not path.is_file():
-        raise ArtifactError(f"{path.name} listed in the manifest is missing")
+        log.warning("ignoring the local build of %s: %s is missing (python -m rdna_flash_attn rebuild --target %s)",
+                    target, path, target)
+        return None
+    return Artifact(target, path, entry["sha256"], emulated=False, local=True)
+
+
+def prebuilt_artifact(target: str) -> Artifact:
+    directory = prebuilt_dir()
+    manifest = load_manifest(directory)
+    entry = _entry(manifest, target, directory / "manifest.json")
+    if entry is None:
+        raise ArtifactError(_no_code_object(target, manifest))
+    path = directory / entry["file"]
+    if not path.is_file():
+        raise ArtifactError(f"{path.name} listed in the manifest is missing from {directory}: {REINSTALL_HINT}")
     return Artifact(target, path, entry["sha256"], emulated=False)
+
+
+def _no_code_object(target: str, manifest: dict) -> str:
+    shipped = ", ".join(manifest["targets"])
+    if not target.startswith(RDNA_PREFIXES):
+        return f"no code object for {target}: the kernels run on RDNA3/RDNA4 GPUs (prebuilt: {shipped})"
+    return (f"no prebuilt code object for {target} (prebuilt: {shipped}); build one with "
+            f"'python -m rdna_flash_attn rebuild --target {target}' (needs clang >= 19)")
+
+
+def amd_artifact(target: str) -> Artifact:
+    """The code object for a GPU target: a local build of these sources first, else the prebuilt one."""
+    return local_artifact(target) or prebuilt_artifact(target)
+
+
+def verify_prebuilt(directory: Path | None = None) -> tuple[list[str], list[str]]:
+    """(targets whose code object matches its sha256, one-line problems), for doctor."""
+    directory = directory or prebuilt_dir()
+    manifest_path = directory / "manifest.json"
+    try:
+        manifest = _read_manifest(manifest_path)
+    except ArtifactError as error:
+        return [], [str(error)]
+    verified, problems = [], []
+    for target in manifest["targets"]:
+        try:
+            entry = _entry(manifest, target, manifest_path)
+            Artifact(target, directory / entry["file"], entry["sha256"], emulated=False).read_verified()
+        except FileNotFoundError as error:
+            problems.append(f"{target}: {Path(error.filename).name} is missing")
+        except (ArtifactError, OSError) as error:
+            problems.append(f"{target}: {error}")
+        else:
+            verified.append(target)
+    return verified, problems
 
 
 def emulated_artifact(layer: str) -> Artifact:

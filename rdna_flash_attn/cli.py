@@ -9,6 +9,7 @@ import sys
 import torch
 
 from . import __version__, benchmark, dispatch, ops, selftest
+from . import artifacts, rebuild
 from . import device as _device
 from .config import Settings, settings
 
@@ -53,6 +54,24 @@ def _doctor_device(device: torch.device) -> None:
     _line("  kernels", "ON" if refusal is None else f"OFF: {refusal}")
 
 
+def _doctor_code_objects() -> None:
+    """Where the code objects are, whether each matches the manifest, local builds, and the compiler a
+    local rebuild would use."""
+    verified, problems = artifacts.verify_prebuilt()
+    _line("prebuilt", f"{artifacts.prebuilt_dir()}: {len(verified)} targets sha256-verified ({', '.join(verified) or '-'})")
+    for problem in problems:
+        _line("  PROBLEM", problem)
+    built = artifacts.local_build_targets()
+    where = artifacts.local_build_dir()
+    _line("local builds", f"{where}: {', '.join(built)} (used instead of prebuilt)" if built else "none")
+    try:
+        compiler = rebuild.find_clang()
+    except rebuild.BuildError as error:
+        _line("compiler", f"none for a local rebuild (needed only for a GPU without a prebuilt code object): {error}")
+    else:
+        _line("compiler", f"{compiler.path} ({compiler.version})")
+
+
 def doctor(_args: argparse.Namespace) -> int:
     """Everything detected, and why anything is off."""
     _line("rdna_flash_attn", __version__)
@@ -61,6 +80,7 @@ def doctor(_args: argparse.Namespace) -> int:
     _line("backward", "kernels" if settings.training else "PyTorch SDPA (RDNA_FA_TRAINING=0)")
     _line("float32 inputs", "PyTorch SDPA" if settings.fp32_cast == "off" else f"kernels in {settings.fp32_cast}")
     _line("self-test cache", selftest.cache_dir() / selftest.CACHE_FILE_NAME)
+    _doctor_code_objects()
     print("settings:")
     for name, env, default, _doc in Settings.options():
         value = getattr(settings, name)
@@ -104,9 +124,13 @@ def _parser() -> argparse.ArgumentParser:
     test = commands.add_parser("selftest", help="re-run the kernels' self-test on each GPU")
     test.add_argument("--device", help="one torch device, e.g. cuda:1 (default: every GPU)")
     test.set_defaults(run=run_selftest)
-    bench = commands.add_parser("bench", help="time the kernels against PyTorch SDPA's backends")
+    bench = commands.add_parser(
+        "bench", help="time the kernels against PyTorch SDPA's backends (--suite full: UNet, VAE, memory too)")
     benchmark.add_arguments(bench)
     bench.set_defaults(run=benchmark.run)
+    local_build = commands.add_parser("rebuild", help="build code objects for your GPU target locally (clang >= 19)")
+    rebuild.add_arguments(local_build)
+    local_build.set_defaults(run=rebuild.run)
     # Listed for --help only: main() hands everything after "report" to report.main.
     commands.add_parser("report", help="static resource report of the prebuilt code objects (see report --help)")
     return parser

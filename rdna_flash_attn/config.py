@@ -88,7 +88,7 @@ class Settings:
     cache_dir: str | None = _option(
         "RDNA_FA_CACHE_DIR",
         None,
-        "Folder of the cached self-test verdicts (default: the user cache folder, "
+        "Folder of the cached self-test verdicts and local kernel builds (default: the user cache folder, "
         "subfolder rdna_flash_attn).",
     )
 

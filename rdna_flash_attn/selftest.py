@@ -22,12 +22,11 @@ from pathlib import Path
 import torch
 
 from . import device as _device
-from . import autograd, ops
+from . import artifacts, autograd, ops
 from .config import LOGGER_NAME, settings
 
 log = logging.getLogger(LOGGER_NAME)
 
-ON_WINDOWS = os.name == "nt"
 REVISION = 1  # bump when the checks change, so cached verdicts are redone
 CACHE_FILE_NAME = "selftest.json"
 
@@ -55,14 +54,8 @@ class Check:
 
 
 def cache_dir() -> Path:
-    """settings.cache_dir, else the user cache folder (%LOCALAPPDATA%, $XDG_CACHE_HOME or ~/.cache)."""
-    if settings.cache_dir:
-        return Path(settings.cache_dir)
-    if ON_WINDOWS:
-        base = os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local"
-    else:
-        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "rdna_flash_attn"
+    """Where verdicts are cached: the package's user cache folder (settings.cache_dir overrides it)."""
+    return artifacts.user_cache_dir()
 
 
 def cache_key(device: torch.device) -> dict:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import rdna_flash_attn as rfa
-from rdna_flash_attn import autograd, dispatch, ops, selftest
+from rdna_flash_attn import artifacts, autograd, dispatch, ops, selftest
 from rdna_flash_attn.config import settings
 
 CPU = torch.device("cpu")
@@ -141,5 +141,5 @@ def test_default_cache_folder(monkeypatch, windows, env, expected):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(selftest, "ON_WINDOWS", windows)
+    monkeypatch.setattr(artifacts, "ON_WINDOWS", windows)
     assert str(selftest.cache_dir()) == expected

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Packaging and reproducibility, on the CPU:
+#  - install.py --strict: every committed code object matches the manifest's sha256, and fast;
+#  - the universal wheel: its file list, `pip install .` and `pip install <wheel>` into a fresh virtual
+#    environment with the CPU torch, and doctor run from outside the repository (it must find the
+#    code objects inside the installed package);
+#  - reproducibility through the local-rebuild path: the installed package rebuilds gfx1100 from the
+#    kernel sources it ships, with Debian's clang-19, into a temporary user cache; the code object must
+#    equal prebuilt/'s byte for byte, and the manifest's source hash must equal the sources' hash.
+#    This one build replaces both `kernels/build.py --check` and the gfx1100 rebuild of .ci/run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repo=$PWD
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+started=$SECONDS
+step() { echo; echo "=== packaging [$((SECONDS - started)) s]: $* ==="; }
+
+step "clang-19 from Debian"
+if ! command -v clang-19 >/dev/null; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang-19 lld-19 llvm-19 >/dev/null
+fi
+clang-19 --version | head -1
+
+step "install.py --strict: sha256 of every committed code object (timed, python startup included)"
+TIMEFORMAT="install.py: %R s wall"
+time python3 install.py --strict
+
+step "build the wheel (hatchling, build isolation)"
+python3 -m pip wheel --no-deps -q -w "$work/dist" .
+wheel=$(ls "$work"/dist/rdna_flash_attn-*-py3-none-any.whl)
+echo "$wheel"
+python3 - "$wheel" <<'EOF'
+import json, sys, zipfile
+names = set(zipfile.ZipFile(sys.argv[1]).namelist())
+manifest = json.loads(zipfile.ZipFile(sys.argv[1]).read("rdna_flash_attn/prebuilt/manifest.json"))
+required = {"rdna_flash_attn_autoload.pth", "rdna_flash_attn/__init__.py", "rdna_flash_attn/rebuild.py",
+            "rdna_flash_attn/prebuilt/manifest.json", "rdna_flash_attn/kernels/attention.hip",
+            "rdna_flash_attn/kernels/isa/gfx11.h", "rdna_flash_attn/kernels/isa/gfx12.h",
+            "rdna_flash_attn/kernels/platform/amdgcn.h"}
+required |= {f"rdna_flash_attn/prebuilt/{entry['file']}" for entry in manifest["targets"].values()}
+missing = sorted(required - names)
+stray = sorted(n for n in names if n.startswith(("prebuilt/", "kernels/", "tests/", "build/")) or "__pycache__" in n
+               or n.endswith("/kernels/build.py"))
+assert len(manifest["targets"]) == 8, manifest["targets"].keys()
+assert not missing, f"missing from the wheel: {missing}"
+assert not stray, f"should not be in the wheel: {stray}"
+print(f"wheel: {len(names)} files; 8 code objects, manifest, kernel sources, .pth at the root")
+EOF
+
+step "fresh virtual environment: CPU torch, then pip install . (the source tree)"
+python3 -m venv "$work/venv"
+py="$work/venv/bin/python"
+"$py" -m pip install -q torch==2.13.0
+"$py" -m pip install -q "$repo"
+cd "$work"  # from here on, nothing can come from the checkout
+"$py" -m rdna_flash_attn doctor > doctor_source.txt
+grep -E "^prebuilt +$work/venv/lib/python[0-9.]+/site-packages/rdna_flash_attn/prebuilt: 8 targets sha256-verified" \
+  doctor_source.txt
+
+step "pip install <wheel> over it, doctor from outside the repository"
+"$py" -m pip install -q --force-reinstall --no-deps "$wheel"
+"$py" -m rdna_flash_attn doctor | tee doctor.txt
+grep -qE "^prebuilt +$work/venv/lib/python[0-9.]+/site-packages/rdna_flash_attn/prebuilt: 8 targets sha256-verified" \
+  doctor.txt
+test -f "$work"/venv/lib/python*/site-packages/rdna_flash_attn_autoload.pth
+"$py" -c "import rdna_flash_attn, sys; assert rdna_flash_attn.__file__.startswith(sys.prefix), rdna_flash_attn.__file__"
+
+step "reproducibility: the installed package rebuilds gfx1100 with clang-19 into a temporary cache"
+RDNA_FA_CACHE_DIR="$work/cache" "$py" -m rdna_flash_attn rebuild --target gfx1100 --clang clang-19
+built=$(ls "$work"/cache/kernels/*/rdna_fa_gfx1100.hsaco)
+cmp "$built" "$repo/prebuilt/rdna_fa_gfx1100.hsaco"
+echo "gfx1100 rebuilt from the wheel's sources is identical to prebuilt/rdna_fa_gfx1100.hsaco"
+python3 - "$(dirname "$built")/manifest.json" "$repo/prebuilt/manifest.json" <<'EOF'
+import json, sys
+local, committed = (json.load(open(path)) for path in sys.argv[1:])
+assert local["source_hash"] == committed["source_hash"], "kernel sources changed since prebuilt/ was built: run python kernels/build.py"
+assert local["targets"]["gfx1100"]["sha256"] == committed["targets"]["gfx1100"]["sha256"]
+print(f"manifest source hash {committed['source_hash'][:12]} matches the sources")
+EOF
+RDNA_FA_CACHE_DIR="$work/cache" "$py" -c "
+from rdna_flash_attn import artifacts
+artifact = artifacts.amd_artifact('gfx1100')
+assert artifact.local and artifact.read_verified(), artifact
+print('runtime picks the local build:', artifact.path)"
+
+echo
+echo "packaging check passed in $((SECONDS - started)) s"

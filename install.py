@@ -1,0 +1,74 @@
+"""Install hook: ComfyUI-Manager runs it after installing requirements.txt, the SD-WebUIs at every
+start, each in a subprocess of the host's Python.
+
+It checks every prebuilt code object against the sha256 in prebuilt/manifest.json and prints one
+status line. It imports nothing but the standard library (no torch, no GPU query: under ZLUDA the GPU
+is not even reachable from here), installs nothing, and takes a few tens of milliseconds, so it runs
+in full every time rather than caching a verdict.
+
+It exits 0 whatever it finds, so the host always starts: a damaged code object is refused anyway when
+the runtime loads it (the kernels stay off for that GPU target and attention runs on PyTorch SDPA),
+and this line tells the user why and how to repair it. `--strict` exits 1 on any problem, for CI.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+PREBUILT = Path(__file__).resolve().parent / "prebuilt"
+PREFIX = "[RDNA Flash Attention]"
+REPAIR = "reinstall the extension (or git checkout prebuilt/) to repair"
+
+
+def check(prebuilt: Path) -> tuple[list[str], list[str]]:
+    """(targets whose code object matches its sha256, problems in a few words each)."""
+    try:
+        manifest = json.loads((prebuilt / "manifest.json").read_text(encoding="utf-8"))
+        targets = manifest["targets"]
+        entries = [(target, targets[target]["file"], targets[target]["sha256"]) for target in targets]
+    except FileNotFoundError:
+        return [], ["prebuilt/manifest.json is missing"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return [], ["prebuilt/manifest.json is damaged"]
+    verified, problems = [], []
+    for target, file, sha256 in entries:
+        try:
+            data = (prebuilt / file).read_bytes()
+        except OSError:
+            problems.append(f"{target}: {file} is missing")
+            continue
+        if hashlib.sha256(data).hexdigest() == sha256:
+            verified.append(target)
+        else:
+            problems.append(f"{target}: {file} does not match its sha256 (damaged or replaced)")
+    return verified, problems
+
+
+def status_line(verified: list[str], problems: list[str], seconds: float) -> str:
+    if not problems:
+        return (f"{PREFIX} {len(verified)} GPU code objects verified ({verified[0]}-{verified[-1]}) "
+                f"in {seconds:.2f} s; details: python -m rdna_flash_attn doctor")
+    return (f"{PREFIX} WARNING: {'; '.join(problems)}. Kernels stay off for the affected GPUs (attention runs "
+            f"on PyTorch SDPA); {REPAIR}.")
+
+
+def main(argv: list[str]) -> int:
+    started = time.perf_counter()
+    try:
+        verified, problems = check(PREBUILT)
+        if not verified and not problems:
+            problems = ["prebuilt/manifest.json lists no GPU code objects"]
+    except Exception as error:  # noqa: BLE001  (an install hook must never break the host's start)
+        verified, problems = [], [f"the check itself failed ({type(error).__name__}: {error})"]
+    line = status_line(verified, problems, time.perf_counter() - started)
+    # ASCII only: a Windows console in a legacy code page must not turn the status into a traceback.
+    print(line.encode("ascii", "replace").decode("ascii"), flush=True)
+    return 1 if problems and "--strict" in argv else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

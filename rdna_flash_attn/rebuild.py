@@ -1,0 +1,337 @@
+"""Builds AMD code objects from the kernel sources: kernels/build.py uses it for prebuilt/, and a user
+runs it (`python -m rdna_flash_attn rebuild`) for a GPU target that has no prebuilt code object, or to
+replace one, building into the user cache.
+
+The compile is clang >= 19 with builtins only (no ROCm headers or device libraries) and a pinned
+-cuid, so the same clang release gives the same bytes from any folder: Debian's clang-19 reproduces
+prebuilt/ exactly. Nothing here is imported by the attention path, and nothing compiles unless a user
+or a build script asks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from . import variants
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+PREBUILT_TARGETS = ("gfx1100", "gfx1101", "gfx1102", "gfx1103", "gfx1150", "gfx1151", "gfx1200", "gfx1201")
+RDNA_TARGET = re.compile(r"gfx1[12][0-9a-f]{2}")  # the gfx11 and gfx12 matrix layers (isa/isa.h)
+MIN_CLANG_MAJOR = 19
+CODE_OBJECT_VERSION = 5
+MAIN_SOURCE = "attention.hip"
+INSTANCES_HEADER = "instances.inc"
+# -cuid: clang otherwise names a symbol after a hash of paths and options, and the code objects would
+# differ between checkouts.
+CLANG_FLAGS = (
+    "-x hip --cuda-device-only --no-gpu-bundle-output -nogpulib -nogpuinc -O3 -std=c++17 "
+    f"-mcode-object-version={CODE_OBJECT_VERSION} -cuid=rdna_flash_attn"
+)
+VERSION_TIMEOUT_S = 30
+PROGRESS_EVERY_S = 30
+
+Progress = Callable[[str], None]
+
+
+class BuildError(RuntimeError):
+    """A local build cannot be done; the message says why and what to do, in one line."""
+
+
+@dataclass(frozen=True)
+class Compiler:
+    path: str
+    version: str  # clang's first --version line, recorded in the manifest
+    major: int
+
+
+def kernels_dir() -> Path:
+    """The kernel sources: inside the package in a wheel, beside it in a git checkout."""
+    inside_package = PACKAGE_DIR / "kernels"
+    return inside_package if (inside_package / MAIN_SOURCE).is_file() else PACKAGE_DIR.parent / "kernels"
+
+
+def artifact_name(target: str) -> str:
+    return f"rdna_fa_{target}.hsaco"
+
+
+def source_files(kernels: Path) -> list[Path]:
+    """The kernel sources; with the flags and the variant list they decide the code objects."""
+    return sorted(p for p in kernels.rglob("*") if p.suffix in (".h", ".hip"))
+
+
+@lru_cache(maxsize=None)
+def source_hash(kernels: Path | None = None) -> str:
+    """Hash of the sources (named as kernels/..., wherever they lie), the clang flags and the generated
+    variant list: a change to anything else (variants.py's Python included) leaves the code objects
+    as they are. Equal for a git checkout and the wheel's copy of the same sources."""
+    kernels = kernels or kernels_dir()
+    digest = hashlib.sha256()
+    digest.update(f"clang flags: {CLANG_FLAGS}\n".encode())
+    digest.update(f"variants:\n{variants.instantiation_lines()}".encode())
+    for path in source_files(kernels):
+        digest.update(f"kernels/{path.relative_to(kernels).as_posix()}".encode() + b"\0")
+        digest.update(path.read_bytes().replace(b"\r\n", b"\n") + b"\0")
+    return digest.hexdigest()
+
+
+def check_target(target: str) -> str:
+    """The target name as clang wants it, or BuildError for anything that is not RDNA3/RDNA4."""
+    name = target.strip().lower()
+    if not RDNA_TARGET.fullmatch(name):
+        raise BuildError(f"{target!r} is not an RDNA3/RDNA4 GPU target (gfx11xx or gfx12xx, e.g. gfx1100)")
+    return name
+
+
+# --- the compiler -----------------------------------------------------------------------------------
+
+
+def clang_candidates(explicit: str | None = None) -> list[str]:
+    """Where to look, best first: what the user named; Debian/LLVM clang-19 (the release that built
+    prebuilt/, so it reproduces them); ROCm's and the HIP SDK's clang; newer system clangs."""
+    if explicit:
+        return [explicit]
+    names = ["clang-19"]
+    for variable, default in (("ROCM_PATH", "/opt/rocm"), ("HIP_PATH", None)):
+        root = os.environ.get(variable) or default
+        if root:
+            names += [str(Path(root) / "llvm" / "bin" / "clang"), str(Path(root) / "bin" / "clang")]
+    names += ["clang-20", "clang-21", "clang-22", "clang"]
+    return list(dict.fromkeys(names))
+
+
+def _version_line(path: str) -> str:
+    try:
+        result = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=VERSION_TIMEOUT_S,
+                                check=False)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"(does not run: {error})"
+    lines = result.stdout.splitlines()
+    return lines[0].strip() if lines else "(printed no version)"
+
+
+def find_clang(explicit: str | None = None) -> Compiler:
+    """The first usable clang >= 19, or BuildError naming what was found and why it does not do.
+    Older clangs fail on this code: clang-15 crashes on WMMA code above -O0, clang-16 lacks gfx1201,
+    and LLVM before 2024 misses a gfx11 WMMA hazard (wrong results)."""
+    rejected = []
+    for name in clang_candidates(explicit):
+        path = shutil.which(name)
+        if path is None:
+            continue
+        version = _version_line(path)
+        match = re.search(r"clang version (\d+)", version)
+        if match and int(match.group(1)) >= MIN_CLANG_MAJOR:
+            return Compiler(path, version, int(match.group(1)))
+        rejected.append(f"{path}: {version}")
+    if rejected:
+        raise BuildError(f"no clang >= {MIN_CLANG_MAJOR} found; too old or unusable: {'; '.join(rejected)}. "
+                         f"{_install_hint()}")
+    if explicit:
+        raise BuildError(f"clang {explicit!r} not found. {_install_hint()}")
+    raise BuildError(f"no clang found (looked for clang-19, ROCm's and the HIP SDK's clang, clang). {_install_hint()}")
+
+
+def _install_hint() -> str:
+    if os.name == "nt":
+        return "Install AMD's HIP SDK 6.2 or newer (its bin\\clang.exe is clang 19) and set HIP_PATH, or pass --clang."
+    return "Install clang-19 (Debian/Ubuntu: apt-get install clang-19 lld-19) or ROCm 6.4+, or pass --clang."
+
+
+# --- the build --------------------------------------------------------------------------------------
+
+
+def clang_command(clang: str, target: str, include_dir: Path, output: Path, kernels: Path | None = None) -> list[str]:
+    """One target's compile, exactly as kernels/build.py's ninja rule runs it."""
+    main = (kernels or kernels_dir()) / MAIN_SOURCE
+    return [clang, *CLANG_FLAGS.split(), f"--offload-arch={target}", f"-I{include_dir}", str(main), "-o", str(output)]
+
+
+def write_instances(directory: Path) -> Path:
+    """The generated variant list the main source includes; rewritten only when it changes."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / INSTANCES_HEADER
+    text = variants.instantiation_lines()
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+    return path
+
+
+def _clang_failure(compiler: Compiler, target: str, stderr: str) -> BuildError:
+    if re.search(r"unsupported|unknown target|invalid target|not a recognized", stderr, re.IGNORECASE):
+        return BuildError(f"{compiler.version} does not know {target}: a newer clang is needed")
+    tail = " | ".join(stderr.strip().splitlines()[-3:])
+    return BuildError(f"clang failed for {target}: {tail or 'no message'}")
+
+
+def _compile_one(compiler: Compiler, target: str, include_dir: Path, out_dir: Path, step: str,
+                 progress: Progress) -> None:
+    output = out_dir / artifact_name(target)
+    partial = out_dir / f".{output.name}.{os.getpid()}.part"
+    started = time.monotonic()
+    progress(f"{step} {target}: compiling ({len(variants.ALL_SYMBOLS)} kernels, usually a few minutes)")
+    with tempfile.TemporaryFile() as errors:
+        process = subprocess.Popen(clang_command(compiler.path, target, include_dir, partial),
+                                   stdout=subprocess.DEVNULL, stderr=errors)
+        while True:
+            try:
+                process.wait(timeout=PROGRESS_EVERY_S)
+                break
+            except subprocess.TimeoutExpired:
+                progress(f"{step} {target}: still compiling ({time.monotonic() - started:.0f} s)")
+        errors.seek(0)
+        stderr = errors.read().decode(errors="replace")
+    if process.returncode != 0 or not partial.is_file():
+        partial.unlink(missing_ok=True)
+        raise _clang_failure(compiler, target, stderr)
+    os.replace(partial, output)  # atomic: a process loading it never sees half a file
+    progress(f"{step} {target}: done in {time.monotonic() - started:.0f} s ({output.stat().st_size / 1e6:.1f} MB)")
+
+
+def compile_targets(compiler: Compiler, targets: Iterable[str], out_dir: Path, jobs: int | None = None,
+                    progress: Progress = print) -> None:
+    """Compile each target into out_dir (one clang per target, `jobs` at a time)."""
+    targets = list(targets)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="rdna_fa_gen_") as generated:
+        write_instances(Path(generated))
+        workers = max(1, min(jobs or os.cpu_count() or 1, len(targets)))
+        with ThreadPoolExecutor(workers) as pool:
+            steps = [pool.submit(_compile_one, compiler, target, Path(generated), out_dir,
+                                 f"[{i}/{len(targets)}]", progress) for i, target in enumerate(targets, 1)]
+            for step in steps:
+                step.result()
+
+
+def sha256_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def write_manifest(out_dir: Path, built: Iterable[str], compiler_version: str, kernels: Path | None = None) -> Path:
+    """Add the built targets to out_dir/manifest.json; entries built from other sources are dropped."""
+    path = out_dir / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError):
+        manifest = {}
+    new_sources = source_hash(kernels)
+    targets = manifest.get("targets", {}) if manifest.get("source_hash") == new_sources else {}
+    for target in built:
+        file = out_dir / artifact_name(target)
+        targets[target] = {
+            "file": file.name,
+            "sha256": sha256_file(file),
+            "size": file.stat().st_size,
+            "kernels": list(variants.ALL_SYMBOLS),
+        }
+    manifest = {
+        "abi_version": variants.ABI_VERSION,
+        "compiler": compiler_version,
+        "code_object_version": CODE_OBJECT_VERSION,
+        "source_hash": new_sources,
+        "targets": dict(sorted(targets.items())),
+    }
+    partial = path.with_name(f".manifest.{os.getpid()}.part")
+    partial.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(partial, path)
+    return path
+
+
+def build_local(targets: Iterable[str], clang: str | None = None, jobs: int | None = None,
+                progress: Progress = print) -> Path:
+    """Build targets into the user cache, where the runtime prefers them to prebuilt/; returns the folder."""
+    from . import artifacts  # artifacts asks this module for the source hash: import it only when building
+
+    targets = sorted({check_target(t) for t in targets})
+    compiler = find_clang(clang)
+    out_dir = artifacts.local_build_dir()
+    progress(f"building {', '.join(targets)} into {out_dir} with {compiler.path} ({compiler.version})")
+    compile_targets(compiler, targets, out_dir, jobs, progress)
+    write_manifest(out_dir, targets, compiler.version)
+    return out_dir
+
+
+# --- python -m rdna_flash_attn rebuild --------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", help="comma-separated GPU targets, e.g. gfx1100 (default: each AMD GPU torch sees)")
+    parser.add_argument("--clang", help="clang executable (default: clang-19, ROCm's or the HIP SDK's clang, clang)")
+    parser.add_argument("--jobs", type=int, help="targets compiled at once (default: one per CPU core)")
+    parser.add_argument("--no-selftest", action="store_true", help="do not run the self-test on a matching GPU")
+    parser.add_argument("--clear", action="store_true", help="delete every local build (the prebuilt ones apply again)")
+
+
+def _amd_gpus() -> list[tuple[object, str]]:
+    """(torch device, gfx target) of every AMD GPU torch sees."""
+    import torch
+
+    from . import device as devices
+
+    if not torch.cuda.is_available():
+        return []
+    found = []
+    for index in range(torch.cuda.device_count()):
+        info = devices.describe(torch.device("cuda", index))
+        if info.is_amd and info.gfx_target:
+            found.append((torch.device("cuda", index), info.gfx_target))
+    return found
+
+
+def _selftest_built(gpus: list[tuple[object, str]], built: list[str]) -> int:
+    from . import dispatch, selftest
+
+    failed = False
+    for gpu, target in gpus:
+        if target not in built:
+            continue
+        record = selftest.run(gpu)
+        print(f"self-test on {gpu} ({target}): {'passed' if record['passed'] else record['reason']}")
+        failed = failed or not record["passed"]
+    dispatch.forget_devices()
+    return 1 if failed else 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """0 built (and self-tested where a GPU of the target is here), 1 the build or self-test failed."""
+    from . import artifacts
+
+    if args.clear:
+        root = artifacts.local_builds_root()
+        shutil.rmtree(root, ignore_errors=True)
+        print(f"removed local builds under {root}: prebuilt code objects apply again")
+        return 0
+    gpus = _amd_gpus()
+    targets = args.target.split(",") if args.target else sorted({target for _, target in gpus})
+    if not targets:
+        print("rebuild: no AMD GPU visible to torch; name the target, e.g. --target gfx1100", file=sys.stderr)
+        return 1
+    try:
+        out_dir = build_local(targets, args.clang, args.jobs)
+    except BuildError as error:
+        print(f"rebuild: {error}", file=sys.stderr)
+        print("rebuild: nothing changed; attention keeps running where it did (prebuilt kernels or PyTorch SDPA)",
+              file=sys.stderr)
+        return 1
+    built = sorted({check_target(t) for t in targets})
+    print(f"built {', '.join(built)} into {out_dir}; the runtime uses them from now on "
+          "(python -m rdna_flash_attn rebuild --clear goes back to the prebuilt ones)")
+    if args.no_selftest:
+        return 0
+    if not any(target in built for _, target in gpus):
+        print("no GPU of these targets here: the self-test runs on first use on one")
+        return 0
+    return _selftest_built(gpus, built)

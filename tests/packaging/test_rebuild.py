@@ -1,0 +1,173 @@
+"""The local rebuild without compiling for real: compiler search (ROCm, HIP SDK, system clang, too
+old, missing), target checks, the build into the user cache with progress, and its command line. The
+real clang-19 build, compared byte for byte with prebuilt/, runs in .ci/packaging_check.sh."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import tomllib
+
+import rdna_flash_attn
+from rdna_flash_attn import artifacts, cli, rebuild
+
+from .conftest import REPO_PREBUILT, REPO_ROOT, fallback_reason_of_one_call
+
+
+@pytest.fixture
+def only_on_path(monkeypatch, tmp_path):
+    """PATH holds only the given folders, and no ROCm/HIP SDK is set up (so no real clang is found)."""
+
+    def restrict(*folders: Path) -> None:
+        monkeypatch.setenv("PATH", ":".join(str(f) for f in folders) or str(tmp_path / "empty"))
+        monkeypatch.setenv("ROCM_PATH", str(tmp_path / "no_rocm"))
+        monkeypatch.delenv("HIP_PATH", raising=False)
+
+    return restrict
+
+
+def test_manifest_source_hash_matches_the_sources():
+    manifest = json.loads((REPO_PREBUILT / "manifest.json").read_text())
+    assert manifest["source_hash"] == rebuild.source_hash(REPO_ROOT / "kernels")
+    assert sorted(manifest["targets"]) == sorted(rebuild.PREBUILT_TARGETS)
+
+
+def test_the_clang_command_is_the_prebuilt_one():
+    command = rebuild.clang_command("clang-19", "gfx1100", Path("/gen"), Path("/out.hsaco"), REPO_ROOT / "kernels")
+    assert command == ["clang-19", "-x", "hip", "--cuda-device-only", "--no-gpu-bundle-output", "-nogpulib",
+                       "-nogpuinc", "-O3", "-std=c++17", "-mcode-object-version=5", "-cuid=rdna_flash_attn",
+                       "--offload-arch=gfx1100", "-I/gen", str(REPO_ROOT / "kernels" / "attention.hip"),
+                       "-o", "/out.hsaco"]
+
+
+@pytest.mark.parametrize("target", ["gfx90a", "gfx1030", "sm_90", "gfx11", ""])
+def test_non_rdna_targets_are_refused(target):
+    with pytest.raises(rebuild.BuildError, match="is not an RDNA3/RDNA4 GPU target"):
+        rebuild.check_target(target)
+
+
+def test_rocm_clang_is_found_through_rocm_path(fake_clang, only_on_path, monkeypatch, tmp_path):
+    only_on_path()
+    rocm = tmp_path / "rocm"
+    (rocm / "llvm" / "bin").mkdir(parents=True)
+    fake_clang("AMD clang version 19.0.0git (roc-6.4.0)").rename(rocm / "llvm" / "bin" / "clang")
+    monkeypatch.setenv("ROCM_PATH", str(rocm))
+    compiler = rebuild.find_clang()
+    assert compiler.path == str(rocm / "llvm" / "bin" / "clang") and compiler.major == 19
+
+
+def test_hip_sdk_clang_is_found_through_hip_path(fake_clang, only_on_path, monkeypatch, tmp_path):
+    only_on_path()
+    sdk = tmp_path / "hip_sdk"
+    (sdk / "bin").mkdir(parents=True)
+    fake_clang("clang version 19.0.0git (AMD HIP SDK 6.2)").rename(sdk / "bin" / "clang")
+    monkeypatch.setenv("HIP_PATH", str(sdk))
+    assert rebuild.find_clang().path == str(sdk / "bin" / "clang")
+
+
+def test_clang_19_comes_before_rocm_and_newer_clangs(monkeypatch):
+    monkeypatch.setenv("ROCM_PATH", "/opt/rocm-6.4")
+    candidates = rebuild.clang_candidates()
+    assert candidates[0] == "clang-19"
+    assert candidates.index("/opt/rocm-6.4/llvm/bin/clang") < candidates.index("clang-20") < candidates.index("clang")
+
+
+def test_too_old_clang_is_one_clear_message(fake_clang, only_on_path):
+    old = fake_clang("Ubuntu clang version 15.0.7", name="clang")
+    only_on_path(old.parent)
+    with pytest.raises(rebuild.BuildError) as caught:
+        rebuild.find_clang()
+    message = str(caught.value)
+    assert message.startswith("no clang >= 19 found; too old or unusable: ")
+    assert f"{old}: Ubuntu clang version 15.0.7" in message and "apt-get install clang-19" in message
+
+
+def test_no_clang_at_all_is_one_clear_message(only_on_path):
+    only_on_path()
+    with pytest.raises(rebuild.BuildError, match=r"^no clang found \(looked for clang-19"):
+        rebuild.find_clang()
+
+
+def test_cli_with_a_too_old_clang_changes_nothing_and_sdpa_keeps_running(fake_clang, amd_gpu, capsys):
+    amd_gpu.target = "gfx1152"
+    old = fake_clang("clang version 16.0.6")
+    assert cli.main(["rebuild", "--target", "gfx1152", "--clang", str(old)]) == 1
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and out == ""
+    assert err.splitlines() == [
+        (f"rebuild: no clang >= 19 found; too old or unusable: {old}: clang version 16.0.6. "
+         "Install clang-19 (Debian/Ubuntu: apt-get install clang-19 lld-19) or ROCm 6.4+, or pass --clang."),
+        "rebuild: nothing changed; attention keeps running where it did (prebuilt kernels or PyTorch SDPA)",
+    ]
+    assert not artifacts.local_build_dir().exists()
+    assert "no prebuilt code object for gfx1152" in fallback_reason_of_one_call()
+
+
+def test_cli_refuses_an_unknown_target(capsys):
+    assert cli.main(["rebuild", "--target", "gfx90a"]) == 1
+    assert "rebuild: 'gfx90a' is not an RDNA3/RDNA4 GPU target" in capsys.readouterr().err
+
+
+def test_cli_without_a_gpu_or_target_asks_for_one(capsys):
+    assert cli.main(["rebuild"]) == 1
+    assert "name the target, e.g. --target gfx1100" in capsys.readouterr().err
+
+
+def test_clang_that_does_not_know_the_target(fake_clang):
+    clang = fake_clang("clang version 19.1.7", compile_ok=False,
+                       stderr="clang: error: unsupported CUDA gpu architecture: gfx1153\n")
+    with pytest.raises(rebuild.BuildError, match=r"clang version 19.1.7 does not know gfx1153: a newer clang"):
+        rebuild.build_local(["gfx1153"], clang=str(clang), progress=lambda line: None)
+    assert list(artifacts.local_build_dir().iterdir()) == []  # no code object, no partial file
+
+
+def test_build_into_the_user_cache_is_used_by_the_runtime(fake_clang, amd_gpu, capsys):
+    amd_gpu.target = "gfx1152"
+    clang = fake_clang("clang version 19.1.7")
+    assert cli.main(["rebuild", "--target", "gfx1152,gfx1100", "--clang", str(clang), "--jobs", "2"]) == 0
+    out = capsys.readouterr().out
+    folder = artifacts.local_build_dir()
+    assert folder.parent == Path(rdna_flash_attn.settings.cache_dir) / "kernels"
+    assert re.search(r"\[\d/2\] gfx1152: compiling \(\d+ kernels", out) and re.search(r"\[\d/2\] gfx1152: done in", out)
+    assert "no GPU of these targets here: the self-test runs on first use" in out  # torch sees no GPU here
+
+    # what clang was asked: the prebuilt command, with the generated variant list on the include path
+    compiled = (folder / "rdna_fa_gfx1152.hsaco").read_text().split()
+    assert compiled[:-3] == rebuild.CLANG_FLAGS.split() + ["--offload-arch=gfx1152"]
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["source_hash"] == rebuild.source_hash() and manifest["compiler"] == "clang version 19.1.7"
+    assert sorted(manifest["targets"]) == ["gfx1100", "gfx1152"]
+    assert list(folder.glob(".*")) == []  # no partial files left
+
+    artifact = artifacts.amd_artifact("gfx1152")
+    assert artifact.local and artifact.read_verified() == (folder / "rdna_fa_gfx1152.hsaco").read_bytes()
+    assert artifacts.amd_artifact("gfx1100").local  # the user asked: preferred to the prebuilt one
+
+    assert cli.main(["rebuild", "--clear"]) == 0
+    assert not artifacts.amd_artifact("gfx1100").local and not folder.exists()
+
+
+def test_doctor_shows_prebuilt_local_builds_and_compiler(prebuilt_copy, fake_clang, only_on_path, capsys):
+    (prebuilt_copy / "rdna_fa_gfx1101.hsaco").write_bytes(b"x")
+    clang = fake_clang("clang version 20.1.0", name="clang-20")
+    only_on_path(clang.parent)
+    rebuild.build_local(["gfx1152"], progress=lambda line: None)
+    capsys.readouterr()
+    assert cli.main(["doctor"]) == 0
+    out = re.sub(r" +", " ", capsys.readouterr().out)
+    assert f"prebuilt {prebuilt_copy}: 7 targets sha256-verified (gfx1100, gfx1102," in out
+    assert "PROBLEM gfx1101: rdna_fa_gfx1101.hsaco does not match the sha256" in out
+    assert f"local builds {artifacts.local_build_dir()}: gfx1152 (used instead of prebuilt)" in out
+    assert f"compiler {clang} (clang version 20.1.0)" in out
+
+
+def test_packaging_metadata_never_pulls_torch():
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    assert project["project"]["version"] == rdna_flash_attn.__version__
+    assert project["project"]["dependencies"] == []
+    requirements = [line.strip() for line in (REPO_ROOT / "requirements.txt").read_text().splitlines()]
+    assert [line for line in requirements if line and not line.startswith("#")] == []
+    assert project["tool"]["comfy"]["DisplayName"] == "RDNA Flash Attention"
