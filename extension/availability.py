@@ -1,0 +1,54 @@
+"""Whether the kernels can run on the WebUI's device, and the one console line that says so.
+
+Everything the answer rests on is checked without launching anything: the manifest and code object
+(sha256), the device's policy verdict and its kernel library. Any failure is a reason, never an
+exception: a broken install must cost the speed-up, not the WebUI's start.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from rdna_flash_attn import artifacts, dispatch, settings
+from rdna_flash_attn import device as devices
+from rdna_flash_attn.config import LOGGER_NAME
+
+log = logging.getLogger(LOGGER_NAME)
+PREFIX = "RDNA Flash Attention"
+
+_explained: set[str] = set()
+
+
+def reason(device: torch.device) -> str | None:
+    """Why the kernels cannot run on `device`, or None when they can."""
+    if settings.disable:
+        return "disabled (RDNA_FA_DISABLE=1)"
+    try:
+        artifacts.load_manifest()
+        refusal = dispatch.device_refusal(device)
+        if refusal:
+            return refusal
+        info = devices.describe(device)
+        if info.is_amd and info.gfx_target:
+            artifacts.amd_artifact(info.gfx_target).read_verified()
+    except artifacts.ArtifactError as error:
+        return str(error)
+    except Exception as error:  # an unforeseen failure still only switches the extension off
+        return f"could not check the GPU ({type(error).__name__}: {error})"
+    return None
+
+
+def explain_once(host: str, device: torch.device, why: str | None) -> None:
+    """One console line per distinct status: a warning when off (users need to see why), INFO when on."""
+    line = f"{PREFIX} ({host}): " + (f"not active: {why}" if why else f"ready on {device}")
+    if line in _explained:
+        return
+    _explained.add(line)
+    (log.warning if why else log.info)("%s", line)
+
+
+def status_text(why: str | None) -> str:
+    """Short status for the Settings section."""
+    return f"not active: {why}" if why else "kernels available"

@@ -1,0 +1,62 @@
+"""WebUI extension tests: the host fakes on sys.path per test, and every piece of extension and host
+state put back afterwards (patched class forwards, rebound module globals, settings toggles)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+from extension import availability, entry, forge, options
+
+FAKES = Path(__file__).parent / "fakes"
+HOST_PACKAGES = ("modules", "backend", "modules_forge", "sgm")
+FAKE_ROOTS = {"a1111": ("a1111",), "forge": ("forge", "a1111")}
+
+
+def _drop_host_modules() -> None:
+    for name in list(sys.modules):
+        if name.split(".")[0] in HOST_PACKAGES:
+            del sys.modules[name]
+
+
+def _ldm_classes():
+    try:
+        import ldm.modules.attention
+        import ldm.modules.diffusionmodules.model
+    except ImportError:
+        return []
+    return [ldm.modules.attention.CrossAttention, ldm.modules.diffusionmodules.model.AttnBlock]
+
+
+@pytest.fixture(autouse=True)
+def extension_state():
+    classes = _ldm_classes()
+    forwards = {cls: cls.forward for cls in classes}
+    yield
+    forge.rebinding.restore()
+    for cls, forward in forwards.items():
+        cls.forward = forward
+    options.toggles.unet = options.toggles.vae = True
+    options._subscribers.clear()
+    availability._explained.clear()
+    entry._said_no_host = False
+    _drop_host_modules()
+
+
+@pytest.fixture
+def webui(monkeypatch):
+    """webui("a1111") or webui("forge"): that WebUI's fake host modules importable; returns its
+    modules.shared."""
+
+    def start(kind: str):
+        if kind == "a1111":
+            pytest.importorskip("ldm.modules.attention", reason="stable-diffusion-sdkit (ldm) not installed")
+        _drop_host_modules()
+        for root in reversed(FAKE_ROOTS[kind]):
+            monkeypatch.syspath_prepend(str(FAKES / root))
+        return importlib.import_module("modules.shared")
+
+    return start

@@ -1,0 +1,33 @@
+"""Fake of A1111 modules/sd_hijack.py's optimizer selection: list the available optimizations by
+priority, undo the current one, apply the one chosen by title ("Automatic": the first; "None": none)."""
+
+from modules import script_callbacks, sd_hijack_optimizations, shared
+
+optimizers = []
+current_optimizer = None
+
+
+def list_optimizers():
+    script_callbacks.on_list_optimizers(sd_hijack_optimizations.list_optimizers)
+    found = [x for x in script_callbacks.list_optimizers_callback() if x.is_available()]
+    script_callbacks.callbacks["list_optimizers"].remove(sd_hijack_optimizations.list_optimizers)
+    optimizers[:] = sorted(found, key=lambda x: x.priority, reverse=True)
+
+
+def undo_optimizations():
+    sd_hijack_optimizations.SdOptimization().undo()
+
+
+def apply_optimizations(option=None):
+    global current_optimizer
+    undo_optimizations()
+    if current_optimizer is not None:
+        current_optimizer.undo()
+        current_optimizer = None
+    selection = option or shared.opts.cross_attention_optimization
+    if selection == "None" or not optimizers:
+        return ""
+    chosen = optimizers[0] if selection == "Automatic" else next(x for x in optimizers if x.title() == selection)
+    chosen.apply()
+    current_optimizer = chosen
+    return chosen.name

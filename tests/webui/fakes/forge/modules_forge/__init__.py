@@ -1,0 +1,1 @@
+"""Fake marker of Forge\x27s modules_forge package."""

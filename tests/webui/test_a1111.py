@@ -1,0 +1,134 @@
+"""A1111 integration through its call signatures (fakes of modules/): registration through
+on_list_optimizers, settings registration and onchange, apply/undo through A1111's selection, and an
+unusable GPU or artifact making the optimization unavailable instead of failing the start."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+
+import rdna_flash_attn
+from extension import a1111, entry, options
+from rdna_flash_attn import artifacts
+
+pytest.importorskip("ldm.modules.attention", reason="stable-diffusion-sdkit (ldm) not installed")
+
+
+@pytest.fixture
+def started(webui):
+    """A1111 with the extension set up, as the scripts shim does at start (which already asks about
+    the device: tests request fake_gpu before this)."""
+    shared = webui("a1111")
+    assert entry.setup() == "a1111"
+    return shared
+
+
+def listed(title):
+    from modules import sd_hijack
+
+    sd_hijack.list_optimizers()
+    return [x for x in sd_hijack.optimizers if x.title() == title]
+
+
+def test_registered_through_on_list_optimizers_and_first_where_available(fake_gpu, started):
+    from modules import sd_hijack, sd_hijack_optimizations
+
+    (optimization,) = listed("RDNA Flash Attention")
+    assert isinstance(optimization, sd_hijack_optimizations.SdOptimization)
+    assert sd_hijack.optimizers[0] is optimization  # "Automatic" picks it
+    assert optimization.unavailable_reason is None
+
+
+def test_not_listed_without_a_supported_gpu_and_said_once(log_records, started):
+    assert listed("RDNA Flash Attention") == []
+    listed("RDNA Flash Attention")
+    records = log_records.get_records("setup") + log_records.records  # setup: the shim's start
+    lines = [r for r in records if r.levelno == logging.WARNING and "RDNA Flash Attention" in r.message]
+    assert [r.message for r in lines] == [
+        "RDNA Flash Attention (A1111): not active: CPU tensors (the kernels run on AMD RDNA3/RDNA4 GPUs)"
+    ]
+
+
+def test_apply_and_undo_through_a1111_selection(fake_gpu, started):
+    import ldm.modules.attention
+    import ldm.modules.diffusionmodules.model
+    from modules import sd_hijack
+
+    classes = (ldm.modules.attention.CrossAttention, ldm.modules.diffusionmodules.model.AttnBlock)
+    originals = [cls.forward for cls in classes]
+    listed("RDNA Flash Attention")
+    assert sd_hijack.apply_optimizations("RDNA Flash Attention") == "RDNA Flash Attention"
+    assert all(cls.forward is not forward for cls, forward in zip(classes, originals))
+    torch.manual_seed(0)
+    module = ldm.modules.attention.CrossAttention(64, heads=2, dim_head=32).half()
+    with torch.no_grad():
+        module(torch.randn(1, 8, 64).half())
+    assert len(fake_gpu.launches) == 1
+    assert sd_hijack.apply_optimizations("sdp - scaled dot product") == "sdp"  # switching away undoes it
+    assert sd_hijack.apply_optimizations("None") == ""
+    assert [cls.forward for cls in classes] == originals
+    assert all(cls.forward is forward for cls, forward in zip(classes, originals))
+
+
+def test_settings_registered_in_their_own_section_and_applied_on_change(fake_gpu, started):
+    from modules import script_callbacks, shared
+
+    listed("RDNA Flash Attention")
+    script_callbacks.ui_settings_callback()
+    infos = {key: shared.opts.data_labels[key] for key in options.BY_KEY}
+    assert {info.section for info in infos.values()} == {("rdna_flash_attn", "RDNA Flash Attention")}
+    assert all(info.default is options.BY_KEY[key].default for key, info in infos.items())
+    gradio = pytest.importorskip("gradio")
+    assert all(info.component is gradio.Checkbox for info in infos.values())
+    assert "kernels available" in infos["rdna_fa_unet"].comment_after
+
+    assert shared.opts.set("rdna_fa_training", False)
+    assert rdna_flash_attn.settings.training is False
+    assert shared.opts.set("rdna_fa_log_fallbacks", True)
+    assert rdna_flash_attn.settings.log_level == "INFO"
+    assert shared.opts.set("rdna_fa_unet", False) and shared.opts.set("rdna_fa_vae", False)
+    assert (options.toggles.unet, options.toggles.vae) == (False, False)
+    assert shared.opts.set("rdna_fa_log_fallbacks", False)
+    assert rdna_flash_attn.settings.log_level is None
+
+
+def test_saved_settings_apply_at_start(webui):
+    shared = webui("a1111")
+    shared.opts.data["rdna_fa_training"] = False  # as loaded from config.json before scripts run
+    shared.opts.data["rdna_fa_vae"] = False
+    entry.setup()
+    assert rdna_flash_attn.settings.training is False and options.toggles.vae is False
+
+
+def test_a_broken_code_object_makes_it_unavailable(fake_gpu, started, tmp_path, monkeypatch):
+    broken = tmp_path / "prebuilt"
+    shutil.copytree(artifacts.prebuilt_dir(), broken)
+    manifest = json.loads((broken / "manifest.json").read_text())
+    code_object = broken / manifest["targets"]["gfx1100"]["file"]
+    code_object.write_bytes(code_object.read_bytes() + b"damage")
+    monkeypatch.setattr(artifacts, "prebuilt_dir", lambda: broken)
+
+    assert listed("RDNA Flash Attention") == []
+    from modules import sd_hijack_optimizations
+
+    optimization = a1111.optimization_class(sd_hijack_optimizations.SdOptimization)()
+    assert optimization.is_available() is False
+    assert "does not match the sha256" in optimization.unavailable_reason
+
+
+def test_a_missing_manifest_makes_it_unavailable(fake_gpu, started, tmp_path, monkeypatch):
+    monkeypatch.setattr(artifacts, "prebuilt_dir", lambda: tmp_path)
+    assert listed("RDNA Flash Attention") == []
+    from modules import script_callbacks, shared
+
+    script_callbacks.ui_settings_callback()  # the settings still register, saying why
+    assert "not active: no kernel manifest" in shared.opts.data_labels["rdna_fa_unet"].comment_after
+
+
+def test_rdna_fa_disable_makes_it_unavailable(fake_gpu, started):
+    rdna_flash_attn.settings.disable = True
+    assert listed("RDNA Flash Attention") == []

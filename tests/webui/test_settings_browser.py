@@ -1,0 +1,34 @@
+"""A real browser: the gradio page built from the extension's settings components renders in
+headless Chromium, and clicking a checkbox there changes the dispatcher's setting."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "webui_settings_screenshot.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("webui_settings_screenshot", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_clicking_the_training_checkbox_in_chromium_changes_the_setting(tmp_path):
+    pytest.importorskip("gradio", reason="gradio not installed")
+    pytest.importorskip("websocket", reason="websocket-client not installed")
+    script = load_script()
+    if script.find_browser() is None:
+        pytest.skip("no Chromium (apt-get install chromium)")
+    import rdna_flash_attn
+
+    assert rdna_flash_attn.settings.training is True
+    result = script.run_check(tmp_path / "settings.png")
+    assert (result["before"], result["after"], result["checked_in_page"]) == (True, False, False)
+    assert rdna_flash_attn.settings.training is False
+    png = (tmp_path / "settings.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000
