@@ -1,0 +1,158 @@
+"""diffusers attention processor that runs attention through the dispatcher, plus helpers that
+install it on a UNet2DConditionModel / AutoencoderKL and put the previous processors back.
+
+    from rdna_flash_attn.diffusers_attention import install_attention_processor, restore_attention_processors
+    install_attention_processor(unet)      # every plain SDPA layer now runs on the kernels where supported
+    ...
+    restore_attention_processors(unet)     # the exact processor objects found at install time
+
+Only layers whose processor is diffusers' plain `AttnProcessor2_0` or `AttnProcessor` are replaced:
+anything else (IP-Adapter, custom LoRA, added-KV, fused projections) keeps its own processor, since
+it computes something ours does not. Transformer models (SD3, Flux, WAN...) do not use these
+processors; their "native" attention backend calls `torch.nn.functional.scaled_dot_product_attention`
+at call time, which `rdna_flash_attn.patch_sdpa()` (or the launcher, or RDNA_FA_PATCH_SDPA=1) routes
+through the dispatcher; diffusers' backend names are a closed enum, so no backend of ours is offered.
+
+diffusers itself is never imported here: models are handled through the methods they carry.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from . import dispatch
+from .config import LOGGER_NAME
+
+log = logging.getLogger(LOGGER_NAME)
+
+REPLACEABLE_PROCESSORS = ("AttnProcessor2_0", "AttnProcessor")
+_SAVED_ATTRIBUTE = "_rdna_flash_attn_previous_processors"
+
+
+class RdnaFlashAttnProcessor:
+    """Processor for diffusers' `Attention` layers: the steps of diffusers' AttnProcessor2_0 (spatial
+    and group norm, 4-D (B, C, H, W) inputs, cross-attention norm, q/k norms, output projection,
+    residual, output rescale), with the attention itself from `rdna_flash_attn.scaled_dot_product_attention`.
+    Calls the kernels cannot take (an attention mask, float32 outside autocast...) run on PyTorch SDPA
+    with the same arguments, counted in `rdna_flash_attn.stats()`.
+
+    The layer's own `attn.scale` is passed on: diffusers' SDPA processor leaves it at SDPA's default,
+    which equals `attn.scale` for every layer that processor is installed on by default."""
+
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        temb: torch.Tensor | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        if attn.spatial_norm is not None:
+            hidden_states = attn.spatial_norm(hidden_states, temb)
+
+        spatial_shape = None
+        if hidden_states.ndim == 4:  # VAE blocks hand over feature maps (B, C, H, W)
+            spatial_shape = hidden_states.shape
+            batch, channels, height, width = spatial_shape
+            hidden_states = hidden_states.view(batch, channels, height * width).transpose(1, 2)
+
+        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        batch, context_length, _ = context.shape
+
+        if attention_mask is not None:
+            attention_mask = attn.prepare_attention_mask(attention_mask, context_length, batch)
+            attention_mask = attention_mask.view(batch, attn.heads, -1, attention_mask.shape[-1])
+
+        if attn.group_norm is not None:
+            hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
+
+        query = attn.to_q(hidden_states)
+        if encoder_hidden_states is None:
+            encoder_hidden_states = hidden_states
+        elif attn.norm_cross:
+            encoder_hidden_states = attn.norm_encoder_hidden_states(encoder_hidden_states)
+        key = attn.to_k(encoder_hidden_states)
+        value = attn.to_v(encoder_hidden_states)
+
+        head_dim = key.shape[-1] // attn.heads
+        # (B, S, H*D) -> (B, H, S, D) views: unit stride in D, which the kernels take without a copy.
+        query, key, value = (t.view(batch, -1, attn.heads, head_dim).transpose(1, 2) for t in (query, key, value))
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+
+        hidden_states = dispatch.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, scale=attn.scale
+        )
+        hidden_states = hidden_states.transpose(1, 2).reshape(batch, -1, attn.heads * head_dim).to(query.dtype)
+
+        hidden_states = attn.to_out[0](hidden_states)  # projection
+        hidden_states = attn.to_out[1](hidden_states)  # dropout
+
+        if spatial_shape is not None:
+            hidden_states = hidden_states.transpose(-1, -2).reshape(spatial_shape)
+        if attn.residual_connection:
+            hidden_states = hidden_states + residual
+        return hidden_states / attn.rescale_output_factor
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def _processors(model: Any) -> dict[str, Any]:
+    if not hasattr(model, "attn_processors") or not hasattr(model, "set_attn_processor"):
+        raise TypeError(
+            f"{type(model).__name__} has no attn_processors/set_attn_processor: not a diffusers model with "
+            "attention processors (for transformer models use rdna_flash_attn.patch_sdpa())"
+        )
+    return dict(model.attn_processors)
+
+
+def install_attention_processor(model: Any, processor: RdnaFlashAttnProcessor | None = None) -> dict[str, Any]:
+    """Put `processor` (default: a new RdnaFlashAttnProcessor) on every layer of `model` that runs
+    diffusers' plain SDPA processor; other layers keep theirs. Returns the processors found before
+    (layer name -> object), which the model also keeps for restore_attention_processors(); installing
+    again keeps the first install's originals."""
+    previous = _processors(model)
+    processor = processor or RdnaFlashAttnProcessor()
+    chosen = {}
+    kept = []
+    for name, current in previous.items():
+        replaceable = type(current).__name__ in REPLACEABLE_PROCESSORS or isinstance(current, RdnaFlashAttnProcessor)
+        chosen[name] = processor if replaceable else current
+        if not replaceable:
+            kept.append(type(current).__name__)
+    model.set_attn_processor(chosen)
+    if kept:
+        log.info(
+            "%s: %d attention layers keep their own processors (%s)",
+            type(model).__name__, len(kept), ", ".join(sorted(set(kept))),
+        )
+    if getattr(model, _SAVED_ATTRIBUTE, None) is None:
+        setattr(model, _SAVED_ATTRIBUTE, previous)  # a plain attribute: not a submodule, not in state_dict
+    return previous
+
+
+def restore_attention_processors(model: Any, previous: Mapping[str, Any] | None = None) -> None:
+    """Put back `previous` (a mapping from install_attention_processor), or the processors the model
+    had before its first install; the exact objects, layer by layer."""
+    saved = getattr(model, _SAVED_ATTRIBUTE, None)
+    previous = saved if previous is None else previous
+    if previous is None:
+        raise ValueError(f"{type(model).__name__}: no processors saved by install_attention_processor() to restore")
+    model.set_attn_processor(dict(previous))  # set_attn_processor pops from the dict it is given
+    if saved is not None:
+        delattr(model, _SAVED_ATTRIBUTE)
+
+
+def attention_processor_installed(model: Any) -> bool:
+    """Whether any attention layer of `model` runs RdnaFlashAttnProcessor."""
+    return any(isinstance(p, RdnaFlashAttnProcessor) for p in _processors(model).values())

@@ -1,0 +1,107 @@
+"""The .pth hook: off unless RDNA_FA_PATCH_SDPA is set; when set, the override is installed right
+after the program's own `import torch` (nothing imported earlier); a failure never stops the
+interpreter. Proved with a real interpreter start in a virtual environment holding the hook."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import venv
+
+import pytest
+
+from rdna_flash_attn import autoload, sdpa_patch
+
+from .conftest import REPO_ROOT, run_child
+
+HOOK = REPO_ROOT / "rdna_flash_attn_autoload.pth"
+
+PROBE = """
+import json, sys
+seen = dict(torch_at_start="torch" in sys.modules, package_at_start="rdna_flash_attn" in sys.modules)
+import torch
+import torch.nn.functional as F
+seen["patched"] = F.scaled_dot_product_attention.__module__ == "rdna_flash_attn.dispatch"
+q = torch.randn(1, 2, 8, 16)
+F.scaled_dot_product_attention(q, q, q)
+seen["counted"] = sys.modules["rdna_flash_attn"].stats()["fallback"] if "rdna_flash_attn" in sys.modules else 0
+print(json.dumps(seen))
+"""
+
+
+@pytest.fixture(scope="module")
+def hooked_python(tmp_path_factory):
+    """A virtual environment (system site-packages visible, for torch) whose site-packages holds the hook."""
+    home = tmp_path_factory.mktemp("venv")
+    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(home)
+    python = home / ("Scripts/python.exe" if sys.platform == "win32" else "bin/python")
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    shutil.copy(HOOK, purelib)
+    return str(python)
+
+
+def test_hook_is_one_cheap_line():
+    lines = HOOK.read_text().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("import os;")
+
+
+def test_hook_off_without_the_variable(hooked_python, child_env):
+    child = run_child([hooked_python, "-c", PROBE], child_env)
+    assert child.returncode == 0, child.stderr
+    assert json.loads(child.stdout) == dict(torch_at_start=False, package_at_start=False, patched=False, counted=0)
+    assert child.stderr == ""
+
+
+def test_hook_installs_the_override_after_the_programs_own_torch_import(hooked_python, child_env):
+    child = run_child([hooked_python, "-c", PROBE], dict(child_env, RDNA_FA_PATCH_SDPA="1"))
+    assert child.returncode == 0, child.stderr
+    assert json.loads(child.stdout) == dict(torch_at_start=False, package_at_start=False, patched=True, counted=1)
+
+
+def test_hook_failure_never_stops_the_program(hooked_python, child_env, tmp_path):
+    # A broken installation: the package's autoload.py is there, its __init__ raises.
+    broken = tmp_path / "rdna_flash_attn"
+    broken.mkdir()
+    shutil.copy(REPO_ROOT / "rdna_flash_attn" / "autoload.py", broken)
+    (broken / "__init__.py").write_text("raise ImportError('broken install')\n")
+    env = dict(child_env, RDNA_FA_PATCH_SDPA="1", PYTHONPATH=str(tmp_path))
+    # cwd: not the checkout, whose working package `python -c` would find first
+    child = run_child([hooked_python, "-c", "import torch; print(torch.ones(2).sum().item())"], env, cwd=tmp_path)
+    assert child.returncode == 0 and child.stdout.strip() == "2.0"
+    assert child.stderr.count("RDNA_FA_PATCH_SDPA") == 1 and "ImportError: broken install" in child.stderr
+
+    # No package at all: the hook itself reports once and the interpreter goes on.
+    child = run_child([hooked_python, "-c", "print('up')"], dict(env, PYTHONPATH=str(tmp_path / "empty")), cwd=tmp_path)
+    assert child.returncode == 0 and child.stdout.strip() == "up"
+    assert child.stderr.count("RDNA_FA_PATCH_SDPA is set but the hook failed") == 1
+
+
+@pytest.mark.parametrize("value, wanted", [("1", True), ("yes", True), (" ON ", True), ("", False),
+                                           ("0", False), ("off", False), ("2", False)])
+def test_variable_values(value, wanted):
+    assert autoload.requested({"RDNA_FA_PATCH_SDPA": value}) is wanted
+    assert autoload.requested({}) is False
+
+
+def test_install_with_torch_already_imported_patches_at_once(monkeypatch):
+    monkeypatch.setenv("RDNA_FA_PATCH_SDPA", "1")
+    autoload.install()
+    assert sdpa_patch.sdpa_patch_enabled()
+
+
+def test_install_errors_are_logged_not_raised(monkeypatch, log_records):
+    monkeypatch.setenv("RDNA_FA_PATCH_SDPA", "1")
+
+    def broken():
+        raise RuntimeError("no HIP runtime")
+
+    monkeypatch.setattr(sdpa_patch, "enable_sdpa_patch", broken)
+    monkeypatch.setattr("rdna_flash_attn.enable_sdpa_patch", broken)
+    autoload.install()
+    warnings = [r for r in log_records.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "no HIP runtime" in warnings[0].getMessage()
+    assert not sdpa_patch.sdpa_patch_enabled()
