@@ -4,6 +4,12 @@ attention shapes of Stable Diffusion-family models (DESIGN.md section 4), forwar
 Reports the median time (CUDA events on a GPU), TFLOP/s (FlashAttention's convention: 4*B*H*Sq*Sk*D
 forward, 2.5 times that backward) and the peak memory a call allocates beyond its inputs; writes
 JSON and a PNG plot. On a CPU it runs a small quick set, so it finishes in a minute or two.
+
+Each row also carries the memory the call must allocate whatever the method (`linear_mib`: output
+and LSE forward, dQ/dK/dV and the row deltas backward) and the size of one Sq x Sk score matrix
+(`scores_mib`), so a peak close to `linear_mib` shows that nothing proportional to Sq x Sk was
+allocated; `memory_sweep` does the same over growing sequence lengths and fits the growth exponent.
+`--suite full` runs the end-to-end suite of the repository's bench/ folder (bench/suite.py).
 """
 
 from __future__ import annotations
@@ -12,7 +18,9 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
+import platform
 import re
 import statistics
 import sys
@@ -44,6 +52,18 @@ class Shape:
         forward = 4.0 * self.batch * self.heads * self.q_tokens * self.k_tokens * self.head_dim
         return forward * 2.5 if pass_ == "backward" else forward
 
+    def linear_bytes(self, pass_: str, element_size: int) -> int:
+        """What any exact method allocates: output + float32 LSE forward; dQ, dK, dV + float32 row
+        deltas backward. O(Sq + Sk)."""
+        rows = self.batch * self.heads
+        if pass_ == "backward":
+            return rows * ((self.q_tokens + 2 * self.k_tokens) * self.head_dim * element_size + self.q_tokens * 4)
+        return rows * self.q_tokens * (self.head_dim * element_size + 4)
+
+    def scores_bytes(self, element_size: int) -> int:
+        """One Sq x Sk score matrix in the input precision: the buffer flash attention never allocates."""
+        return self.batch * self.heads * self.q_tokens * self.k_tokens * element_size
+
 
 # Batch 2 where the model runs with classifier-free guidance, 1 where it does not (Flux, WAN, VAE).
 SHAPES = (
@@ -69,6 +89,14 @@ SHAPES = (
 )
 _QUICK_NAMES = ("sd15-mid-64", "sd15-self-256", "sd15-cross-1024", "sd15-self-1024", "sdxl-self-1024")
 QUICK_SHAPES = tuple(s for s in SHAPES if s.name in _QUICK_NAMES)
+
+# One head geometry (SDXL's 10 x 64, CFG batch) at growing lengths: peak extra memory against tokens.
+SWEEP_TOKENS = (1024, 2048, 4096, 8192, 16384)
+QUICK_SWEEP_TOKENS = (64, 128, 256)
+
+
+def sweep_shapes(tokens: tuple[int, ...]) -> tuple[Shape, ...]:
+    return tuple(Shape(f"sweep-self-{n}", 2, 10, n, n, 64) for n in tokens)
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -161,32 +189,37 @@ def _free_bytes(device: torch.device) -> int | None:
 
 
 def _time_ms(fn: Callable[[], object], device: torch.device, budget_s: float) -> tuple[float, float | None]:
-    """(median milliseconds, peak MiB allocated beyond what existed before) of fn() on `device`."""
+    """(median milliseconds, peak MiB allocated beyond what existed before) of fn() on `device`.
+
+    One untimed warm-up (lazy loading, autotuning, allocator growth), then calls until about
+    `budget_s` is spent: at least MIN_REPS, or one when a single call already takes the budget (the
+    largest emulated cases take seconds each)."""
     cuda = device.type == "cuda"
-    fn()  # warm-up: lazy loading, autotuning, allocator growth
+    fn()
     _sync(device)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
+    times = [_timed_call(fn, device)]
+    peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if cuda else None
+    reps = MIN_REPS if times[0] * 1e-3 < budget_s else 1
+    reps = max(reps, min(MAX_REPS, int(budget_s / max(times[0] * 1e-3, 1e-6))))
+    times += [_timed_call(fn, device) for _ in range(reps - 1)]
+    return statistics.median(times), peak
+
+
+def _timed_call(fn: Callable[[], object], device: torch.device) -> float:
+    """Milliseconds of one call: CUDA events on a GPU, the wall clock on a CPU."""
+    if device.type == "cuda":
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end)
     start = time.perf_counter()
     fn()
-    _sync(device)
-    probe_s = time.perf_counter() - start
-    peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if cuda else None
-    times = []
-    for _ in range(max(MIN_REPS, min(MAX_REPS, int(budget_s / max(probe_s, 1e-6))))):
-        if cuda:
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end))
-        else:
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times), peak
+    return (time.perf_counter() - start) * 1e3
 
 
 def _inputs(shape: Shape, device: torch.device, dtype: torch.dtype, grad: bool) -> list[torch.Tensor]:
@@ -201,6 +234,9 @@ def measure(
 ) -> dict:
     """One result row; `error` says why a case has no time."""
     row = {"shape": shape.name, **asdict(shape), "provider": provider.name, "pass": pass_}
+    element_size = torch.empty((), dtype=dtype).element_size()
+    row.update(linear_mib=shape.linear_bytes(pass_, element_size) / 2**20,
+               scores_mib=shape.scores_bytes(element_size) / 2**20)
     row.update(ms=None, tflops=None, peak_extra_mib=None, error=None)
     need = shape.batch * shape.heads * shape.q_tokens * shape.k_tokens * 4 * MATH_MEMORY_FACTOR[pass_]
     free = _free_bytes(device)
@@ -231,7 +267,7 @@ def measure(
 # --- output ---------------------------------------------------------------------------------------
 
 
-def _progress(done: int, total: int, text: str) -> None:
+def print_progress(done: int, total: int, text: str) -> None:
     bar = "#" * (20 * done // total)
     print(f"[{bar:<20}] {done:>3}/{total} {text}", file=sys.stderr, flush=True)
 
@@ -296,10 +332,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-backward", action="store_true", help="forward only")
     parser.add_argument("--budget", type=float, default=0.5, help="seconds of timing per case (default 0.5)")
     parser.add_argument("--out", default=".", help="folder for the JSON and PNG (default: current folder)")
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    parser.add_argument("--suite", choices=("kernels", "full"), default="kernels",
+                        help="kernels: this attention benchmark (default); full: the end-to-end suite of bench/ "
+                             "(kernels, UNet sampling and VAE decode through diffusers, memory growth; "
+                             "--quick runs it at tiny sizes)")
 
 
 def _shapes(args: argparse.Namespace, quick: bool) -> tuple[Shape, ...] | str:
@@ -313,20 +349,113 @@ def _shapes(args: argparse.Namespace, quick: bool) -> tuple[Shape, ...] | str:
     return tuple(s for s in SHAPES if s.name in wanted)
 
 
-def _measure_all(shapes, device: torch.device, dtype: torch.dtype, args: argparse.Namespace) -> list[dict]:
+def measure_all(shapes, passes, device: torch.device, dtype: torch.dtype, budget_s: float,
+                note: Callable[[str], None] = lambda text: print(text, file=sys.stderr),
+                progress: Callable[[int, int, str], None] = print_progress) -> list[dict]:
+    """One row per shape, pass and provider available on `device` (see measure)."""
     with warnings.catch_warnings():  # SDPA warns why a backend refuses a shape; the rows say it once
         warnings.simplefilter("ignore", UserWarning)
-        providers = available_providers(device, dtype, lambda text: print(text, file=sys.stderr))
-        passes = ("forward",) if args.no_backward else ("forward", "backward")
+        providers = available_providers(device, dtype, note)
         cases = [(s, p, prov) for s in shapes for p in passes for prov in providers]
         rows = []
         for done, (shape, pass_, provider) in enumerate(cases, 1):
-            rows.append(measure(provider, shape, pass_, device, dtype, args.budget))
-            _progress(done, len(cases), f"{shape.name} {pass_} {provider.name}: {_row_text(rows[-1])}")
+            rows.append(measure(provider, shape, pass_, device, dtype, budget_s))
+            progress(done, len(cases), f"{shape.name} {pass_} {provider.name}: {_row_text(rows[-1])}")
     return rows
 
 
+def memory_growth(rows: list[dict]) -> list[dict]:
+    """Per provider and pass over rows of one head geometry at several lengths: the peaks, and the
+    exponent p of peak ~ tokens^p fitted between the two longest measured lengths (1: O(N), no
+    Sq x Sk buffer; 2: a score matrix)."""
+    growth = []
+    for provider, pass_ in dict.fromkeys((r["provider"], r["pass"]) for r in rows):
+        points = sorted((r["q_tokens"], r["peak_extra_mib"]) for r in rows
+                        if (r["provider"], r["pass"]) == (provider, pass_) and r["peak_extra_mib"])
+        exponent = None
+        if len(points) >= 2:
+            (n0, m0), (n1, m1) = points[-2:]
+            exponent = math.log(m1 / m0) / math.log(n1 / n0)
+        growth.append({"provider": provider, "pass": pass_, "tokens": [n for n, _ in points],
+                       "peak_extra_mib": [m for _, m in points], "exponent": exponent})
+    return growth
+
+
+def run_meta(device: torch.device, dtype: torch.dtype) -> dict:
+    """Versions, device and the kernels' state for a results file."""
+    return {
+        "rdna_flash_attn": __version__,
+        "torch": torch.__version__,
+        "hip": torch.version.hip,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": asdict(_device.describe(device)),
+        "dtype": _dtype_name(dtype),
+        # why the kernels were off, or which artifact ran (cached verdicts: nothing runs again)
+        "kernels": dispatch.device_refusal(device) or dispatch.selftest_refusal(device) or ops.artifact_info(device),
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "flops_convention": "forward 4*B*H*Sq*Sk*D, backward 2.5x forward",
+    }
+
+
+# --- whole models -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelProvider:
+    """An attention provider for a whole model: a context under which its attention calls run."""
+
+    name: str
+    description: str
+    context: Callable[[], ContextManager]
+
+
+def model_providers(device: torch.device, note: Callable[[str], None]) -> list[ModelProvider]:
+    """The kernels through the SDPA patch (where they run on `device`), SDPA's math backend (what
+    ZLUDA users get) and PyTorch's own per-call choice of SDPA backend (the best SDPA here)."""
+    from .sdpa_patch import patch_sdpa
+
+    providers = []
+    kernels = _kernel_provider(device)
+    if isinstance(kernels, str):
+        note(f"kernels not benchmarked: {kernels}")
+    else:
+        providers.append(ModelProvider(
+            "rdna_fa", "rdna_flash_attn.patch_sdpa(): torch's SDPA routed through the dispatcher", patch_sdpa))
+    math_only = _sdpa_backend_context("math")
+    if math_only is not None:
+        providers.append(ModelProvider("sdpa-math", "SDPA limited to its math backend (the ZLUDA default)", math_only))
+    providers.append(ModelProvider(
+        "sdpa-default", "SDPA as PyTorch dispatches it: its best available backend per call", contextlib.nullcontext))
+    return providers
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _run_suite(args: argparse.Namespace) -> int:
+    """`--suite full`: bench/suite.py of the repository this package sits in."""
+    suite_file = Path(__file__).resolve().parent.parent / "bench" / "suite.py"
+    if not suite_file.is_file():
+        print(f"--suite full needs the repository's bench/ folder ({suite_file} is missing): run it from a "
+              "clone of the repository", file=sys.stderr)
+        return 2
+    if str(suite_file.parent.parent) not in sys.path:
+        sys.path.insert(0, str(suite_file.parent.parent))
+    from bench import suite
+
+    argv = ["--out", args.out, "--budget", str(args.budget)]
+    argv += ["--device", args.device] if args.device else []
+    argv += ["--dtype", args.dtype] if args.dtype else []
+    argv += ["--size", "tiny"] if args.quick else []
+    return suite.main(argv)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.suite == "full":
+        return _run_suite(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype or ("fp32" if device.type == "cpu" else "fp16")]
     quick = args.quick or (device.type == "cpu" and not args.full)
@@ -337,18 +466,9 @@ def run(args: argparse.Namespace) -> int:
     info = _device.describe(device)
     print(f"bench on {info.name} ({device}), {_dtype_name(dtype)}, {len(shapes)} shapes"
           f"{' (quick set)' if quick else ''}", file=sys.stderr)
-    rows = _measure_all(shapes, device, dtype, args)
-    meta = {
-        "rdna_flash_attn": __version__,
-        "torch": torch.__version__,
-        "device": asdict(info),
-        "dtype": _dtype_name(dtype),
-        "quick": quick,
-        # why the kernels were off, or which artifact ran (cached verdicts: nothing runs again)
-        "kernels": dispatch.device_refusal(device) or dispatch.selftest_refusal(device) or ops.artifact_info(device),
-        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "flops_convention": "forward 4*B*H*Sq*Sk*D, backward 2.5x forward",
-    }
+    passes = ("forward",) if args.no_backward else ("forward", "backward")
+    rows = measure_all(shapes, passes, device, dtype, args.budget)
+    meta = dict(run_meta(device, dtype), quick=quick)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"bench-{re.sub(r'[^A-Za-z0-9]+', '-', info.name).strip('-').lower()}-{meta['dtype']}"
