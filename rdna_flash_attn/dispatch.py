@@ -26,6 +26,7 @@ log = logging.getLogger(LOGGER_NAME)
 # torch's own SDPA, not whatever `torch.nn.functional.scaled_dot_product_attention` names now: once
 # patch_sdpa() points that name at us, falling back through it would recurse.
 torch_sdpa = torch._C._nn.scaled_dot_product_attention
+_fallback_sdpa = torch_sdpa  # where unsupported calls go; see use_fallback()
 
 RDNA_TARGET_PREFIXES = ("gfx11", "gfx12")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -202,7 +203,8 @@ def reset_stats() -> None:
 
 def _note_fallback(reason: str) -> None:
     _fallbacks[reason] += 1
-    if reason not in _logged_reasons:
+    # Remembered only once shown, so turning INFO on later still shows every reason once.
+    if reason not in _logged_reasons and log.isEnabledFor(logging.INFO):
         _logged_reasons.add(reason)
         log.info("not using the kernels: %s", reason)
 
@@ -254,4 +256,12 @@ def scaled_dot_product_attention(
         return out
     # The caller's own arguments, untouched; enable_gqa only when given, as torch < 2.5 lacks it.
     extra = {} if enable_gqa is False else {"enable_gqa": enable_gqa}
-    return torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **extra)
+    return _fallback_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **extra)
+
+
+def use_fallback(function=None) -> None:
+    """Send unsupported calls to `function`, or to torch's own SDPA when None. patch_sdpa() passes
+    the function it replaced, so a host's own SDPA wrapper (SD.Next's sliced or Triton attention)
+    keeps serving every call the kernels do not take."""
+    global _fallback_sdpa
+    _fallback_sdpa = torch_sdpa if function is None else function

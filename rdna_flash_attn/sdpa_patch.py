@@ -1,7 +1,8 @@
 """Process-wide override of `torch.nn.functional.scaled_dot_product_attention` with the dispatcher.
 
 Reaches code that looks the function up at call time (SD.Next, kohya sd-scripts `--sdpa`, diffusers'
-AttnProcessor2_0); code that bound the name at import keeps torch's own.
+AttnProcessor2_0); code that bound the name at import keeps torch's own. Calls the kernels do not take
+go to the function that was replaced, so a host's own SDPA wrapper keeps serving them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def enable_sdpa_patch() -> None:
     global _replaced
     if _replaced is None:
         _replaced = F.scaled_dot_product_attention
+        dispatch.use_fallback(_replaced)
         F.scaled_dot_product_attention = dispatch.scaled_dot_product_attention
 
 
@@ -42,6 +44,7 @@ def disable_sdpa_patch() -> None:
     else:
         # Someone wrapped or replaced it after us: restoring would silently drop their patch.
         log.warning("torch.nn.functional.scaled_dot_product_attention was replaced after patch_sdpa(); leaving it")
+    dispatch.use_fallback(None)
     _replaced = None
 
 

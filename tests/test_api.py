@@ -248,6 +248,31 @@ def test_patched_fallback_calls_torch_not_itself():
     assert torch.equal(out, TORCH_SDPA(q, q, q))
 
 
+def test_patched_fallback_goes_to_the_sdpa_it_replaced(fake_gpu):
+    """A host's own SDPA wrapper (SD.Next's sliced attention) keeps serving the calls the kernels do
+    not take; supported calls still reach the kernels; disabling restores torch's SDPA as fallback."""
+    wrapper_calls = []
+
+    def hosts_sdpa(*args, **kwargs):
+        wrapper_calls.append(kwargs.get("attn_mask", args[3] if len(args) > 3 else None))
+        return TORCH_SDPA(*args, **kwargs)
+
+    F.scaled_dot_product_attention = hosts_sdpa
+    try:
+        q, k, v = (torch.randn(1, 2, 8, 64, dtype=torch.float16) for _ in range(3))
+        mask = torch.ones(8, 8, dtype=torch.bool)
+        with rfa.patch_sdpa():
+            masked = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            F.scaled_dot_product_attention(q, k, v)
+        assert len(wrapper_calls) == 1 and wrapper_calls[0] is mask
+        torch.testing.assert_close(masked, TORCH_SDPA(q, k, v, attn_mask=mask))
+        assert rfa.stats()["kernel"] == 1 and F.scaled_dot_product_attention is hosts_sdpa
+        rfa.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        assert len(wrapper_calls) == 1  # unpatched: the dispatcher's fallback is torch's own again
+    finally:
+        F.scaled_dot_product_attention = TORCH_SDPA
+
+
 def test_disable_leaves_a_later_replacement_alone(log_records):
     rfa.enable_sdpa_patch()
     def someone_elses(*args, **kwargs):

@@ -351,6 +351,17 @@ def test_each_fallback_reason_is_logged_once(fake_gpu, log_records):
     assert len(fallbacks) == 2 and all(r.levelno == logging.INFO for r in fallbacks)
 
 
+def test_reasons_met_while_info_is_off_are_shown_once_it_is_on(fake_gpu, caplog):
+    q, k, v = qkv()
+    caplog.set_level(logging.WARNING, logger="rdna_flash_attn")
+    rfa.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    caplog.set_level(logging.INFO, logger="rdna_flash_attn")
+    for _ in range(2):
+        rfa.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    shown = [r for r in caplog.records if "not using the kernels" in r.getMessage()]
+    assert len(shown) == 1 and "dropout_p" in shown[0].getMessage()
+
+
 def test_logs_go_through_the_package_logger_not_print(fake_gpu, log_records, capsys):
     rfa.scaled_dot_product_attention(*qkv(), dropout_p=0.5)
     assert capsys.readouterr() == ("", "")
