@@ -108,7 +108,9 @@ def clang_candidates(explicit: str | None = None) -> list[str]:
     for variable, default in (("ROCM_PATH", "/opt/rocm"), ("HIP_PATH", None)):
         root = os.environ.get(variable) or default
         if root:
-            names += [str(Path(root) / "llvm" / "bin" / "clang"), str(Path(root) / "bin" / "clang")]
+            # "clang.exe" spelled out: before Python 3.12, shutil.which() adds no PATHEXT to a path.
+            executable = "clang.exe" if os.name == "nt" else "clang"
+            names += [str(Path(root) / "llvm" / "bin" / executable), str(Path(root) / "bin" / executable)]
     names += ["clang-20", "clang-21", "clang-22", "clang"]
     return list(dict.fromkeys(names))
 

@@ -68,6 +68,14 @@ def test_hip_sdk_clang_is_found_through_hip_path(fake_clang, only_on_path, monke
     assert rebuild.find_clang().path == str(sdk / "bin" / "clang")
 
 
+def test_windows_candidates_name_clang_exe(monkeypatch):
+    """Python before 3.12 adds no PATHEXT to a path in shutil.which(), so the .exe is spelled out."""
+    monkeypatch.setattr(rebuild.os, "name", "nt")
+    monkeypatch.setenv("HIP_PATH", "C:/AMD/ROCm/6.2")
+    monkeypatch.delenv("ROCM_PATH", raising=False)
+    assert str(Path("C:/AMD/ROCm/6.2") / "bin" / "clang.exe") in rebuild.clang_candidates()
+
+
 def test_clang_19_comes_before_rocm_and_newer_clangs(monkeypatch):
     monkeypatch.setenv("ROCM_PATH", "/opt/rocm-6.4")
     candidates = rebuild.clang_candidates()
