@@ -19,6 +19,7 @@ diffusers itself is never imported here: models are handled through the methods 
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -122,6 +123,12 @@ def install_attention_processor(model: Any, processor: RdnaFlashAttnProcessor | 
     (layer name -> object), which the model also keeps for restore_attention_processors(); installing
     again keeps the first install's originals."""
     previous = _processors(model)
+    if not getattr(sys.modules.get("diffusers.utils"), "USE_PEFT_BACKEND", True):
+        # Without the PEFT backend, diffusers' processors pass a LoRA `scale` to the projections;
+        # ours would drop it, so every layer keeps diffusers' processor.
+        log.warning("%s: diffusers runs without its PEFT backend (old diffusers or peft); "
+                    "its attention processors are kept", type(model).__name__)
+        return previous
     processor = processor or RdnaFlashAttnProcessor()
     chosen = {}
     kept = []

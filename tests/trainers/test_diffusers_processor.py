@@ -84,6 +84,18 @@ def test_restore_from_the_returned_mapping():
     assert all(vae.attn_processors[n] is before[n] for n in before)
 
 
+def test_without_the_peft_backend_diffusers_keeps_its_processors(monkeypatch, caplog):
+    """Old diffusers hands a LoRA `scale` to its processors, which ours would drop."""
+    import diffusers.utils
+
+    monkeypatch.setattr(diffusers.utils, "USE_PEFT_BACKEND", False)
+    unet = tiny_unet()
+    before = unet.attn_processors
+    assert install_attention_processor(unet) == before
+    assert all(unet.attn_processors[n] is before[n] for n in before) and not attention_processor_installed(unet)
+    assert "PEFT backend" in caplog.text
+
+
 def test_non_diffusers_model_is_refused():
     with pytest.raises(TypeError, match="patch_sdpa"):
         install_attention_processor(torch.nn.Linear(2, 2))

@@ -1,5 +1,6 @@
 """bench/lora_training.py's verdict: the kernels' loss curve is judged against the disagreement of
-SDPA's math and flash backends on the same run, and the data are the same for every backend."""
+SDPA's math and flash backends on the same run; LoRA weights are compared only after equal step
+counts; the data depend only on the seed (each backend's run draws them with the same one)."""
 
 from __future__ import annotations
 
@@ -28,10 +29,11 @@ def test_kernels_further_off_disagree():
 def test_curves_compared_over_common_steps_and_missing_backend_not_judged():
     verdict = lora_training.agreement(runs([1.0, 0.9, 5.0], [1.0, 0.9], [1.0, 0.9]))
     assert verdict["steps_compared"] == 2 and verdict["loss_curves_agree"]
+    assert verdict["lora_weights"].startswith("not compared") and "lora_weights_kernels_vs_math" not in verdict
     assert lora_training.agreement({"math": {}, "flash": {}})["judged"] is False
 
 
-def test_every_backend_gets_the_same_data():
+def test_data_depend_only_on_the_seed():
     first = lora_training.make_data("sdxl", tiny=True, steps=2, latent_size=8, seed=3)
     again = lora_training.make_data("sdxl", tiny=True, steps=2, latent_size=8, seed=3)
     assert all(torch.equal(a["noisy"], b["noisy"]) and torch.equal(a["added"]["text_embeds"], b["added"]["text_embeds"])
