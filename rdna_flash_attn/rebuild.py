@@ -98,6 +98,9 @@ def check_target(target: str) -> str:
 
 # --- the compiler -----------------------------------------------------------------------------------
 
+# Spelled out: before Python 3.12, shutil.which() adds no PATHEXT (.exe) to a name with a folder.
+CLANG_FILE = "clang.exe" if os.name == "nt" else "clang"
+
 
 def clang_candidates(explicit: str | None = None) -> list[str]:
     """Where to look, best first: what the user named; Debian/LLVM clang-19 (the release that built
@@ -108,9 +111,7 @@ def clang_candidates(explicit: str | None = None) -> list[str]:
     for variable, default in (("ROCM_PATH", "/opt/rocm"), ("HIP_PATH", None)):
         root = os.environ.get(variable) or default
         if root:
-            # "clang.exe" spelled out: before Python 3.12, shutil.which() adds no PATHEXT to a path.
-            executable = "clang.exe" if os.name == "nt" else "clang"
-            names += [str(Path(root) / "llvm" / "bin" / executable), str(Path(root) / "bin" / executable)]
+            names += [str(Path(root) / "llvm" / "bin" / CLANG_FILE), str(Path(root) / "bin" / CLANG_FILE)]
     names += ["clang-20", "clang-21", "clang-22", "clang"]
     return list(dict.fromkeys(names))
 

@@ -5,6 +5,7 @@ real clang-19 build, compared byte for byte with prebuilt/, runs in .ci/packagin
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -68,9 +69,10 @@ def test_hip_sdk_clang_is_found_through_hip_path(fake_clang, only_on_path, monke
     assert rebuild.find_clang().path == str(sdk / "bin" / "clang")
 
 
-def test_windows_candidates_name_clang_exe(monkeypatch):
-    """Python before 3.12 adds no PATHEXT to a path in shutil.which(), so the .exe is spelled out."""
-    monkeypatch.setattr(rebuild.os, "name", "nt")
+def test_sdk_candidates_name_the_platforms_clang_file(monkeypatch):
+    """Python before 3.12 adds no PATHEXT to a path in shutil.which(), so Windows names clang.exe."""
+    assert rebuild.CLANG_FILE == ("clang.exe" if os.name == "nt" else "clang")
+    monkeypatch.setattr(rebuild, "CLANG_FILE", "clang.exe")
     monkeypatch.setenv("HIP_PATH", "C:/AMD/ROCm/6.2")
     monkeypatch.delenv("ROCM_PATH", raising=False)
     assert str(Path("C:/AMD/ROCm/6.2") / "bin" / "clang.exe") in rebuild.clang_candidates()
