@@ -71,7 +71,7 @@ def core_or_reason() -> ModuleType | str:
     """load_core(), or why the core cannot be imported (logged once, as the nodes then pass through)."""
     try:
         return load_core()
-    except Exception as exc:  # a broken install must cost the speed-up, never ComfyUI's start
+    except Exception as exc:  # noqa: BLE001  (a broken install must cost the speed-up, never ComfyUI's start)
         reason = f"rdna_flash_attn cannot be imported ({type(exc).__name__}: {exc})"
         log.warning("%s; the RDNA Flash Attention nodes pass models through unchanged", reason)
         return reason

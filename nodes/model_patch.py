@@ -3,22 +3,18 @@
 ComfyUI 2025-09 and later call `transformer_options["optimized_attention_override"](func, *args,
 **kwargs)` from every attention backend; the clone's override puts the kernels beneath `func`, and
 an override already present stays in charge: it is called with the routed backend as its `func`.
-Older ComfyUI gets attn1/attn2 replace patches on every transformer block of a UNet.
+Older ComfyUI gets attn1/attn2 replace patches on the transformer blocks of a UNet that have no
+replace patch of another node.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
-import torch
-
-from .routing import RoutingOptions, kernel_attention, routed_backend
-
-log = logging.getLogger("rdna_flash_attn")
+from .routing import RoutingOptions, log_once, routed_backend
 
 OVERRIDE_KEY = "optimized_attention_override"
-OVERRIDE_MARK = "_rdna_flash_attn_options"  # set on our overrides, so a second node replaces, not stacks
+OVERRIDE_MARK = "_rdna_flash_attn_options"  # on our overrides and replace patches: a second node replaces, not stacks
 PREVIOUS_ATTR = "_rdna_flash_attn_previous"  # on our overrides: the override they were put on top of
 
 
@@ -66,15 +62,12 @@ def _replace_patch(options: RoutingOptions):
     """An attn1/attn2 replace patch: (q, k, v, extra_options) -> (B, L, H*D), for old ComfyUI."""
 
     def patch(q, k, v, extra_options):
-        heads = extra_options["n_heads"]
-        named = {"q": q, "k": k, "v": v, "heads": heads, "attn_precision": extra_options.get("attn_precision")}
-        out = kernel_attention(named, {}, options)
-        if isinstance(out, torch.Tensor):
-            return out
         from comfy.ldm.modules.attention import optimized_attention
 
-        return optimized_attention(q, k, v, heads, attn_precision=named["attn_precision"])
+        backend = routed_backend(optimized_attention, options)
+        return backend(q, k, v, extra_options["n_heads"], attn_precision=extra_options.get("attn_precision"))
 
+    setattr(patch, OVERRIDE_MARK, options)
     return patch
 
 
@@ -93,15 +86,53 @@ def _unet_transformer_blocks(diffusion_model):
                         yield name, number, index
 
 
+def _foreign_patch(patches: dict, name: str, number: int, index: int):
+    """Another node's replace patch for this block (ComfyUI looks up (name, number, index), then
+    (name, number)), or None."""
+    for key in ((name, number, index), (name, number)):
+        patch = patches.get(key)
+        if patch is not None and not hasattr(patch, OVERRIDE_MARK):
+            return patch
+    return None
+
+
 def install_replace_patches(model, options: RoutingOptions) -> int:
-    """attn1/attn2 replace patches on every UNet transformer block; returns how many blocks."""
+    """attn1/attn2 replace patches on every UNet transformer block that has no replace patch of
+    another node (IPAdapter and the like keep theirs); returns how many patches were set."""
     patch = _replace_patch(options)
-    count = 0
+    existing = model.model_options.get("transformer_options", {}).get("patches_replace", {})
+    setters = {"attn1": model.set_model_attn1_replace, "attn2": model.set_model_attn2_replace}
+    installed, kept = 0, []
     for name, number, index in _unet_transformer_blocks(model.model.diffusion_model):
-        model.set_model_attn1_replace(patch, name, number, index)
-        model.set_model_attn2_replace(patch, name, number, index)
-        count += 1
-    return count
+        for slot, setter in setters.items():
+            if _foreign_patch(existing.get(slot, {}), name, number, index) is not None:
+                kept.append(f"{slot} {name} {number}.{index}")
+                continue
+            setter(patch, name, number, index)
+            installed += 1
+    if kept:
+        log_once(
+            f"RDNA Flash Attention: {len(kept)} UNet attention layers already have another node's replace "
+            f"patch and keep it, with ComfyUI's attention: {', '.join(kept)}"
+        )
+    return installed
+
+
+def remove_replace_patches(transformer_options: dict) -> None:
+    """Drop our attn1/attn2 replace patches; other nodes' stay. The dicts are rebuilt, not edited,
+    as ComfyUI may share them between clones."""
+    replace = transformer_options.get("patches_replace")
+    if not replace:
+        return
+    kept = {}
+    for slot, patches in replace.items():
+        others = {key: patch for key, patch in patches.items() if not hasattr(patch, OVERRIDE_MARK)}
+        if others:
+            kept[slot] = others
+    if kept:
+        transformer_options["patches_replace"] = kept
+    else:
+        del transformer_options["patches_replace"]
 
 
 def patch_model(model, options: RoutingOptions):
@@ -111,17 +142,18 @@ def patch_model(model, options: RoutingOptions):
     if comfy_has_override():
         install_override(transformer_options, options)
         return patched
-    blocks = install_replace_patches(patched, options)
-    log.info(
-        "this ComfyUI has no optimized_attention_override: routed %d UNet transformer blocks through "
-        "attn1/attn2 replace patches (DiT models need ComfyUI 2025-09 or later)", blocks
+    installed = install_replace_patches(patched, options)
+    log_once(
+        f"this ComfyUI has no optimized_attention_override: routed {installed} UNet attention layers through "
+        "attn1/attn2 replace patches (DiT models need ComfyUI 2025-09 or later)"
     )
     return patched
 
 
 def unpatch_model(model):
-    """A clone of `model` with our override removed (the one before it restored)."""
+    """A clone of `model` without our override (the one before it restored) or replace patches."""
     clone = model.clone()
-    remove_override(clone.model_options.setdefault("transformer_options", {}))
+    transformer_options = clone.model_options.setdefault("transformer_options", {})
+    remove_override(transformer_options)
+    remove_replace_patches(transformer_options)
     return clone
-

@@ -3,8 +3,10 @@
 Every ComfyUI attention backend has the signature
 `fn(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False, **kwargs)`:
 q, k, v are (B, L, H*D), or (B, H, L, D) with skip_reshape; the result is (B, L, H*D), or
-(B, H, L, D) with skip_output_reshape. Keyword arguments the kernels do not need
-(transformer_options, ComfyUI's own markers, future ones) only travel on to the fallback.
+(B, H, L, D) with skip_output_reshape. Keywords the kernels do not need (transformer_options,
+ComfyUI's own marker) travel on to the fallback; a keyword this node does not know, set to a value
+other than None or False, could change the result (a future causal or varlen option), so such a
+call runs on the fallback. Any error in this module's own code also sends the call to the fallback.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ BACKEND_PARAMETERS = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_re
 FALLBACK_ORIGINAL = "original backend"
 FALLBACK_PYTORCH = "pytorch attention"
 FALLBACK_CHOICES = (FALLBACK_ORIGINAL, FALLBACK_PYTORCH)
+CALL_FORM_UNKNOWN = "ComfyUI attention call form not recognised"
+# Keywords besides BACKEND_PARAMETERS that ComfyUI passes: the override's (wrap_attn's marker and the
+# model's options, which do not change the result) and the ones kernel_attention honours.
+KNOWN_KEYWORDS = frozenset({"transformer_options", "_inside_attn_wrapper", "scale", "enable_gqa", "low_precision_attention"})
 
 
 @dataclass(frozen=True)
@@ -38,11 +44,26 @@ _logged: set[str] = set()
 comfy_fallbacks: dict[str, int] = {}  # reasons decided here, before the dispatcher sees the call
 
 
+def log_once(message: str, level: int = logging.INFO, exc_info: BaseException | None = None) -> None:
+    """Log `message` the first time it is logged with the logger enabled for `level` (as the
+    dispatcher does: a reason met before logging was turned on is shown once it is)."""
+    if message in _logged or not log.isEnabledFor(level):
+        return
+    _logged.add(message)
+    log.log(level, "%s", message, exc_info=exc_info)
+
+
 def refuse(reason: str) -> str:
     comfy_fallbacks[reason] = comfy_fallbacks.get(reason, 0) + 1
-    if reason not in _logged:
-        _logged.add(reason)
-        log.info("not using the kernels: %s", reason)
+    log_once(f"not using the kernels: {reason}")
+    return reason
+
+
+def routing_failed(error: Exception) -> str:
+    """The reason for a call whose routing raised: counted, logged once with its traceback."""
+    reason = f"error in the node's routing code ({type(error).__name__})"  # by type: messages carry shapes
+    comfy_fallbacks[reason] = comfy_fallbacks.get(reason, 0) + 1
+    log_once(f"not using the kernels: {reason}; running ComfyUI's attention", logging.WARNING, error)
     return reason
 
 
@@ -62,6 +83,14 @@ def bind_call(args: tuple, kwargs: dict) -> tuple[dict, dict] | None:
     if not all(key in named for key in BACKEND_PARAMETERS[:4]):
         return None
     return named, extra
+
+
+def unknown_keyword(extra: dict) -> str | None:
+    """The first keyword not in KNOWN_KEYWORDS whose value is not None or False, if any."""
+    for key, value in extra.items():
+        if key not in KNOWN_KEYWORDS and value is not None and value is not False:
+            return key
+    return None
 
 
 def _in_training(tensors) -> bool:
@@ -89,6 +118,9 @@ def kernel_attention(named: dict, extra: dict, options: RoutingOptions) -> torch
     tensors = (q, k, v)
     if not all(isinstance(t, torch.Tensor) for t in tensors) or not isinstance(heads, int):
         return refuse("ComfyUI attention call with non-tensor q, k, v or non-integer heads")
+    keyword = unknown_keyword(extra)
+    if keyword is not None:
+        return refuse(f"ComfyUI attention keyword {keyword!r} is not known to this node")
     if _in_training(tensors) and not options.training:
         return refuse("training (gradients or ComfyUI's in_training) and the node's use_for_training is off")
     if extra.get("low_precision_attention", True) is False and torch.float32 in (q.dtype, k.dtype, v.dtype):
@@ -114,25 +146,36 @@ def kernel_attention(named: dict, extra: dict, options: RoutingOptions) -> torch
 
 
 def _pytorch_backend(func: Callable) -> Callable:
+    """ComfyUI's PyTorch SDPA backend (registered by name from 2025-09, a module function before)."""
     try:
-        from comfy.ldm.modules.attention import get_attention_function
+        from comfy.ldm.modules import attention
     except ImportError:
         return func
-    return get_attention_function("pytorch", default=func)
+    if hasattr(attention, "get_attention_function"):
+        return attention.get_attention_function("pytorch", default=func)
+    return getattr(attention, "attention_pytorch", func)
+
+
+def _fallback_for(func: Callable, bound: tuple | None, options: RoutingOptions) -> Callable:
+    """The backend for a call the kernels do not take: a call form not known stays on `func`."""
+    if bound is None or options.fallback != FALLBACK_PYTORCH:
+        return func
+    return _pytorch_backend(func)
 
 
 def routed_backend(func: Callable, options: RoutingOptions) -> Callable:
     """`func` (a ComfyUI attention backend) with supported calls running on the kernels."""
 
     def backend(*args: Any, **kwargs: Any):
-        bound = bind_call(args, kwargs)
-        if bound is None:
-            refuse("ComfyUI attention call form not recognised")
-            return func(*args, **kwargs)
-        out = kernel_attention(*bound, options)
-        if isinstance(out, torch.Tensor):
-            return out
-        fallback = _pytorch_backend(func) if options.fallback == FALLBACK_PYTORCH else func
+        try:
+            bound = bind_call(args, kwargs)
+            out = refuse(CALL_FORM_UNKNOWN) if bound is None else kernel_attention(*bound, options)
+            if isinstance(out, torch.Tensor):
+                return out
+            fallback = _fallback_for(func, bound, options)
+        except Exception as error:  # noqa: BLE001  (a fault of ours must cost the speed-up, never the sampling)
+            routing_failed(error)
+            fallback = func
         return fallback(*args, **kwargs)
 
     return backend

@@ -5,8 +5,9 @@ ComfyUI's VAE attention blocks (AttnBlock and its video and audio relatives) cal
 SD/SDXL/Flux VAEs), and the per-model override does not reach them. A VAE object has no clone and
 its first_stage_model is shared by every copy, so each attention module gets a router that runs the
 module's original function unless a patched VAE copy is decoding or encoding at that moment (a
-context variable says which). The VAE given to the node is never changed; the routers go again
-when the last patched copy of a first_stage_model is garbage-collected.
+context variable says which); an error in this routing runs the original function too. The VAE
+given to the node is never changed; the routers go again when the last patched copy of a
+first_stage_model is garbage-collected.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .core import core_or_reason
-from .routing import refuse
+from .routing import refuse, routing_failed
 
 log = logging.getLogger("rdna_flash_attn")
 
@@ -96,7 +97,10 @@ class AttentionRouter:
         routing = _active.get()
         if routing is None or routing.reference or args or kwargs:  # extra arguments: a form not known
             return self.original(q, k, v, *args, **kwargs)
-        out = vae_kernel_attention(q, k, v, routing.precision)
+        try:
+            out = vae_kernel_attention(q, k, v, routing.precision)
+        except Exception as error:  # noqa: BLE001  (a fault of ours must cost the speed-up, never the decode)
+            out = routing_failed(error)
         return out if isinstance(out, torch.Tensor) else self.original(q, k, v)
 
 

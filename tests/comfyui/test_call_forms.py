@@ -3,6 +3,8 @@ node's override in transformer_options, against the same call without it."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -115,15 +117,75 @@ def spy_backend(seen: list):
     return backend
 
 
-def test_unknown_keywords_reach_the_fallback_and_do_not_stop_the_kernels(node_package, fake_gpu):
+UNKNOWN_KEYWORD_REASON = "ComfyUI attention keyword 'causal' is not known to this node"
+
+
+def test_an_unknown_keyword_with_a_value_runs_the_original_backend(node_package, fake_gpu, log_records):
     override = node_package.model_patch.make_override(node_package.routing.RoutingOptions())
     seen = []
     q, k, v = flat_qkv()
-    mask = torch.ones(64, 7, dtype=torch.bool)
-    override(spy_backend(seen), q, k, v, 8, mask, future_option=3, transformer_options={})
-    assert seen == [dict(future_option=3, transformer_options={}, mask=mask, skip_reshape=False)]
-    out = override(spy_backend(seen), q, k, v, 8, future_option=3, transformer_options={})
-    assert out.shape == q.shape and len(seen) == 1 and len(fake_gpu.launches) == 1
+    for _ in range(2):  # a future keyword that may change the result (here: causal)
+        override(spy_backend(seen), q, k, v, 8, causal=True, transformer_options={})
+    assert seen == [dict(causal=True, transformer_options={}, mask=None, skip_reshape=False)] * 2
+    assert fake_gpu.launches == []
+    assert node_package.routing.comfy_fallbacks == {UNKNOWN_KEYWORD_REASON: 2}
+    assert sum(UNKNOWN_KEYWORD_REASON in r.getMessage() for r in log_records.records) == 1
+
+
+def test_an_unknown_keyword_set_to_none_or_false_leaves_the_call_on_the_kernels(node_package, fake_gpu):
+    override = node_package.model_patch.make_override(node_package.routing.RoutingOptions())
+    seen = []
+    q, k, v = flat_qkv()
+    out = override(spy_backend(seen), q, k, v, 8, causal=False, varlen_lengths=None, transformer_options={})
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        *(t.float().unflatten(-1, (8, -1)).transpose(1, 2) for t in (q, k, v))).transpose(1, 2).flatten(2)
+    torch.testing.assert_close(out.float(), expected, atol=BF16_TOLERANCE, rtol=BF16_TOLERANCE)
+    assert seen == [] and len(fake_gpu.launches) == 1 and node_package.routing.comfy_fallbacks == {}
+
+
+def test_a_reason_met_before_logging_was_on_is_logged_once_it_is(node_package, fake_gpu, caplog):
+    override = node_package.model_patch.make_override(node_package.routing.RoutingOptions())
+    q, k, v = flat_qkv()
+    caplog.set_level(logging.WARNING, logger="rdna_flash_attn")
+    override(spy_backend([]), q, k, v, 8, causal=True)
+    assert not any(UNKNOWN_KEYWORD_REASON in r.getMessage() for r in caplog.records)
+    caplog.set_level(logging.INFO, logger="rdna_flash_attn")
+    for _ in range(2):
+        override(spy_backend([]), q, k, v, 8, causal=True)
+    assert sum(UNKNOWN_KEYWORD_REASON in r.getMessage() for r in caplog.records) == 1
+
+
+def _raise(*args, **kwargs):
+    raise RuntimeError("a fault in the routing code")
+
+
+ROUTING_FAULTS = {  # (function of nodes/routing.py made to raise, masked call)
+    "reshape": ("_heads_view", False),
+    "comfy import / training check": ("_in_training", False),
+    "call binding": ("bind_call", False),
+    "fallback choice": ("_pytorch_backend", True),
+}
+
+
+@pytest.mark.parametrize("fault", ROUTING_FAULTS)
+def test_an_error_in_the_routing_code_runs_the_original_backend(fault, node_package, attention, fake_gpu,
+                                                                log_records, monkeypatch):
+    target, masked = ROUTING_FAULTS[fault]
+    routing = node_package.routing
+    monkeypatch.setattr(routing, target, _raise)
+    transformer_options = {}
+    node_package.model_patch.install_override(transformer_options, routing.RoutingOptions(fallback=routing.FALLBACK_PYTORCH))
+    q, k, v = flat_qkv()
+    mask = torch.zeros(2, 64, 7, dtype=torch.bfloat16) if masked else None
+    expected = attention.optimized_attention_masked(q, k, v, 8, mask, transformer_options={})
+    for _ in range(2):
+        out = attention.optimized_attention_masked(q, k, v, 8, mask, transformer_options=transformer_options)
+        assert torch.equal(out, expected)
+    assert fake_gpu.launches == []
+    reason = "error in the node's routing code (RuntimeError)"
+    assert routing.comfy_fallbacks[reason] == 2
+    warnings = [r for r in log_records.records if reason in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING and warnings[0].exc_info is not None
 
 
 def test_scale_is_honoured(node_package, fake_gpu):

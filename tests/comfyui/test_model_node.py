@@ -104,6 +104,91 @@ def test_old_comfyui_gets_replace_patches(model_node, node_package, fake_gpu, mo
     assert len(fake_gpu.launches) == attention_calls
 
 
+def foreign_replace_patch(calls: list):
+    """Another node's attn replace patch (IPAdapter-like): ComfyUI's own attention, recorded."""
+
+    def patch(q, k, v, extra_options):
+        from comfy.ldm.modules.attention import optimized_attention
+
+        calls.append(q.shape)
+        return optimized_attention(q, k, v, extra_options["n_heads"], attn_precision=extra_options["attn_precision"])
+
+    return patch
+
+
+@pytest.fixture
+def old_comfyui(monkeypatch):
+    from comfy.ldm.modules import attention
+
+    monkeypatch.delattr(attention, "wrap_attn")  # what ComfyUI before 2025-09 lacks
+
+
+def with_foreign_patches(model, node_package, calls):
+    """A clone of `model` with another node's replace patches on attn2 of the first UNet block
+    (ComfyUI's (name, number, index) key) and attn1 of the second ((name, number) key)."""
+    blocks = list(node_package.model_patch._unet_transformer_blocks(model.model.diffusion_model))
+    foreign = model.clone()
+    foreign.set_model_attn2_replace(foreign_replace_patch(calls), *blocks[0])
+    foreign.set_model_attn1_replace(foreign_replace_patch(calls), *blocks[1][:2])
+    return foreign, blocks
+
+
+def test_old_comfyui_leaves_other_nodes_replace_patches_in_place(old_comfyui, model_node, node_package, fake_gpu,
+                                                                 log_records):
+    model, reference, attention_calls = unpatched_run("sd15")
+    foreign_calls = []
+    foreign, blocks = with_foreign_patches(model, node_package, foreign_calls)
+    for _ in range(2):
+        (patched,) = model_node.patch(foreign, True, True, "original backend")
+    patches = patched.model_options["transformer_options"]["patches_replace"]
+    assert patches["attn2"][blocks[0]] is foreign.model_options["transformer_options"]["patches_replace"]["attn2"][blocks[0]]
+    assert blocks[1] not in patches["attn1"] and blocks[1][:2] in patches["attn1"]
+    ours = [key for slot in ("attn1", "attn2") for key, patch in patches[slot].items()
+            if hasattr(patch, node_package.model_patch.OVERRIDE_MARK)]
+    assert len(ours) == 2 * len(blocks) - 2
+    torch.testing.assert_close(sample(patched, "sd15"), reference, **LATENT_TOLERANCE)
+    assert foreign_calls and len(fake_gpu.launches) == attention_calls - len(foreign_calls)
+    kept = [r.getMessage() for r in log_records.records if "another node's replace patch" in r.getMessage()]
+    assert len(kept) == 1 and "attn2 input 1.0" in kept[0] and "attn1 input 3.0" in kept[0]
+
+
+@pytest.mark.parametrize("foreign_patches", [False, True])
+def test_old_comfyui_disable_removes_only_our_replace_patches(foreign_patches, old_comfyui, model_node, node_package,
+                                                               fake_gpu):
+    model = build("sd15")
+    source = with_foreign_patches(model, node_package, [])[0] if foreign_patches else model
+    (patched,) = model_node.patch(source, True, True, "original backend")
+    (disabled,) = model_node.patch(patched, False, True, "original backend")
+    source_options = source.model_options["transformer_options"]
+    assert disabled.model_options["transformer_options"].get("patches_replace") == source_options.get("patches_replace")
+    assert torch.equal(sample(disabled, "sd15"), sample(source, "sd15")) and fake_gpu.launches == []
+    assert "patches_replace" in patched.model_options["transformer_options"]  # the patched clone keeps its own
+
+
+@pytest.mark.parametrize("unsupported_calls", ["original backend", "pytorch attention"])
+def test_old_comfyui_replace_patches_honour_unsupported_calls(unsupported_calls, old_comfyui, model_node, monkeypatch):
+    from comfy.ldm.modules import attention
+
+    model, reference, attention_calls = unpatched_run("sd15")  # on the CPU: every call falls back
+    pytorch_calls = []
+    original_pytorch = attention.attention_pytorch
+
+    def pytorch_spy(*args, **kwargs):
+        pytorch_calls.append(args[0].shape)
+        return original_pytorch(*args, **kwargs)
+
+    monkeypatch.delattr(attention, "get_attention_function")  # nor this registry
+    monkeypatch.setattr(attention, "attention_pytorch", pytorch_spy)
+    (patched,) = model_node.patch(model, True, True, unsupported_calls)
+    latent = sample(patched, "sd15")
+    if unsupported_calls == "original backend":
+        assert torch.equal(latent, reference) and pytorch_calls == []
+    else:
+        torch.testing.assert_close(latent, reference, atol=1e-4, rtol=1e-4)
+        assert len(pytorch_calls) == attention_calls
+    assert rdna_flash_attn.stats()["fallback"] == attention_calls
+
+
 def test_global_switch_routes_new_models_and_is_undone(node_package, fake_gpu, monkeypatch):
     reference = sample(build("sdxl"), "sdxl")
     monkeypatch.setenv(node_package.global_switch.GLOBAL_ENV, "1")

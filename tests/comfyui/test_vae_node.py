@@ -91,6 +91,22 @@ def test_cpu_vae_runs_the_original_attention(vae, latent, vae_node):
     assert rdna_flash_attn.stats()["kernel"] == 0 and rdna_flash_attn.stats()["fallback"] == 1
 
 
+def test_an_error_in_the_vae_routing_runs_the_original_attention(vae, latent, vae_node, node_package, fake_gpu,
+                                                                  log_records, monkeypatch):
+    def broken_dtype_decision(*args):
+        raise RuntimeError("a fault in the routing code")
+
+    monkeypatch.setattr(node_package.vae_patch, "_run_dtype", broken_dtype_decision)
+    reference = decode(vae, latent)
+    (patched,) = vae_node.patch(vae, True, "bf16", "off")
+    for _ in range(2):
+        assert torch.equal(decode(patched, latent), reference)
+    assert fake_gpu.launches == []
+    reason = "error in the node's routing code (RuntimeError)"
+    assert node_package.routing.comfy_fallbacks == {reason: 2}
+    assert sum(reason in r.getMessage() for r in log_records.records) == 1
+
+
 @pytest.mark.parametrize("training", [True, False])
 def test_backward_through_the_patched_vae(training, vae, latent, vae_node, node_package, fake_gpu):
     settings.training = training
