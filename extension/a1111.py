@@ -69,6 +69,17 @@ class ForwardPatch:
         self.installed.clear()
 
 
+def a1111_unoptimized(forward) -> bool:
+    """Whether `forward` is one A1111 installs when it undoes an optimization (before applying any):
+    its hypernetwork-aware einsum CrossAttention forward (on ldm's and sgm's class), and ldm's own
+    AttnBlock forward (on sgm's AttnBlock too)."""
+    from modules.hypernetworks import hypernetwork
+
+    return forward is getattr(hypernetwork, "attention_CrossAttention_forward", None) or ldm_attention.defined_as(
+        forward, "ldm.modules.diffusionmodules.model", "AttnBlock.forward"
+    )
+
+
 def a1111_hooks() -> HostHooks:
     """Hypernetworks and upcast_attn, looked up per call as A1111's own optimizations do."""
     from modules import shared
@@ -77,6 +88,7 @@ def a1111_hooks() -> HostHooks:
     return HostHooks(
         apply_hypernetworks=lambda context: hypernetwork.apply_hypernetworks(shared.loaded_hypernetworks, context),
         upcast_attn=lambda: bool(shared.opts.upcast_attn),
+        is_unoptimized=a1111_unoptimized,
     )
 
 

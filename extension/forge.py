@@ -18,7 +18,7 @@ import torch
 
 import rdna_flash_attn
 
-from . import availability, options
+from . import availability, guard, options
 from .options import toggles
 
 ATTENTION_MODULE = "backend.attention"
@@ -29,15 +29,23 @@ def routed_attention_function(original):
     q, k, v (B, N, H*D), or (B, H, N, D) with skip_reshape; returns (B, N, H*D). The kernels
     accumulate in float32, which is what an `attn_precision` of float32 asks for."""
 
+    def on_kernels(q, k, v, heads, skip_reshape):
+        if skip_reshape:
+            q4, k4, v4 = q, k, v
+        else:
+            q4, k4, v4 = (t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in (q, k, v))
+        out = rdna_flash_attn.attention_or_reason(q4, k4, v4)
+        return out.transpose(1, 2).flatten(2) if isinstance(out, torch.Tensor) else None
+
     def attention_function(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, **kwargs):
         if mask is None and not kwargs and toggles.unet and _routable(q, k, v, heads, skip_reshape):
-            if skip_reshape:
-                q4, k4, v4 = q, k, v
-            else:
-                q4, k4, v4 = (t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in (q, k, v))
-            out = rdna_flash_attn.attention_or_reason(q4, k4, v4)
-            if isinstance(out, torch.Tensor):
-                return out.transpose(1, 2).flatten(2)
+            try:
+                out = on_kernels(q, k, v, heads, skip_reshape)
+            except Exception as error:
+                guard.report_failure("attention_function", error)
+                out = None
+            if out is not None:
+                return out
         return original(q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape, **kwargs)
 
     attention_function.rdna_original = original
@@ -59,13 +67,21 @@ def routed_single_head_spatial(original):
     """Forge's `attention_function_single_head_spatial(q, k, v)`: (B, C, H, W) each, one head of C
     channels (the VAE's mid-block); returns (B, C, H, W)."""
 
+    def on_kernels(q, k, v):
+        b, c, h, w = q.shape
+        q4, k4, v4 = (t.reshape(b, 1, c, h * w).transpose(2, 3).contiguous() for t in (q, k, v))
+        out = rdna_flash_attn.attention_or_reason(q4, k4, v4)
+        return out.transpose(2, 3).reshape(b, c, h, w) if isinstance(out, torch.Tensor) else None
+
     def attention_function_single_head_spatial(q, k, v):
         if toggles.vae:
-            b, c, h, w = q.shape
-            q4, k4, v4 = (t.reshape(b, 1, c, h * w).transpose(2, 3).contiguous() for t in (q, k, v))
-            out = rdna_flash_attn.attention_or_reason(q4, k4, v4)
-            if isinstance(out, torch.Tensor):
-                return out.transpose(2, 3).reshape(b, c, h, w)
+            try:
+                out = on_kernels(q, k, v)
+            except Exception as error:
+                guard.report_failure("attention_function_single_head_spatial", error)
+                out = None
+            if out is not None:
+                return out
         return original(q, k, v)
 
     attention_function_single_head_spatial.rdna_original = original

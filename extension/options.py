@@ -7,6 +7,7 @@ set attributes of `rdna_flash_attn.settings`, which the dispatcher reads on ever
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -49,8 +50,25 @@ def _set_training(on: bool) -> None:
     settings.training = on
 
 
+def _shows_info(level: str | None) -> bool:
+    if level is None:
+        return False
+    number = int(level) if level.isdigit() else logging.getLevelName(level)
+    return number <= logging.INFO
+
+
 def _set_log_fallbacks(on: bool) -> None:
-    settings.log_level = LOG_LEVEL_WHEN_ON if on else _log_level_from_env
+    # The dispatcher shows each reason once the "rdna_flash_attn" logger is enabled for INFO (reasons
+    # seen while it was not included); settings.log_level sets that logger's level. A more verbose
+    # level from the environment (DEBUG) stays.
+    if on:
+        settings.log_level = _log_level_from_env if _shows_info(_log_level_from_env) else LOG_LEVEL_WHEN_ON
+    else:
+        settings.log_level = _log_level_from_env
+
+
+def _logs_fallbacks() -> bool:
+    return _shows_info(settings.log_level)
 
 
 @dataclass(frozen=True)
@@ -70,7 +88,7 @@ OPTIONS = (
     Option("rdna_fa_training", "Use the kernels for training (backward pass)", _training_from_env,
            _set_training, lambda: settings.training),
     Option("rdna_fa_log_fallbacks", "Log why attention calls fall back (once per reason)", False,
-           _set_log_fallbacks, lambda: settings.log_level == LOG_LEVEL_WHEN_ON),
+           _set_log_fallbacks, _logs_fallbacks),
 )
 BY_KEY = {option.key: option for option in OPTIONS}
 

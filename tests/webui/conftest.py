@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from extension import availability, entry, forge, options
+from extension import availability, entry, forge, guard, options
 
 FAKES = Path(__file__).parent / "fakes"
 HOST_PACKAGES = ("modules", "backend", "modules_forge", "sgm")
@@ -42,6 +42,7 @@ def extension_state():
     options.toggles.unet = options.toggles.vae = True
     options._subscribers.clear()
     availability._explained.clear()
+    guard._reported.clear()
     entry._said_no_host = False
     _drop_host_modules()
 

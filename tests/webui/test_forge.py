@@ -95,6 +95,22 @@ def test_masks_toggles_and_unsupported_calls_go_to_forge(backend, fake_gpu):
     assert "head dim" in next(iter(rdna_flash_attn.stats()["fallback_reasons"]))
 
 
+def test_a_failure_in_our_code_is_logged_once_and_forge_runs_the_call(backend, fake_gpu, monkeypatch, log_records):
+    def broken(*args, **kwargs):
+        raise RuntimeError("wrapper broke")
+
+    entry.setup()
+    monkeypatch.setattr(rdna_flash_attn, "attention_or_reason", broken)
+    unet, vae = sys.modules["backend.nn.unet"], sys.modules["backend.nn.vae"]
+    q, k, v = torch.randn(1, 16, 320).half(), torch.randn(1, 77, 320).half(), torch.randn(1, 77, 320).half()
+    out = [unet.cross_attention(q, k, v, 8) for _ in range(2)]
+    vae.attn_block(*(torch.randn(1, 64, 2, 2).half() for _ in range(3)))
+    torch.testing.assert_close(out[0].float(), reference_attention(q, k, v, 8), **KERNEL_TOL)
+    assert backend.calls == {"attention_function": 2, "single_head_spatial": 1}
+    warnings = [r.message for r in log_records.records if "wrapper broke" in r.message]
+    assert len(warnings) == 2
+
+
 def test_unload_restores_every_module(backend, fake_gpu):
     from modules import script_callbacks
 

@@ -5,6 +5,7 @@ optimizations apply them, per-call fallbacks, training, and undo restoring the e
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -20,6 +21,20 @@ from extension import a1111, options
 # the difference is fp16 rounding of the projections and the output (outputs are ~0.2 in size).
 KERNEL_TOL = dict(atol=2e-3, rtol=1e-2)
 EXACT_TOL = dict(atol=1e-5, rtol=1e-5)  # both in float32 through SDPA / einsum
+
+
+@pytest.fixture
+def sdpa_calls(monkeypatch):
+    """Shapes of the queries of every torch SDPA call (the replaced forwards never call it)."""
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(query, *args, **kwargs):
+        calls.append(tuple(query.shape))
+        return sdpa(query, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
+    return calls
 
 
 @pytest.fixture
@@ -144,16 +159,82 @@ def test_unsupported_head_dim_falls_back_per_call(patch, fake_gpu):
     torch.testing.assert_close(out.float(), original(unsupported, x, context), **KERNEL_TOL)
 
 
-def test_a_mask_goes_to_the_replaced_forward_unchanged(patch, fake_gpu):
+def test_a_mask_runs_on_sdpa_with_ldms_meaning(patch, fake_gpu, sdpa_calls):
     module = cross_attention().float()
     x, context = torch.randn(2, 64, 320), torch.randn(2, 77, 96)
     mask = torch.rand(2, 77) > 0.3
+    no_key_left = mask.clone()
+    no_key_left[1] = False  # ldm then averages every value; SDPA would not: the replaced forward runs
+    reference = original(module, x, context, mask=mask), original(module, x, context, mask=no_key_left)
+    patch.apply()
+    with torch.no_grad():
+        out = module(x, context, mask=mask), module(x, context, mask=no_key_left)
+    assert not fake_gpu.launches and rdna_flash_attn.stats()["fallback"] == 0
+    assert sdpa_calls == [(2, 8, 64, 40)]
+    torch.testing.assert_close(out[0], reference[0], **EXACT_TOL)
+    torch.testing.assert_close(out[1], reference[1], **EXACT_TOL)
+
+
+def test_a_mask_goes_to_an_optimization_installed_before_unchanged(patch, fake_gpu):
+    from modules import sd_hijack_optimizations as builtin
+
+    builtin.SdOptimizationSdp().apply()
+    module = cross_attention().float()
+    x, context, mask = torch.randn(2, 64, 320), torch.randn(2, 77, 96), torch.rand(2, 77) > 0.3
     reference = original(module, x, context, mask=mask)
     patch.apply()
     with torch.no_grad():
         out = module(x, context, mask=mask)
-    assert not fake_gpu.launches and rdna_flash_attn.stats()["fallback"] == 0
+    assert builtin.calls["cross_attention"] == 1 and not fake_gpu.launches
     torch.testing.assert_close(out, reference, **EXACT_TOL)
+
+
+def test_refused_calls_after_a1111s_undo_run_sdpa_not_its_einsum_forward(patch, fake_gpu, sdpa_calls):
+    """A1111 runs undo_optimizations() before every apply(): the patch then finds A1111's einsum
+    CrossAttention forward (ldm's and sgm's) and ldm's AttnBlock forward (sgm's too)."""
+    import sgm.modules.attention
+    import sgm.modules.diffusionmodules.model
+    from modules import sd_hijack
+    from modules.hypernetworks import hypernetwork
+
+    sgm_own = (sgm.modules.attention.CrossAttention.forward, sgm.modules.diffusionmodules.model.AttnBlock.forward)
+    sd_hijack.undo_optimizations()
+    assert ldm_attention.CrossAttention.forward is hypernetwork.attention_CrossAttention_forward
+    assert sgm.modules.diffusionmodules.model.AttnBlock.forward is a1111_originals[ldm_model.AttnBlock]
+    patch.apply()
+    torch.manual_seed(4)
+    x, context, mask = torch.randn(1, 16, 320), torch.randn(1, 77, 96), torch.rand(1, 77) > 0.3
+    image = torch.randn(1, 64, 4, 4)
+    ldm_module, head_dim_20 = cross_attention().float(), cross_attention(heads=4, dim_head=20)
+    sgm_module = sgm.modules.attention.CrossAttention(320, heads=8, dim_head=40)
+    ldm_block, sgm_block = attn_block().float(), sgm.modules.diffusionmodules.model.AttnBlock(64)
+    with torch.no_grad():
+        expected = {
+            "float32": original(ldm_module, x, context),
+            "mask": original(ldm_module, x, context, mask=mask),
+            "head dim": original(head_dim_20, x, context),
+            "sgm": sgm_own[0](sgm_module, x),
+            "attn block": original(ldm_block, image),
+            "sgm attn block": sgm_own[1](sgm_block, image),
+        }
+        assert not sdpa_calls  # the references use none
+        out = {
+            "float32": ldm_module(x, context),  # refused: float32 (as under --no-half)
+            "mask": ldm_module(x, context, mask=mask),
+            "head dim": head_dim_20(x.half(), context.half()).float(),
+            "sgm": sgm_module(x),
+            "attn block": ldm_block(image),
+            "sgm attn block": sgm_block(image),
+        }
+        options.apply("rdna_fa_unet", False)
+        unet_off = cross_attention()(x.half(), context.half())
+    assert hypernetwork.calls["attention_CrossAttention_forward"] == 0 and not fake_gpu.launches
+    assert sdpa_calls == [(1, 8, 16, 40), (1, 8, 16, 40), (1, 4, 16, 20), (1, 8, 16, 40), (1, 1, 16, 64),
+                          (1, 1, 16, 64), (1, 8, 16, 40)]
+    assert unet_off.dtype == torch.float16
+    for name, reference in expected.items():
+        tolerance = KERNEL_TOL if name == "head dim" else EXACT_TOL
+        torch.testing.assert_close(out[name], reference, **tolerance, msg=lambda text, name=name: f"{name}: {text}")
 
 
 def test_refused_calls_fall_back_to_the_optimization_installed_before(patch, fake_gpu):
@@ -231,3 +312,54 @@ def test_undo_restores_the_exact_functions(patch):
     assert all(cls.forward is before[cls] for cls in before)
     patch.undo()
     assert all(cls.forward is before[cls] for cls in before)
+
+
+def test_our_failure_is_logged_once_and_the_replaced_forward_runs(patch, fake_gpu, monkeypatch, log_records):
+    def broken(*args, **kwargs):
+        raise RuntimeError("wrapper broke")
+
+    monkeypatch.setattr(rdna_flash_attn, "attention_or_reason", broken)
+    module, block = cross_attention().float(), attn_block().float()
+    x, context, image = torch.randn(1, 16, 320), torch.randn(1, 77, 96), torch.randn(1, 64, 4, 4)
+    patch.apply()
+    with torch.no_grad():
+        out = [module(x, context), module(x, context), block(image)]
+    torch.testing.assert_close(out[0], original(module, x, context), **EXACT_TOL)
+    torch.testing.assert_close(out[1], out[0], atol=0, rtol=0)
+    torch.testing.assert_close(out[2], original(block, image), **EXACT_TOL)
+    warnings = [r.message for r in log_records.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and all("RuntimeError: wrapper broke" in line for line in warnings)
+    assert "CrossAttention" in warnings[0] and "AttnBlock" in warnings[1]
+
+
+class _Collect(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_the_log_setting_shows_reasons_first_seen_while_it_was_off(patch, caplog):
+    caplog.set_level(logging.WARNING)  # the root logger as hosts leave it: INFO not shown
+    collect = _Collect()
+    logger = logging.getLogger("rdna_flash_attn")
+    logger.addHandler(collect)
+    try:
+        module = cross_attention().float()
+        x, context = torch.randn(1, 16, 320), torch.randn(1, 77, 96)
+        patch.apply()
+        with torch.no_grad():
+            module(x, context)  # CPU tensors: refused while the setting is off
+            assert collect.messages == []
+            options.apply("rdna_fa_log_fallbacks", True)
+            assert options.current("rdna_fa_log_fallbacks") and logger.isEnabledFor(logging.INFO)
+            module(x, context)
+            module(x, context)
+        options.apply("rdna_fa_log_fallbacks", False)
+        assert not logger.isEnabledFor(logging.INFO) and not options.current("rdna_fa_log_fallbacks")
+    finally:
+        logger.removeHandler(collect)
+    assert collect.messages == ["not using the kernels: CPU tensors (the kernels run on AMD RDNA3/RDNA4 GPUs)"]
+    assert rdna_flash_attn.stats()["fallback"] == 3

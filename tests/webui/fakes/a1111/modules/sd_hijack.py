@@ -1,7 +1,16 @@
 """Fake of A1111 modules/sd_hijack.py's optimizer selection: list the available optimizations by
-priority, undo the current one, apply the one chosen by title ("Automatic": the first; "None": none)."""
+priority, undo (A1111's undo_optimizations, then the current one's undo), apply the one chosen by
+title ("Automatic": the first; "None": none)."""
+
+import ldm.modules.attention
+import ldm.modules.diffusionmodules.model
+import sgm.modules.attention
+import sgm.modules.diffusionmodules.model
 
 from modules import script_callbacks, sd_hijack_optimizations, shared
+from modules.hypernetworks import hypernetwork
+
+diffusionmodules_model_AttnBlock_forward = ldm.modules.diffusionmodules.model.AttnBlock.forward
 
 optimizers = []
 current_optimizer = None
@@ -15,7 +24,11 @@ def list_optimizers():
 
 
 def undo_optimizations():
-    sd_hijack_optimizations.SdOptimization().undo()
+    # As A1111's: the einsum forward on both CrossAttentions, ldm's AttnBlock forward on both AttnBlocks.
+    ldm.modules.attention.CrossAttention.forward = hypernetwork.attention_CrossAttention_forward
+    ldm.modules.diffusionmodules.model.AttnBlock.forward = diffusionmodules_model_AttnBlock_forward
+    sgm.modules.attention.CrossAttention.forward = hypernetwork.attention_CrossAttention_forward
+    sgm.modules.diffusionmodules.model.AttnBlock.forward = diffusionmodules_model_AttnBlock_forward
 
 
 def apply_optimizations(option=None):

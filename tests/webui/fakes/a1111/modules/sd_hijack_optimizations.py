@@ -1,11 +1,18 @@
-"""Fake of A1111 modules/sd_hijack_optimizations.py: the SdOptimization base class (whose undo puts
-ldm's own forwards back) and one built-in optimization ("sdp") as a stand-in for the others."""
+"""Fake of A1111 modules/sd_hijack_optimizations.py: the SdOptimization base class, whose undo
+installs what A1111's does (the hypernetwork module's einsum forward on ldm's and sgm's
+CrossAttention, each AttnBlock's own forward), and one built-in optimization ("sdp") as a stand-in
+for the others."""
 
 import ldm.modules.attention
 import ldm.modules.diffusionmodules.model
+import sgm.modules.attention
+import sgm.modules.diffusionmodules.model
+
+from modules.hypernetworks import hypernetwork
 
 ldm_cross_attention_forward = ldm.modules.attention.CrossAttention.forward
 ldm_attn_block_forward = ldm.modules.diffusionmodules.model.AttnBlock.forward
+sgm_attn_block_forward = sgm.modules.diffusionmodules.model.AttnBlock.forward
 
 
 class SdOptimization:
@@ -24,8 +31,10 @@ class SdOptimization:
         pass
 
     def undo(self):
-        ldm.modules.attention.CrossAttention.forward = ldm_cross_attention_forward
+        ldm.modules.attention.CrossAttention.forward = hypernetwork.attention_CrossAttention_forward
         ldm.modules.diffusionmodules.model.AttnBlock.forward = ldm_attn_block_forward
+        sgm.modules.attention.CrossAttention.forward = hypernetwork.attention_CrossAttention_forward
+        sgm.modules.diffusionmodules.model.AttnBlock.forward = sgm_attn_block_forward
 
 
 calls = {"cross_attention": 0, "attn_block": 0}
