@@ -209,6 +209,14 @@ def release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def start_measurement(device: torch.device) -> None:
+    """Peak memory and the dispatcher's counters from zero, before a measured run."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    rdna_flash_attn.reset_stats()
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     # torch.cuda.OutOfMemoryError: also on the torch 2.2-2.7 builds ZLUDA users run; HIP says it in words
     return isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)) or "out of memory" in str(exc).lower()
@@ -247,11 +255,7 @@ def measure(unet, config: Config, provider: ModelProvider, device: torch.device,
     inputs = None
     try:
         inputs = _inputs(config, device, dtype)
-        cuda = device.type == "cuda"
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        rdna_flash_attn.reset_stats()
+        start_measurement(device)
         with provider.context(), torch.no_grad():
             euler_sample(unet, inputs, 1)  # warm-up: lazy loading, allocator growth
             sync(device)
@@ -262,7 +266,7 @@ def measure(unet, config: Config, provider: ModelProvider, device: torch.device,
         calls = rdna_flash_attn.stats()
         row.update(it_per_s=steps / seconds, seconds=seconds, finite=bool(torch.isfinite(result).all()),
                    attention_calls=calls if provider.name == "rdna_fa" else None)
-        if cuda:
+        if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device)
             row.update(peak_allocated_mib=mib(peak), peak_reserved_mib=mib(torch.cuda.max_memory_reserved(device)),
                        peak_above_weights_mib=mib(peak - weights_bytes))

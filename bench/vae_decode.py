@@ -21,7 +21,7 @@ import torch
 import rdna_flash_attn
 from rdna_flash_attn.benchmark import ModelProvider
 
-from .generation import default_dtype, is_out_of_memory, mib, release, sync
+from .generation import default_dtype, is_out_of_memory, mib, release, start_measurement, sync
 
 SD_VAE = dict(in_channels=3, out_channels=3, latent_channels=4, layers_per_block=2,
               block_out_channels=(128, 256, 512, 512), down_block_types=("DownEncoderBlock2D",) * 4,
@@ -91,11 +91,7 @@ def measure(vae, config: dict, case: VaeCase, provider: ModelProvider, device: t
     try:
         latents = torch.randn(1, config["latent_channels"], side, side, device=device, dtype=dtype,
                               generator=torch.Generator(device=device).manual_seed(2))
-        cuda = device.type == "cuda"
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        rdna_flash_attn.reset_stats()
+        start_measurement(device)
         with provider.context(), torch.no_grad():
             vae.decode(latents)  # warm-up
             sync(device)
@@ -106,7 +102,7 @@ def measure(vae, config: dict, case: VaeCase, provider: ModelProvider, device: t
             seconds = time.perf_counter() - start
         row.update(ms=seconds / repeats * 1e3, finite=bool(torch.isfinite(image).all()),
                    attention_calls=rdna_flash_attn.stats() if provider.name == "rdna_fa" else None)
-        if cuda:
+        if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device)
             row.update(peak_allocated_mib=mib(peak), peak_above_weights_mib=mib(peak - weights_bytes))
     except (RuntimeError, MemoryError) as exc:
