@@ -217,6 +217,11 @@ def start_measurement(device: torch.device) -> None:
     rdna_flash_attn.reset_stats()
 
 
+def out_of_memory_note(exc: BaseException) -> str:
+    """A skipped row's reason: the error's first line, short."""
+    return f"skipped: out of memory ({(str(exc).splitlines() or [''])[0][:160]})"
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     # torch.cuda.OutOfMemoryError: also on the torch 2.2-2.7 builds ZLUDA users run; HIP says it in words
     return isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)) or "out of memory" in str(exc).lower()
@@ -273,7 +278,7 @@ def measure(unet, config: Config, provider: ModelProvider, device: torch.device,
     except (RuntimeError, MemoryError) as exc:
         if not is_out_of_memory(exc):
             raise
-        row["skipped"] = f"skipped: out of memory ({(str(exc).splitlines() or [''])[0][:160]})"
+        row["skipped"] = out_of_memory_note(exc)
     finally:
         del inputs
         release(device)

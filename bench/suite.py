@@ -90,11 +90,14 @@ class Progress:
         print(text, file=sys.stderr, flush=True)
 
 
-def _diffusers_missing() -> str | None:
+def _diffusers_skip(progress: Progress) -> dict | None:
+    """The part's result when diffusers is not installed (noted in the progress), else None."""
     try:
         import diffusers  # noqa: F401
     except ImportError as exc:
-        return f"skipped: diffusers is not installed ({exc}); {DIFFUSERS_HINT}"
+        missing = f"skipped: diffusers is not installed ({exc}); {DIFFUSERS_HINT}"
+        progress.note(missing)
+        return {"skipped": missing, "rows": []}
     return None
 
 
@@ -113,10 +116,9 @@ def run_memory(device, dtype, size: str, progress: Progress) -> dict:
 
 
 def run_generation(device, dtype, size: str, steps: int, progress: Progress) -> dict:
-    missing = _diffusers_missing()
-    if missing:
-        progress.note(missing)
-        return {"skipped": missing, "rows": []}
+    skipped = _diffusers_skip(progress)
+    if skipped:
+        return skipped
     from bench import generation
 
     providers = benchmark.model_providers(device, progress.note)
@@ -127,10 +129,9 @@ def run_generation(device, dtype, size: str, steps: int, progress: Progress) -> 
 
 
 def run_vae(device, dtype, size: str, repeats: int, progress: Progress) -> dict:
-    missing = _diffusers_missing()
-    if missing:
-        progress.note(missing)
-        return {"skipped": missing, "rows": []}
+    skipped = _diffusers_skip(progress)
+    if skipped:
+        return skipped
     from bench import vae_decode
 
     providers = benchmark.model_providers(device, progress.note)

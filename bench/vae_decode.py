@@ -21,7 +21,7 @@ import torch
 import rdna_flash_attn
 from rdna_flash_attn.benchmark import ModelProvider
 
-from .generation import default_dtype, is_out_of_memory, mib, release, start_measurement, sync
+from .generation import default_dtype, is_out_of_memory, mib, out_of_memory_note, release, start_measurement, sync
 
 SD_VAE = dict(in_channels=3, out_channels=3, latent_channels=4, layers_per_block=2,
               block_out_channels=(128, 256, 512, 512), down_block_types=("DownEncoderBlock2D",) * 4,
@@ -108,7 +108,7 @@ def measure(vae, config: dict, case: VaeCase, provider: ModelProvider, device: t
     except (RuntimeError, MemoryError) as exc:
         if not is_out_of_memory(exc):
             raise
-        row["skipped"] = f"skipped: out of memory ({(str(exc).splitlines() or [''])[0][:160]})"
+        row["skipped"] = out_of_memory_note(exc)
     finally:
         del latents
         release(device)
