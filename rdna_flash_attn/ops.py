@@ -159,7 +159,7 @@ def flash_attention_forward(q, k, v, is_causal: bool = False, scale: float | Non
                    seq_q, seq_k, head_dim, int(bool(is_causal)), softmax_scale * _LOG2_E, q_blocks)
     grid = (q_blocks * variant.d_chunks, heads, batch)
     with devices.device_guard(q.device):
-        library.launch(variant, grid, args, torch.cuda.current_stream(q.device))
+        library.launch(variant, grid, args, (q, k, v, out, lse))
     return out, lse
 
 
@@ -189,10 +189,10 @@ def flash_attention_backward(dout, q, k, v, lse, is_causal: bool = False, scale:
                    softmax_scale * _LOG2_E, softmax_scale, 0)
     dq_kernel = variants.bwd_variant("dq", dtype, head_dim)
     dkdv = variants.bwd_variant("dkdv", dtype, head_dim)
-    stream = torch.cuda.current_stream(q.device)
+    buffers = (q, k, v, dout, lse, delta, dq, dk, dv)
     with devices.device_guard(q.device):
         args.blocks = -(-seq_q // dq_kernel.block_rows)
-        library.launch(dq_kernel, (args.blocks * dq_kernel.jobs_per_block, heads, batch), args, stream)
+        library.launch(dq_kernel, (args.blocks * dq_kernel.jobs_per_block, heads, batch), args, buffers)
         args.blocks = -(-seq_k // dkdv.block_rows)
-        library.launch(dkdv, (args.blocks * dkdv.jobs_per_block, heads, batch), args, stream)
+        library.launch(dkdv, (args.blocks * dkdv.jobs_per_block, heads, batch), args, buffers)
     return dq, dk, dv

@@ -46,10 +46,12 @@ class KernelLibrary:
                 self._functions[variant.symbol] = function
         return function
 
-    def launch(self, variant, grid: tuple[int, int, int], args, stream: torch.cuda.Stream) -> None:
+    def launch(self, variant, grid: tuple[int, int, int], args, buffers: tuple[torch.Tensor, ...]) -> None:
+        """Runs `variant` on the current stream of the buffers' device; `buffers` are the tensors the
+        argument block points into (an interpreted library checks every access against them)."""
         function = self.function(variant)
         params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
-        native_stream = self.driver.native_stream(stream.cuda_stream)
+        native_stream = self.driver.native_stream(torch.cuda.current_stream(buffers[0].device).cuda_stream)
         self.driver.launch(function, grid, (variant.threads, 1, 1), self._dynamic_lds(variant), native_stream, params)
 
 
