@@ -75,13 +75,22 @@ def load_code_object(path: str | Path) -> CodeObject:
 
 
 def parse_code_object(data: bytes) -> CodeObject:
+    metadata = read_metadata(data)
+    target_id = metadata["amdhsa.target"]
+    kernels = tuple(_kernel_resources(k) for k in metadata["amdhsa.kernels"])
+    return CodeObject(target=processor_of(target_id), target_id=target_id, kernels=kernels)
+
+
+def read_metadata(data: bytes) -> dict[str, Any]:
+    """The code object's whole AMDGPU metadata map; amdhsa.target is filled from the ELF flags
+    when the metadata lacks it."""
     e_flags = _check_elf_header(data)
     metadata = unpack_msgpack(_metadata_note(data))
     if not isinstance(metadata, dict) or "amdhsa.kernels" not in metadata:
         raise CodeObjectError("AMDGPU metadata has no amdhsa.kernels")
-    target_id = metadata.get("amdhsa.target") or _target_from_flags(e_flags)
-    kernels = tuple(_kernel_resources(k) for k in metadata["amdhsa.kernels"])
-    return CodeObject(target=processor_of(target_id), target_id=target_id, kernels=kernels)
+    if not metadata.get("amdhsa.target"):
+        metadata["amdhsa.target"] = _target_from_flags(e_flags)
+    return metadata
 
 
 def processor_of(target_id: str) -> str:

@@ -6,6 +6,7 @@ Tensors are (batch, heads, seq, head_dim) views with unit stride in head_dim; bo
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -37,7 +38,8 @@ def forward_refusal(q, k, v, is_causal: bool = False, scale: float | None = None
         return f"dtype {q.dtype} is not supported (float16 or bfloat16)"
     if k.dtype != q.dtype or v.dtype != q.dtype:
         return "query, key and value have different dtypes"
-    if q.device.type != "cuda" or k.device != q.device or v.device != q.device:
+    on_kernel_device = q.device.type == "cuda" or runtime.explicit_library_for(q.device) is not None
+    if not on_kernel_device or k.device != q.device or v.device != q.device:
         return "query, key and value must be on one GPU"
     if q.shape[0] != k.shape[0] or q.shape[0] != v.shape[0]:
         return "batch sizes differ"
@@ -132,6 +134,11 @@ def _softmax_scale(head_dim: int, scale: float | None) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
+def _device_guard(device: torch.device):
+    """The GPU made current for a launch; nothing to do for an explicitly chosen CPU library."""
+    return devices.device_guard(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _strides(*tensors: torch.Tensor) -> list[int]:
     return [stride for t in tensors for stride in t.stride()[:3]]
 
@@ -158,7 +165,7 @@ def flash_attention_forward(q, k, v, is_causal: bool = False, scale: float | Non
                    lse.stride(0), lse.stride(1),
                    seq_q, seq_k, head_dim, int(bool(is_causal)), softmax_scale * _LOG2_E, q_blocks)
     grid = (q_blocks * variant.d_chunks, heads, batch)
-    with devices.device_guard(q.device):
+    with _device_guard(q.device):
         library.launch(variant, grid, args, (q, k, v, out, lse))
     return out, lse
 
@@ -190,7 +197,7 @@ def flash_attention_backward(dout, q, k, v, lse, is_causal: bool = False, scale:
     dq_kernel = variants.bwd_variant("dq", dtype, head_dim)
     dkdv = variants.bwd_variant("dkdv", dtype, head_dim)
     buffers = (q, k, v, dout, lse, delta, dq, dk, dv)
-    with devices.device_guard(q.device):
+    with _device_guard(q.device):
         args.blocks = -(-seq_q // dq_kernel.block_rows)
         library.launch(dq_kernel, (args.blocks * dq_kernel.jobs_per_block, heads, batch), args, buffers)
         args.blocks = -(-seq_k // dkdv.block_rows)

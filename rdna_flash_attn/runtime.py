@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
@@ -73,8 +74,33 @@ def _open_library(info: devices.DeviceInfo, layer: str) -> KernelLibrary:
     raise KernelUnavailable(f"{info.backend} device {info.name}: the kernels need an AMD GPU (or NVIDIA emulation)")
 
 
+_explicit = threading.local()
+
+
+@contextlib.contextmanager
+def explicit_library(library):
+    """Within the block, launches on `library.device_type` devices (the CPU, for
+    interpreter.InterpretedLibrary) go to `library`: ops then accepts tensors of that device.
+    Per thread; the normal dispatch never sees it."""
+    previous = getattr(_explicit, "library", None)
+    _explicit.library = library
+    try:
+        yield library
+    finally:
+        _explicit.library = previous
+
+
+def explicit_library_for(device: torch.device):
+    """The library chosen by explicit_library for this device's type, or None."""
+    library = getattr(_explicit, "library", None)
+    return library if library is not None and torch.device(device).type == library.device_type else None
+
+
 def library_for(device: torch.device) -> KernelLibrary:
     """The loaded library for a device; raises KernelUnavailable with the reason, remembered."""
+    explicit = explicit_library_for(device)
+    if explicit is not None:
+        return explicit
     info = devices.describe(device)
     layer = emulated_layer() if info.backend == "cuda" else None
     key = (info.backend, info.index, layer)

@@ -1,0 +1,78 @@
+"""Floating-point helpers with the hardware's rounding, vectorised over lanes.
+
+Every conversion to a narrower format rounds to nearest even, as the VALU does by default. A fused
+multiply-add is computed exactly: the f64 product of two f32 (or f16) values is exact, the sum is
+rounded to odd in f64 (so that one more rounding to f32/f16 is correct, not double-rounded).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_U64 = np.uint64
+
+
+def f32(bits: np.ndarray) -> np.ndarray:
+    return np.asarray(bits, dtype=np.uint32).view(np.float32)
+
+
+def bits32(values: np.ndarray) -> np.ndarray:
+    return np.asarray(values, dtype=np.float32).view(np.uint32)
+
+
+def f16_from_bits(bits: np.ndarray) -> np.ndarray:
+    """16-bit patterns (in any unsigned array) as float32."""
+    return (np.asarray(bits) & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+def bf16_from_bits(bits: np.ndarray) -> np.ndarray:
+    return ((np.asarray(bits, dtype=np.uint32) & 0xFFFF) << 16).view(np.float32)
+
+
+def f16_bits(values: np.ndarray) -> np.ndarray:
+    """Round (f32 or f64) values to f16, nearest even; the 16-bit patterns as uint32."""
+    return np.asarray(values).astype(np.float16).view(np.uint16).astype(np.uint32)
+
+
+def bf16_bits(values: np.ndarray) -> np.ndarray:
+    """Round f32 values to bf16, nearest even (NaN stays a quiet NaN)."""
+    bits = bits32(values).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint32)
+    nan = np.isnan(np.asarray(values, dtype=np.float32))
+    return np.where(nan, (bits >> 16).astype(np.uint32) | 0x40, rounded & 0xFFFF)
+
+
+def round_to_odd_sum(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a + b in f64 rounded to odd: exact enough that rounding the result again to f32 or f16 gives
+    the correctly rounded sum."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = a + b
+        b_virtual = total - a
+        error = (a - (total - b_virtual)) + (b - b_virtual)
+    inexact = (error != 0) & np.isfinite(total)
+    bits = total.view(_U64)
+    even = (bits & _U64(1)) == 0
+    # Move one ulp towards the error (away from zero when the error has the sum's sign).
+    toward_error = np.where(np.signbit(error) == np.signbit(total), _U64(1), _U64(0) - _U64(1))
+    adjusted = np.where(inexact & even, bits + toward_error, bits)
+    return adjusted.view(np.float64)
+
+
+def fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """Fused a*b + c of f32 inputs (or narrower), as an f64 array rounded to odd: cast to the
+    destination format for the single correct rounding."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        product = np.asarray(a, dtype=np.float64) * np.asarray(b, dtype=np.float64)
+    return round_to_odd_sum(product, c)
+
+
+def fma_f32(a, b, c) -> np.ndarray:
+    with np.errstate(over="ignore", invalid="ignore"):
+        return fma(a, b, c).astype(np.float32)
+
+
+def exponent_f32(values: np.ndarray) -> np.ndarray:
+    """The biased exponent field of f32 values."""
+    return ((bits32(values) >> 23) & 0xFF).astype(np.int32)
