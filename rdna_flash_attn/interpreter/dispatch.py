@@ -20,6 +20,7 @@ _HIDDEN_BLOCK_COUNT = {"hidden_block_count_x": 0, "hidden_block_count_y": 1, "hi
 _HIDDEN_GROUP_SIZE = {"hidden_group_size_x": 0, "hidden_group_size_y": 1, "hidden_group_size_z": 2}
 _HIDDEN_REMAINDER = {"hidden_remainder_x": 0, "hidden_remainder_y": 1, "hidden_remainder_z": 2}
 _DISPATCH_PACKET_BYTES = 64
+TTMP7, TTMP9 = 108 + 7, 108 + 9  # operand encodings of the trap temporaries
 
 
 def kernarg_segment(program: KernelProgram, explicit: bytes, grid: tuple[int, int, int],
@@ -109,6 +110,11 @@ class Dispatch:
             if descriptor.workgroup_id_enabled(axis):
                 wave.sgpr[sgpr] = group_id[axis]
                 sgpr += 1
+        if program.arch == "rdna4":
+            # gfx12 "architected SGPRs": the workgroup ids are also in TTMP9 (x) and TTMP7
+            # (y in bits 0-15, z in 16-31), which is where clang-19's gfx12 code reads them.
+            wave.sgpr[TTMP9] = group_id[0]
+            wave.sgpr[TTMP7] = group_id[1] | group_id[2] << 16
         if descriptor.workgroup_info_enabled:
             raise InterpreterError("workgroup info SGPR is not provided", program.name)
         threads = self.block[0] * self.block[1] * self.block[2]
@@ -135,6 +141,7 @@ class Dispatch:
                     self.kernel.run_wave(wave, hits)
             still = [w for w in waves if not w.ended]
             if still and all(w.at_barrier for w in still):
+                context.lds.epoch += 1
                 for w in still:
                     w.at_barrier = False
         self.trace.add(hits, self.kernel.instructions)

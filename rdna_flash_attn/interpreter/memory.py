@@ -210,22 +210,54 @@ def _compile_global(d, ctx):
 
 
 class LocalDataShare:
-    """The workgroup's LDS: exactly the bytes a real launch allocates."""
+    """The workgroup's LDS: exactly the bytes a real launch allocates, with a race check. Between
+    two barriers (one epoch), a byte one wave wrote must not be read or written by another wave,
+    and a byte other waves read must not be written: such a kernel's result depends on how the
+    hardware happens to schedule its waves."""
 
     def __init__(self, size: int):
         self.data = np.zeros(size, np.uint8)
+        self.epoch = 1
+        self._write_epoch = np.zeros(size, np.int64)
+        self._writer = np.zeros(size, np.int64)
+        self._read_epoch = np.zeros(size, np.int64)
+        self._readers = np.zeros(size, np.int64)  # bit w: wave w read the byte in _read_epoch
 
     def _index(self, addresses: np.ndarray, size: int, where) -> np.ndarray:
         if addresses.size and int(addresses.max()) + size > self.data.size:
             stray = int(addresses[addresses + size > self.data.size][0])
             raise where(f"LDS access of {size} bytes at {stray} beyond the {self.data.size} bytes allocated")
-        return addresses.astype(np.int64)[:, None] + np.arange(size)
+        return (addresses.astype(np.int64)[:, None] + np.arange(size)).ravel()
 
-    def load(self, addresses, size, where):
-        return self.data[self._index(addresses, size, where)]
+    def _race(self, index, conflict, wave_id, what, where):
+        byte = int(index[conflict][0])
+        other = int(self._writer[byte]) if what != "write after read" else int(self._readers[byte])
+        raise where(f"LDS race: wave {wave_id} {what} at byte {byte} (other wave{'s mask' if what == 'write after read' else ''} "
+                    f"{other:#x}) with no barrier between")
 
-    def store(self, addresses, data, where):
-        self.data[self._index(addresses, data.shape[1], where)] = data
+    def load(self, addresses, size, where, wave_id: int):
+        index = self._index(addresses, size, where)
+        conflict = (self._write_epoch[index] == self.epoch) & (self._writer[index] != wave_id)
+        if conflict.any():
+            self._race(index, conflict, wave_id, "reads a byte another wave wrote", where)
+        fresh = self._read_epoch[index] != self.epoch
+        self._readers[index[fresh]] = 0
+        self._read_epoch[index] = self.epoch
+        np.bitwise_or.at(self._readers, index, 1 << wave_id)
+        return self.data[index].reshape(-1, size)
+
+    def store(self, addresses, data, where, wave_id: int):
+        size = data.shape[1]
+        index = self._index(addresses, size, where)
+        conflict = (self._write_epoch[index] == self.epoch) & (self._writer[index] != wave_id)
+        if conflict.any():
+            self._race(index, conflict, wave_id, "writes a byte another wave wrote", where)
+        read_by_others = (self._read_epoch[index] == self.epoch) & ((self._readers[index] & ~(1 << wave_id)) != 0)
+        if read_by_others.any():
+            self._race(index, read_by_others, wave_id, "write after read", where)
+        self.data[index] = data.ravel()
+        self._write_epoch[index] = self.epoch
+        self._writer[index] = wave_id
 
 
 def _compile_ds(d, ctx):
@@ -247,13 +279,13 @@ def _compile_ds(d, ctx):
                 lanes = wave.exec_lanes()
                 base = wave.vgpr[address_register][lanes].astype(np.int64)
                 for data, extra in ((data0, offsets[0]), (data1, offsets[1])):
-                    ctx.lds.store(base + extra, _data_bytes(wave, data, width, "full", lanes), where)
+                    ctx.lds.store(base + extra, _data_bytes(wave, data, width, "full", lanes), where, wave.wave_id)
             return store_pair
         if name.startswith("ds_load_2addr"):
             def load_pair(wave: Wave):
                 lanes = wave.exec_lanes()
                 base = wave.vgpr[address_register][lanes].astype(np.int64)
-                loaded = [ctx.lds.load(base + extra, width, where) for extra in offsets]
+                loaded = [ctx.lds.load(base + extra, width, where, wave.wave_id) for extra in offsets]
                 for i, data in enumerate(loaded):
                     _write_loaded(wave, destination + i * width // 4, data, "full", lanes)
             return load_pair
@@ -266,12 +298,12 @@ def _compile_ds(d, ctx):
         def store(wave: Wave):
             lanes = wave.exec_lanes()
             base = wave.vgpr[address_register][lanes].astype(np.int64) + offset16
-            ctx.lds.store(base, _data_bytes(wave, data0, size, kind, lanes), where)
+            ctx.lds.store(base, _data_bytes(wave, data0, size, kind, lanes), where, wave.wave_id)
         return store
     if name.startswith("ds_load_"):
         def load(wave: Wave):
             lanes = wave.exec_lanes()
             base = wave.vgpr[address_register][lanes].astype(np.int64) + offset16
-            _write_loaded(wave, destination, ctx.lds.load(base, size, where), kind, lanes)
+            _write_loaded(wave, destination, ctx.lds.load(base, size, where, wave.wave_id), kind, lanes)
         return load
     return None
