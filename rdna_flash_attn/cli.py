@@ -8,8 +8,8 @@ import sys
 
 import torch
 
-from . import __version__, benchmark, dispatch, ops, selftest
-from . import artifacts, rebuild
+from . import __version__, artifacts, benchmark, dispatch, ops, selftest
+from . import rebuild
 from . import device as _device
 from .config import Settings, settings
 
@@ -93,8 +93,28 @@ def doctor(_args: argparse.Namespace) -> int:
     return 0
 
 
+def run_interpreted_selftest(target: str) -> int:
+    """The shipped code object for `target`, run on the CPU by the ISA interpreter; 0 passed,
+    1 failed, 2 nothing tested (no decoder or no code object)."""
+    from .interpreter import MissingDecoder
+
+    try:
+        checks, seconds, path = selftest.run_interpreted(target)
+    except (MissingDecoder, artifacts.ArtifactError) as error:
+        print(f"cannot interpret the {target} code object: {error}")
+        return 2
+    for check in checks:
+        mark = "ok  " if check.passed else "FAIL"
+        print(f"  {mark} {check.name}: error {check.error:.3g} (tolerance {check.tolerance:.3g})")
+    passed = all(check.passed for check in checks)
+    print(f"{target} code object {path}, interpreted on the CPU in {seconds:.1f} s: {'passed' if passed else 'FAILED'}")
+    return 0 if passed else 1
+
+
 def run_selftest(args: argparse.Namespace) -> int:
     """Re-run the self-test (ignoring the cache) on each GPU; 0 passed, 1 failed, 2 nothing tested."""
+    if args.interpret:
+        return run_interpreted_selftest(args.target)
     devices = [torch.device(args.device)] if args.device else _gpu_devices()
     if not devices:
         print("no GPU visible to torch: nothing to test")
@@ -123,6 +143,10 @@ def _parser() -> argparse.ArgumentParser:
     commands.add_parser("doctor", help="show what is detected and why anything is off").set_defaults(run=doctor)
     test = commands.add_parser("selftest", help="re-run the kernels' self-test on each GPU")
     test.add_argument("--device", help="one torch device, e.g. cuda:1 (default: every GPU)")
+    test.add_argument("--interpret", action="store_true",
+                      help="no GPU needed: run a shipped code object on the CPU, instruction by instruction "
+                           "(needs pip install tinygrad==0.14.0)")
+    test.add_argument("--target", default="gfx1100", help="with --interpret: the GPU target's code object (default gfx1100)")
     test.set_defaults(run=run_selftest)
     bench = commands.add_parser(
         "bench", help="time the kernels against PyTorch SDPA's backends (--suite full: UNet, VAE, memory too)")

@@ -16,13 +16,14 @@ import hashlib
 import json
 import logging
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from . import device as _device
-from . import artifacts, autograd, ops
+from . import artifacts, autograd, ops, runtime
 from .config import LOGGER_NAME, settings
 
 log = logging.getLogger(LOGGER_NAME)
@@ -129,7 +130,18 @@ def _compare(name: str, got, ref32, ref_low, dtype: torch.dtype) -> Check:
     return Check(name, _max_error(got, ref32), 2 * _max_error(ref_low, ref32) + floor)
 
 
-def _case_checks(device, dtype, case, generator) -> list[Check]:
+def _autograd_grads(q, k, v, lse, grad_out, causal):
+    """Gradients through the public autograd function (its custom op on torch >= 2.4)."""
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    return torch.autograd.grad(autograd.flash_attention(*leaves, causal, None), leaves, grad_out)
+
+
+def _direct_grads(q, k, v, lse, grad_out, causal):
+    """Gradients from ops itself, for a library torch's custom ops do not dispatch to (the CPU)."""
+    return ops.flash_attention_backward(grad_out, q, k, v, lse, causal, None)
+
+
+def _case_checks(device, dtype, case, generator, gradients=_autograd_grads) -> list[Check]:
     batch, heads, sq, sk, dim, causal = case
     dtype_name = str(dtype).removeprefix("torch.")
     shape = f"{dtype_name} b{batch} h{heads} q{sq} k{sk} d{dim}{' causal' if causal else ''}"
@@ -140,8 +152,7 @@ def _case_checks(device, dtype, case, generator) -> list[Check]:
         out, lse = ops.flash_attention_forward(q, k, v, causal, None)
     grad_out = torch.randn(out.shape, generator=generator, device=device, dtype=dtype)
     with torch.enable_grad():
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        grads = torch.autograd.grad(autograd.flash_attention(*leaves, causal, None), leaves, grad_out)
+        grads = gradients(q, k, v, lse, grad_out, causal)
         out32, lse32, leaves32 = _reference(q, k, v, causal, torch.float32)
         grads32 = torch.autograd.grad(out32, leaves32, grad_out.float())
         out_low, lse_low, leaves_low = _reference(q, k, v, causal, dtype)
@@ -160,6 +171,26 @@ def run_checks(device: torch.device) -> list[Check]:
     generator = torch.Generator(device=device).manual_seed(0)
     with torch.autocast(device.type, enabled=False):
         return [check for dtype in DTYPES for case in CASES for check in _case_checks(device, dtype, case, generator)]
+
+
+# The CPU interpreter's case (selftest --interpret): small, ragged, causal off-square, one tile of
+# each kind, in both dtypes; it takes seconds, not the minutes the whole CASES list would.
+INTERPRET_CASE = (1, 2, 64, 77, 64, True)
+
+
+def run_interpreted(target: str) -> tuple[list[Check], float, str]:
+    """The forward and backward checks of INTERPRET_CASE run by the CPU interpreter on the code
+    object a `target` GPU would load: (checks, seconds, code object path). Raises
+    interpreter.MissingDecoder without tinygrad, artifacts.ArtifactError without a code object."""
+    from .interpreter import InterpretedLibrary
+
+    library = InterpretedLibrary.for_target(target)
+    generator = torch.Generator().manual_seed(0)
+    start = time.perf_counter()
+    with runtime.explicit_library(library):
+        checks = [check for dtype in DTYPES
+                  for check in _case_checks(torch.device("cpu"), dtype, INTERPRET_CASE, generator, _direct_grads)]
+    return checks, time.perf_counter() - start, str(library.artifact.path)
 
 
 # --- verdicts -----------------------------------------------------------------------------------

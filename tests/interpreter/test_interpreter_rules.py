@@ -169,3 +169,11 @@ def test_ops_accept_cpu_tensors_only_with_an_explicit_library():
     with runtime.explicit_library(InterpretedLibrary(artifacts.prebuilt_artifact("gfx1100"))):
         assert ops.forward_refusal(q, q, q) is None
     assert ops.forward_refusal(q, q, q) is not None
+
+
+def test_selftest_interpret_command_runs_the_code_object(capsys):
+    from rdna_flash_attn import cli
+
+    assert cli.main(["selftest", "--interpret", "--target", "gfx1201"]) == 0
+    printed = capsys.readouterr().out
+    assert "rdna_fa_gfx1201.hsaco, interpreted on the CPU" in printed and "FAIL" not in printed
