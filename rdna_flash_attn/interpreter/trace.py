@@ -54,10 +54,18 @@ class KernelTrace:
             self.by_category[category(d.name, d.encoding)] += count
             self.by_name[d.name] += count
 
+    def mnemonics(self) -> Counter:
+        """Executed instructions by mnemonic as LLVM's disassembler spells them (a VOPD pair under its
+        first half, v_dual_*), the form bench/estimate_gfx1100.py classifies."""
+        names = Counter()
+        for name, count in self.by_name.items():
+            names[name.split("::")[0]] += count
+        return names
+
     def per_wave(self) -> dict[str, float]:
         return {c: self.by_category[c] / max(self.waves, 1) for c in CATEGORIES if self.by_category[c]}
 
     def summary(self) -> str:
         total = sum(self.by_category.values())
-        parts = ", ".join(f"{c} {n / max(self.waves, 1):.1f}" for c, n in self.per_wave().items())
+        parts = ", ".join(f"{c} {n:.1f}" for c, n in self.per_wave().items())
         return f"{self.kernel}: {self.workgroups} workgroups, {self.waves} waves, {total} instructions; per wave: {parts}"
