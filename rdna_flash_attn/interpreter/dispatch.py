@@ -20,6 +20,7 @@ _HIDDEN_BLOCK_COUNT = {"hidden_block_count_x": 0, "hidden_block_count_y": 1, "hi
 _HIDDEN_GROUP_SIZE = {"hidden_group_size_x": 0, "hidden_group_size_y": 1, "hidden_group_size_z": 2}
 _HIDDEN_REMAINDER = {"hidden_remainder_x": 0, "hidden_remainder_y": 1, "hidden_remainder_z": 2}
 _DISPATCH_PACKET_BYTES = 64
+IEEE_FLOAT_MODE = 0xF0  # COMPUTE_PGM_RSRC1 FLOAT_MODE: nearest-even rounding, no denormal flushing
 TTMP7, TTMP9 = 108 + 7, 108 + 9  # operand encodings of the trap temporaries
 
 
@@ -75,6 +76,9 @@ class Dispatch:
         descriptor = program.descriptor
         if descriptor.private_segment_enabled or program.metadata.get(".private_segment_fixed_size", 0):
             raise InterpreterError("kernels using scratch memory are not supported", program.name)
+        if descriptor.float_mode != IEEE_FLOAT_MODE:
+            raise InterpreterError(f"float mode 0x{descriptor.float_mode:02x} in the kernel descriptor: the interpreter "
+                                   "computes with round-to-nearest-even and denormals kept (0xf0)", program.name)
         threads = block[0] * block[1] * block[2]
         if threads > program.metadata.get(".max_flat_workgroup_size", 1024):
             raise InterpreterError(f"block of {threads} threads exceeds the kernel's maximum", program.name)

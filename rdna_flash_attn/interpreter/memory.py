@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import InterpreterError
 from .wave import NULL, VGPR_BASE, Wave, scalar_reader
 
 

@@ -31,6 +31,11 @@ class KernelDescriptor:
     code_properties: int
 
     @property
+    def float_mode(self) -> int:
+        """COMPUTE_PGM_RSRC1 bits 12-19: rounding (f32, f16/f64) and denormal modes."""
+        return (self.rsrc1 >> 12) & 0xFF
+
+    @property
     def user_sgpr_count(self) -> int:
         return (self.rsrc2 >> 1) & 0x1F
 

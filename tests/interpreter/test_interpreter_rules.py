@@ -4,7 +4,6 @@ the allocation, argument-block mismatch, unknown instruction, gfx11 WMMA half-wa
 
 from __future__ import annotations
 
-import ctypes
 import re
 import shutil
 import subprocess
