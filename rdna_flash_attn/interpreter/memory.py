@@ -215,7 +215,9 @@ class LocalDataShare:
     hardware happens to schedule its waves."""
 
     def __init__(self, size: int):
-        self.data = np.zeros(size, np.uint8)
+        # Poisoned: real LDS starts with whatever the last workgroup left, so a kernel that reads
+        # bytes it never wrote gets NaN here (0xff bytes are NaN as f16 and f32), not a helpful 0.
+        self.data = np.full(size, 0xFF, np.uint8)
         self.epoch = 1
         self._write_epoch = np.zeros(size, np.int64)
         self._writer = np.zeros(size, np.int64)

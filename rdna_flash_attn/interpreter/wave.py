@@ -18,6 +18,7 @@ LANES = 32
 VCC_LO, NULL, M0, EXEC_LO = 106, 124, 125, 126
 VCCZ, EXECZ, SCC, LITERAL = 251, 252, 253, 255
 VGPR_BASE = 256
+POISON = 0x7FFF7FFF
 LANE_IDS = np.arange(LANES, dtype=np.uint32)
 _LANE_BITS = np.uint32(1) << LANE_IDS
 
@@ -61,8 +62,11 @@ def lanes_mask(lanes: np.ndarray) -> int:
 
 class Wave:
     def __init__(self, vgpr_count: int, wave_id: int):
-        self.sgpr = [0] * 128
-        self.vgpr = np.zeros((max(vgpr_count, 1), LANES), dtype=np.uint32)
+        # Registers the hardware does not initialise start as NaN patterns (f32 and both f16
+        # halves), so reading one before writing it shows in the results.
+        self.sgpr = [POISON] * 128
+        self.sgpr[NULL] = 0
+        self.vgpr = np.full((max(vgpr_count, 1), LANES), POISON, dtype=np.uint32)
         self.scc = 0
         self.pc = 0
         self.wave_id = wave_id

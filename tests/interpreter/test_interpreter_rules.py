@@ -137,7 +137,8 @@ def test_gfx11_wmma_with_different_half_waves_is_an_error():
     run = compile_matrix(Decoded(0, 8, "v_wmma_f32_16x16x16_f16", "VOP3P", inst), context)
     wave = Wave(32, 0)
     wave.sgpr[126] = 0xFFFFFFFF
-    wave.vgpr[0:16] = np.uint32(0x3C003C00)  # 1.0 everywhere: the rule holds
+    wave.vgpr[0:16] = np.uint32(0x3C003C00)  # A = B = 1.0 everywhere: the rule holds
+    wave.vgpr[16:24] = 0  # C
     run(wave)
     assert np.all(wave.vgpr[16:24].view(np.float32) == 16.0)
     wave.vgpr[3, 20] ^= 1  # lane 20 disagrees with lane 4
