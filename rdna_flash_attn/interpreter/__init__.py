@@ -13,6 +13,20 @@ Modules: program (kernel code and descriptor from the ELF), decode (tinygrad's e
 semantics by family), executor (per-instruction closures, the wave loop), dispatch (kernarg
 segment, initial state, workgroups and barriers), trace (instruction counts), library (the
 KernelLibrary launch interface). Needs tinygrad==0.14.0 for decoding (the `interpret` extra).
+
+What it checks on every launch: each global/flat access lies inside one of the launch's tensors,
+each SMEM load inside the kernarg segment (or a tensor), each LDS access inside the allocation a real
+launch gets (the descriptor's static size), no two waves touch the same LDS byte between barriers
+unless both only read it, the argument block has exactly the size of the kernel's explicit
+arguments, gfx11 WMMA operands agree between the half-waves, and every executed instruction is
+implemented (an unknown one is an error naming it). Registers and LDS start as NaN patterns.
+
+Where it is not the hardware: instructions complete in program order, so s_waitcnt / s_wait_* and
+s_delay_alu are no-ops and a missing wait cannot show; v_exp_f32, v_log_f32, v_rcp_f32 and the
+other transcendentals are correctly rounded (the hardware is within about 1 ulp); WMMA sums its 16
+exact products in f64 and rounds once to f32 (the hardware's order is undocumented). Everything
+else (f32 arithmetic, fused multiply-adds, f16/bf16 conversions) rounds to nearest even exactly as
+the descriptor's float mode says; a descriptor asking for another mode is refused.
 """
 
 from .errors import InterpreterError, MissingDecoder
