@@ -55,7 +55,7 @@ def round_to_odd_sum(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     bits = total.view(_U64)
     even = (bits & _U64(1)) == 0
     # Move one ulp towards the error (away from zero when the error has the sum's sign).
-    toward_error = np.where(np.signbit(error) == np.signbit(total), _U64(1), _U64(0) - _U64(1))
+    toward_error = np.where(np.signbit(error) == np.signbit(total), _U64(1), _U64(0xFFFFFFFFFFFFFFFF))  # +1 / -1
     adjusted = np.where(inexact & even, bits + toward_error, bits)
     return adjusted.view(np.float64)
 

@@ -154,7 +154,45 @@ def compile_vector(d, ctx):
         return _compile_vopd(d, ctx)
     if encoding == "VOP3P" and "fma_mix" in d.name:
         return _compile_fma_mix(d, ctx)
+    if encoding == "VOP3P" and d.name in _PACKED_F16:
+        return _compile_packed_f16(d, ctx)
     return None
+
+
+# Packed f16 pairs (VOP3P): name -> (sources, function on f64 arrays, exact before one rounding).
+_PACKED_F16 = {
+    "v_pk_add_f16": (2, lambda a, b: a + b),
+    "v_pk_mul_f16": (2, lambda a, b: a * b),
+    "v_pk_fma_f16": (3, floats.fma),
+    "v_pk_max_f16": (2, np.fmax), "v_pk_min_f16": (2, np.fmin),
+    "v_pk_max_num_f16": (2, np.fmax), "v_pk_min_num_f16": (2, np.fmin),
+}
+
+
+def _compile_packed_f16(d, ctx):
+    """Two f16 lanes per register: the low result from the halves opsel names, the high one from
+    the halves opsel_hi names; neg / neg_hi negate the low / high inputs. Sums and products of f16
+    are exact in f64, so rounding once to f16 is the correct rounding."""
+    inst = d.inst
+    if inst.clmp:
+        raise InterpreterError("clamp is not supported", ctx.kernel, d.offset, d.name)
+    count, function = _PACKED_F16[d.name]
+    opsel, opsel_hi = inst.opsel, inst.opsel_hi | inst.opsel_hi2 << 2
+    readers = [vector_reader(getattr(inst, f).offset, d.literal, 32, True) for f in ("src0", "src1", "src2")[:count]]
+    index = inst.vdst.offset - VGPR_BASE
+
+    def half(raw, high: bool, negate: bool):
+        bits = (raw >> np.uint32(16)) if high else raw
+        values = floats.f16_from_bits(bits).astype(np.float64)
+        return -values if negate else values
+
+    def run(wave: Wave):
+        sources = [read(wave) for read in readers]
+        low = function(*(half(raw, bool(opsel >> i & 1), bool(inst.neg >> i & 1)) for i, raw in enumerate(sources)))
+        high = function(*(half(raw, bool(opsel_hi >> i & 1), bool(inst.neg_hi >> i & 1)) for i, raw in enumerate(sources)))
+        with np.errstate(all="ignore"):
+            wave.write_vgpr(index, floats.f16_bits(low) | floats.f16_bits(high) << np.uint32(16))
+    return run
 
 
 def _compile_vop(d, ctx, encoding):

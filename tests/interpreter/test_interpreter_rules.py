@@ -177,3 +177,27 @@ def test_selftest_interpret_command_runs_the_code_object(capsys):
     assert cli.main(["selftest", "--interpret", "--target", "gfx1201"]) == 0
     printed = capsys.readouterr().out
     assert "rdna_fa_gfx1201.hsaco, interpreted on the CPU" in printed and "FAIL" not in printed
+
+
+def test_packed_f16_ops_select_halves_and_round_once():
+    from tinygrad.renderer.amd.dsl import v
+    from tinygrad.runtime.autogen.amd.rdna3.enum import VOP3POp
+    from tinygrad.runtime.autogen.amd.rdna3.ins import VOP3P
+
+    from rdna_flash_attn.interpreter.decode import Decoded
+    from rdna_flash_attn.interpreter.vector import compile_vector
+
+    context = CompiledKernel(_image("gfx1100").program("rdna_fa_fwd_f16_d64")).context
+    rng = np.random.default_rng(0)
+    a, b, c = (rng.standard_normal((2, 32)).astype(np.float16) for _ in range(3))
+    pack = lambda x: (x[0].view(np.uint16).astype(np.uint32) | x[1].view(np.uint16).astype(np.uint32) << 16)  # noqa: E731
+    for op, expected in ((VOP3POp.V_PK_MUL_F16, a.astype(np.float64) * b), (VOP3POp.V_PK_ADD_F16, a.astype(np.float64) + b),
+                         (VOP3POp.V_PK_FMA_F16, a.astype(np.float64) * b + c)):
+        sources = (v[0], v[1], v[2]) if op == VOP3POp.V_PK_FMA_F16 else (v[0], v[1])
+        inst = VOP3P(op, v[3], *sources, opsel_hi=3, opsel_hi2=1)  # high results from the high halves
+        wave = Wave(8, 0)
+        wave.sgpr[126] = 0xFFFFFFFF
+        wave.vgpr[0], wave.vgpr[1], wave.vgpr[2] = pack(a), pack(b), pack(c)
+        compile_vector(Decoded(0, 8, op.name.lower(), "VOP3P", inst), context)(wave)
+        got = np.stack([(wave.vgpr[3] & 0xFFFF).astype(np.uint16), (wave.vgpr[3] >> 16).astype(np.uint16)]).view(np.float16)
+        assert np.array_equal(got, expected.astype(np.float16)), op
