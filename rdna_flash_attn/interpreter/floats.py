@@ -31,7 +31,18 @@ def bf16_from_bits(bits: np.ndarray) -> np.ndarray:
 
 def f16_bits(values: np.ndarray) -> np.ndarray:
     """Round (f32 or f64) values to f16, nearest even; the 16-bit patterns as uint32."""
-    return np.asarray(values).astype(np.float16).view(np.uint16).astype(np.uint32)
+    with np.errstate(over="ignore"):  # beyond the f16 range is infinity, as on the hardware
+        return np.asarray(values).astype(np.float16).view(np.uint16).astype(np.uint32)
+
+
+def f16_bits_toward_zero(values: np.ndarray) -> np.ndarray:
+    """Round f32 values to f16 toward zero (v_cvt_pk_rtz_f16_f32): nearest even, then one step back
+    towards zero wherever that went past the value (overflow lands on the largest finite f16)."""
+    values = np.asarray(values, dtype=np.float32)
+    bits = f16_bits(values)
+    nearest = f16_from_bits(bits).astype(np.float64)
+    past = np.isfinite(values) & (np.abs(nearest) > np.abs(values.astype(np.float64)))
+    return np.where(past, bits - 1, bits).astype(np.uint32)
 
 
 def bf16_bits(values: np.ndarray) -> np.ndarray:

@@ -117,6 +117,8 @@ OPS = {
     "cvt_i32_f32": (("f32",), "i32", lambda a: np.clip(np.nan_to_num(np.trunc(a)), -2**31, 2**31 - 1).astype(np.int64)),
     "cvt_u32_f32": (("f32",), "u32", lambda a: np.clip(np.nan_to_num(np.trunc(a)), 0, 2**32 - 1).astype(np.int64)),
     "cvt_pk_bf16_f32": (F2, "u32", lambda a, b: floats.bf16_bits(a) | floats.bf16_bits(b) << 16),
+    "cvt_pk_rtz_f16_f32": (F2, "u32", lambda a, b: floats.f16_bits_toward_zero(a) | floats.f16_bits_toward_zero(b) << 16),
+    "pack_b32_f16": (("u16", "u16"), "u32", lambda a, b: a | b << np.uint64(16)),
     # 32-bit integer
     "mov_b32": (("u32",), "u32", lambda a: a),
     "not_b32": (("u32",), "u32", lambda a: ~a),

@@ -201,3 +201,9 @@ def test_packed_f16_ops_select_halves_and_round_once():
         compile_vector(Decoded(0, 8, op.name.lower(), "VOP3P", inst), context)(wave)
         got = np.stack([(wave.vgpr[3] & 0xFFFF).astype(np.uint16), (wave.vgpr[3] >> 16).astype(np.uint16)]).view(np.float16)
         assert np.array_equal(got, expected.astype(np.float16)), op
+
+
+def test_round_toward_zero_to_f16():
+    values = np.array([1 + 2**-11 + 2**-13, -(1 + 3 * 2**-11), 70000.0, -1e-9, 65504.0], np.float32)
+    got = floats.f16_from_bits(floats.f16_bits_toward_zero(values))
+    assert got.tolist() == [1.0, -(1 + 2**-10), 65504.0, -0.0, 65504.0]
