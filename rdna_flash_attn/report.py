@@ -2,8 +2,9 @@
 
 For every target and kernel: VGPRs, SGPRs, LDS, scratch, spills, waves per SIMD and the WMMA
 instructions in the main loop, read from the code object metadata (codeobject.py) and from
-`llvm-objdump` disassembly. `--check` fails on scratch, spills, LDS over 64 KiB, or LDS that
-differs from what variants.py says the kernel declares.
+`llvm-objdump` disassembly. `--check` fails on scratch, spills, LDS over 64 KiB, LDS that differs
+from what variants.py says the kernel declares, hidden (implicit) kernel arguments, or a code object
+whose version is not the one its manifest entry names.
 
     python -m rdna_flash_attn.report                      # prebuilt/manifest.json
     python -m rdna_flash_attn.report build/x.hsaco --check --json report.json
@@ -223,6 +224,7 @@ class Artifact:
     path: Path
     expected_target: str | None  # what the manifest says, if it was read from one
     expected_kernels: tuple[str, ...]
+    expected_code_object_version: int | None = None  # what the manifest entry says, if it says
 
 
 @dataclass(frozen=True)
@@ -238,9 +240,11 @@ class KernelRow:
 
 def artifacts_from_manifest(manifest_path: Path) -> list[Artifact]:
     manifest = json.loads(manifest_path.read_text())
+    tables = [manifest["targets"], manifest.get("targets_cov4", {})]  # code object v5, then the v4 ones
     return [
-        Artifact(manifest_path.parent / entry["file"], target, tuple(entry.get("kernels", ())))
-        for target, entry in manifest["targets"].items()
+        Artifact(manifest_path.parent / entry["file"], target, tuple(entry.get("kernels", ())),
+                 entry.get("code_object_version"))
+        for table in tables for target, entry in table.items()
     ]
 
 
@@ -289,6 +293,9 @@ def kernel_problems(row: KernelRow) -> list[str]:
         found.append(
             f"is launched with {variant.threads} threads but compiled for at most {k.max_flat_workgroup_size}"
         )
+    if k.hidden_args:
+        found.append(f"reads hidden kernel arguments ({', '.join(k.hidden_args)}): the runtime lays them out "
+                     "differently for code object v4 and v5, and both versions ship")
     if variant is not None and k.wavefront_size != variants.WAVE_SIZE:
         found.append(f"is compiled for wave{k.wavefront_size}; the kernel assumes wave{variants.WAVE_SIZE}")
     return [f"{row.target} {k.name} {problem}" for problem in found]
@@ -300,6 +307,10 @@ def artifact_problems(artifact: Artifact, co: CodeObject) -> list[str]:
         found.append(
             f"{artifact.path.name}: manifest says {artifact.expected_target}, code object is {co.target}"
         )
+    expected_version = artifact.expected_code_object_version
+    if expected_version is not None and expected_version != co.code_object_version:
+        found.append(f"{artifact.path.name}: manifest says code object v{expected_version}, "
+                     f"the ELF header says v{co.code_object_version}")
     present = {k.name for k in co.kernels}
     found += [
         f"{co.target} {name}: listed in the manifest but missing from {artifact.path.name}"
