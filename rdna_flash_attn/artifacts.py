@@ -165,11 +165,6 @@ def _local_artifacts(target: str) -> list[Artifact]:
     return found
 
 
-def local_artifact(target: str) -> Artifact | None:
-    """The local build of `target` in the default code object version, or None."""
-    return next(iter(_local_artifacts(target)), None)
-
-
 def _prebuilt_artifacts(target: str) -> list[Artifact]:
     directory = prebuilt_dir()
     manifest = load_manifest(directory)
@@ -185,11 +180,6 @@ def _prebuilt_artifacts(target: str) -> list[Artifact]:
     if not found:
         raise ArtifactError(_no_code_object(target, manifest))
     return found
-
-
-def prebuilt_artifact(target: str) -> Artifact:
-    """The prebuilt code object of `target` in the default code object version."""
-    return _prebuilt_artifacts(target)[0]
 
 
 def _no_code_object(target: str, manifest: dict) -> str:
