@@ -26,6 +26,7 @@ from pathlib import Path
 from . import variants
 from .artifacts import prebuilt_dir
 from .codeobject import CodeObject, KernelResources, load_code_object
+from .rebuild import CODE_OBJECT_VERSION
 
 DEFAULT_MANIFEST = prebuilt_dir() / "manifest.json"
 LDS_LIMIT = variants.LDS_LIMIT  # bytes one workgroup may allocate on every RDNA target
@@ -236,6 +237,14 @@ class KernelRow:
     variant: object | None  # the variants.py entry, None for unknown symbols
     occupancy: Occupancy | None
     wmma: WmmaCounts | None
+    code_object_version: int | None = None  # from the ELF header
+
+    @property
+    def label(self) -> str:
+        """The target, with the code object version when it is not the default one (gfx1100 v4)."""
+        if self.code_object_version in (None, CODE_OBJECT_VERSION):
+            return self.target
+        return f"{self.target} v{self.code_object_version}"
 
 
 def artifacts_from_manifest(manifest_path: Path) -> list[Artifact]:
@@ -265,6 +274,7 @@ def collect_rows(code_objects: dict[Path, CodeObject], wmma: dict[Path, dict | N
                     variant=variant,
                     occupancy=occupancy(co.target, kernel, workgroup_size),
                     wmma=counts.get(kernel.name) if counts is not None else None,
+                    code_object_version=co.code_object_version,
                 )
             )
     return rows
@@ -298,7 +308,7 @@ def kernel_problems(row: KernelRow) -> list[str]:
                      "differently for code object v4 and v5, and both versions ship")
     if variant is not None and k.wavefront_size != variants.WAVE_SIZE:
         found.append(f"is compiled for wave{k.wavefront_size}; the kernel assumes wave{variants.WAVE_SIZE}")
-    return [f"{row.target} {k.name} {problem}" for problem in found]
+    return [f"{row.label} {k.name} {problem}" for problem in found]
 
 
 def artifact_problems(artifact: Artifact, co: CodeObject) -> list[str]:
@@ -333,7 +343,7 @@ def _table_cells(row: KernelRow) -> tuple[str, ...]:
     wmma = f"{row.wmma.main_loop}/{row.wmma.total}" if row.wmma else "n/a"
     scratch = f"{k.scratch_bytes}+dyn" if k.uses_dynamic_stack else str(k.scratch_bytes)
     return (
-        row.target, k.name, str(row.workgroup_size), str(k.vgpr_count), str(k.sgpr_count),
+        row.label, k.name, str(row.workgroup_size), str(k.vgpr_count), str(k.sgpr_count),
         str(k.lds_bytes), scratch, f"{k.vgpr_spill_count}/{k.sgpr_spill_count}", occ, wmma,
     )
 
@@ -354,6 +364,7 @@ def row_json(row: KernelRow) -> dict:
     k = row.kernel
     return {
         "target": row.target,
+        "code_object_version": row.code_object_version,
         "file": row.file,
         "kernel": k.name,
         "workgroup_size": row.workgroup_size,
