@@ -25,26 +25,28 @@ REPAIR = "reinstall the extension (or git checkout prebuilt/) to repair"
 
 
 def check(prebuilt: Path) -> tuple[list[str], list[str]]:
-    """(targets whose code object matches its sha256, problems in a few words each)."""
+    """(targets whose code objects all match their sha256, problems in a few words each)."""
     try:
         manifest = json.loads((prebuilt / "manifest.json").read_text(encoding="utf-8"))
-        targets = manifest["targets"]
-        entries = [(target, targets[target]["file"], targets[target]["sha256"]) for target in targets]
+        # "targets": code object v5; "targets_cov4": the v4 ones beside them (older HIP runtimes)
+        tables = [manifest["targets"], manifest.get("targets_cov4", {})]
+        entries = [(target, table[target]["file"], table[target]["sha256"]) for table in tables for target in table]
     except FileNotFoundError:
         return [], ["prebuilt/manifest.json is missing"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return [], ["prebuilt/manifest.json is damaged"]
-    verified, problems = [], []
+    problems, damaged = [], set()
     for target, file, sha256 in entries:
         try:
             data = (prebuilt / file).read_bytes()
         except OSError:
             problems.append(f"{target}: {file} is missing")
+            damaged.add(target)
             continue
-        if hashlib.sha256(data).hexdigest() == sha256:
-            verified.append(target)
-        else:
+        if hashlib.sha256(data).hexdigest() != sha256:
             problems.append(f"{target}: {file} does not match its sha256 (damaged or replaced)")
+            damaged.add(target)
+    verified = [target for target in dict.fromkeys(target for target, _, _ in entries) if target not in damaged]
     return verified, problems
 
 

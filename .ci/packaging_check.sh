@@ -5,8 +5,9 @@
 #    environment with the CPU torch, and doctor run from outside the repository (it must find the
 #    code objects inside the installed package);
 #  - reproducibility through the local-rebuild path: the installed package rebuilds gfx1100 from the
-#    kernel sources it ships, with Debian's clang-19, into a temporary user cache; the code object must
-#    equal prebuilt/'s byte for byte, and the manifest's source hash must equal the sources' hash.
+#    kernel sources it ships, with Debian's clang-19, into a temporary user cache; both its code objects
+#    (v5, and v4 for older HIP runtimes) must equal prebuilt/'s byte for byte, and the manifest's source
+#    hash must equal the sources' hash.
 #    This one build replaces both `kernels/build.py --check` and the gfx1100 rebuild of .ci/run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,13 +41,15 @@ required = {"rdna_flash_attn_autoload.pth", "rdna_flash_attn/__init__.py", "rdna
             "rdna_flash_attn/kernels/isa/gfx11.h", "rdna_flash_attn/kernels/isa/gfx12.h",
             "rdna_flash_attn/kernels/platform/amdgcn.h"}
 required |= {f"rdna_flash_attn/prebuilt/{entry['file']}" for entry in manifest["targets"].values()}
+required |= {f"rdna_flash_attn/prebuilt/{entry['file']}" for entry in manifest["targets_cov4"].values()}
 missing = sorted(required - names)
 stray = sorted(n for n in names if n.startswith(("prebuilt/", "kernels/", "tests/", "build/")) or "__pycache__" in n
                or n.endswith("/kernels/build.py"))
 assert len(manifest["targets"]) == 8, manifest["targets"].keys()
+assert sorted(manifest["targets_cov4"]) == ["gfx1100", "gfx1101", "gfx1102", "gfx1103"], manifest["targets_cov4"].keys()
 assert not missing, f"missing from the wheel: {missing}"
 assert not stray, f"should not be in the wheel: {stray}"
-print(f"wheel: {len(names)} files; 8 code objects, manifest, kernel sources, .pth at the root")
+print(f"wheel: {len(names)} files; 8 v5 and 4 v4 code objects, manifest, kernel sources, .pth at the root")
 EOF
 
 step "fresh virtual environment: CPU torch, then pip install . (the source tree)"
@@ -71,19 +74,21 @@ step "reproducibility: the installed package rebuilds gfx1100 with clang-19 into
 RDNA_FA_CACHE_DIR="$work/cache" "$py" -m rdna_flash_attn rebuild --target gfx1100 --clang clang-19
 built=$(ls "$work"/cache/kernels/*/rdna_fa_gfx1100.hsaco)
 cmp "$built" "$repo/prebuilt/rdna_fa_gfx1100.hsaco"
-echo "gfx1100 rebuilt from the wheel's sources is identical to prebuilt/rdna_fa_gfx1100.hsaco"
+cmp "$(dirname "$built")/rdna_fa_gfx1100.cov4.hsaco" "$repo/prebuilt/rdna_fa_gfx1100.cov4.hsaco"
+echo "gfx1100 rebuilt from the wheel's sources is identical to prebuilt/rdna_fa_gfx1100.hsaco and .cov4.hsaco"
 python3 - "$(dirname "$built")/manifest.json" "$repo/prebuilt/manifest.json" <<'EOF'
 import json, sys
 local, committed = (json.load(open(path)) for path in sys.argv[1:])
 assert local["source_hash"] == committed["source_hash"], "kernel sources changed since prebuilt/ was built: run python kernels/build.py"
 assert local["targets"]["gfx1100"]["sha256"] == committed["targets"]["gfx1100"]["sha256"]
+assert local["targets_cov4"]["gfx1100"]["sha256"] == committed["targets_cov4"]["gfx1100"]["sha256"]
 print(f"manifest source hash {committed['source_hash'][:12]} matches the sources")
 EOF
 RDNA_FA_CACHE_DIR="$work/cache" "$py" -c "
 from rdna_flash_attn import artifacts
-artifact = artifacts.amd_artifact('gfx1100')
-assert artifact.local and artifact.read_verified(), artifact
-print('runtime picks the local build:', artifact.path)"
+for artifact in artifacts.amd_artifacts('gfx1100'):
+    assert artifact.local and artifact.read_verified(), artifact
+    print(f'runtime picks the local build (code object v{artifact.code_object_version}):', artifact.path)"
 
 echo
 echo "packaging check passed in $((SECONDS - started)) s"

@@ -32,7 +32,8 @@ def reason(device: torch.device) -> str | None:
             return refusal
         info = devices.describe(device)
         if info.is_amd and info.gfx_target:
-            artifacts.amd_artifact(info.gfx_target).read_verified()
+            for artifact in artifacts.amd_artifacts(info.gfx_target):  # v5, and v4 where it ships
+                artifact.read_verified()
     except artifacts.ArtifactError as error:
         return str(error)
     except Exception as error:  # an unforeseen failure still only switches the extension off

@@ -1,6 +1,7 @@
 """Builds the kernel code objects.
 
     python kernels/build.py                      # every AMD target into prebuilt/ + manifest.json
+                                                 # (code object v5, and v4 for gfx1100-gfx1103)
     python kernels/build.py --targets gfx1100    # some targets only (the manifest keeps the others)
     python kernels/build.py --emulate            # NVIDIA emulation builds (gfx11 and gfx12) into build/emu/
     python kernels/build.py --check              # manifest matches the sources and the files
@@ -30,12 +31,14 @@ sys.path.insert(0, str(ROOT))
 
 from rdna_flash_attn import variants  # noqa: E402  (needs ROOT on the path)
 from rdna_flash_attn.rebuild import (  # noqa: E402
-    CLANG_FLAGS,
     MAIN_SOURCE,
     PREBUILT_TARGETS as AMD_TARGETS,
     BuildError,
     artifact_name,
+    clang_flags,
+    code_object_versions,
     find_clang,
+    manifest_table,
     sha256_file,
     source_files,
     source_hash,
@@ -56,13 +59,15 @@ def ninja_file(clang: str | None, targets: list[str], emulate: bool, out_dir: Pa
     deps = " ".join(str(p) for p in source_files(KERNELS)) + f" {GENERATED / 'instances.inc'}"
     main = KERNELS / MAIN_SOURCE
     lines = [
-        f"rule hip\n  command = {clang} {CLANG_FLAGS} --offload-arch=$target -I{GENERATED} $in -o $out\n"
-        "  description = clang $target",
+        f"rule hip\n  command = {clang} $flags --offload-arch=$target -I{GENERATED} $in -o $out\n"
+        "  description = clang $target code object v$version",
         f"rule nvcc\n  command = nvcc {NVCC_FLAGS} -DRDNA_EMULATE=$layer -I{GENERATED} $in -o $out\n"
         "  description = nvcc emulated gfx$layer",
     ]
     for target in targets:
-        lines.append(f"build {out_dir / artifact_name(target)}: hip {main} | {deps}\n  target = {target}")
+        for version in code_object_versions(target):
+            lines.append(f"build {out_dir / artifact_name(target, version)}: hip {main} | {deps}\n"
+                         f"  target = {target}\n  version = {version}\n  flags = {' '.join(clang_flags(version))}")
     if emulate:
         for layer in EMULATED_LAYERS:
             lines.append(f"build {EMU_DIR / emulated_name(layer)}: nvcc {main} | {deps}\n  layer = {layer[3:]}")
@@ -92,19 +97,22 @@ def check(out_dir: Path) -> int:
     if manifest.get("abi_version") != variants.ABI_VERSION:
         problems.append("manifest ABI version differs from rdna_flash_attn/variants.py")
     for target in AMD_TARGETS:
-        entry = manifest.get("targets", {}).get(target)
-        if entry is None:
-            problems.append(f"{target}: missing from the manifest")
-            continue
-        file = out_dir / entry["file"]
-        if not file.exists():
-            problems.append(f"{target}: {file.name} missing")
-        elif sha256_file(file) != entry["sha256"]:
-            problems.append(f"{target}: {file.name} does not match its sha256")
+        for version in code_object_versions(target):
+            entry = manifest.get(manifest_table(version), {}).get(target)
+            if entry is None:
+                problems.append(f"{target}: code object v{version} missing from the manifest")
+                continue
+            file = out_dir / entry["file"]
+            if not file.exists():
+                problems.append(f"{target}: {file.name} missing")
+            elif sha256_file(file) != entry["sha256"]:
+                problems.append(f"{target}: {file.name} does not match its sha256")
     for problem in problems:
         print(f"manifest check: {problem}", file=sys.stderr)
     if not problems:
-        print(f"manifest check: {len(AMD_TARGETS)} targets match the sources ({manifest['source_hash'][:12]})")
+        count = sum(len(code_object_versions(target)) for target in AMD_TARGETS)
+        print(f"manifest check: {len(AMD_TARGETS)} targets ({count} code objects) match the sources "
+              f"({manifest['source_hash'][:12]})")
     return 1 if problems else 0
 
 

@@ -6,6 +6,10 @@ their own manifest in the user cache, in a folder named after the kernel sources
 package never picks up code objects built from other sources; a target built there is preferred to
 the prebuilt one (the user asked for it, or there is no prebuilt one). The NVIDIA emulation builds are
 made locally by kernels/build.py --emulate.
+
+A target can have code objects of two versions (rebuild.code_object_versions): the manifest lists the
+default version 5 under "targets" and version 4 under "targets_cov4"; the runtime picks one by the HIP
+runtime's version (runtime.code_object_preference).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from . import variants
+from .rebuild import CODE_OBJECT_VERSION, LEGACY_CODE_OBJECT_VERSION, manifest_table
 from .config import LOGGER_NAME, settings
 
 log = logging.getLogger(LOGGER_NAME)
@@ -43,6 +48,7 @@ class Artifact:
     sha256: str
     emulated: bool
     local: bool = False  # built on this machine by `python -m rdna_flash_attn rebuild`
+    code_object_version: int | None = CODE_OBJECT_VERSION  # None for an NVIDIA build
 
     def read_verified(self) -> bytes:
         data = self.path.read_bytes()
@@ -71,6 +77,9 @@ def _read_manifest(path: Path, repair: str = REINSTALL_HINT) -> dict:
         raise ArtifactError(f"kernel manifest {path} is unreadable ({error}): {repair}") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("targets"), dict):
         raise ArtifactError(f"kernel manifest {path} has no targets table: {repair}")
+    if not isinstance(manifest.get(manifest_table(LEGACY_CODE_OBJECT_VERSION), {}), dict):
+        raise ArtifactError(f"kernel manifest {path} has a malformed {manifest_table(LEGACY_CODE_OBJECT_VERSION)} "
+                            f"table: {repair}")
     if manifest.get("abi_version") != variants.ABI_VERSION:
         raise ArtifactError(f"kernel manifest ABI {manifest.get('abi_version')} != {variants.ABI_VERSION} of this package")
     return manifest
@@ -111,47 +120,66 @@ def local_build_targets() -> list[str]:
         return []
 
 
-def _entry(manifest: dict, target: str, manifest_path: Path, repair: str = REINSTALL_HINT) -> dict | None:
-    entry = manifest["targets"].get(target)
+def _entry(manifest: dict, target: str, manifest_path: Path, repair: str = REINSTALL_HINT,
+           code_object_version: int = CODE_OBJECT_VERSION) -> dict | None:
+    entry = manifest.get(manifest_table(code_object_version), {}).get(target)
     if entry is None:
         return None
     if not (isinstance(entry, dict) and isinstance(entry.get("file"), str) and isinstance(entry.get("sha256"), str)):
-        raise ArtifactError(f"kernel manifest {manifest_path} has a malformed entry for {target}: {repair}")
+        version = "" if code_object_version == CODE_OBJECT_VERSION else f" (code object v{code_object_version})"
+        raise ArtifactError(f"kernel manifest {manifest_path} has a malformed entry for {target}{version}: {repair}")
     return entry
 
 
-def local_artifact(target: str) -> Artifact | None:
-    """The local build of `target` for these sources, or None. An unreadable local manifest or a
-    missing local file is logged and skipped, so the prebuilt code object (if any) serves instead."""
+def manifest_code_objects(manifest: dict) -> list[tuple[str, int]]:
+    """(target, code object version) of every code object a manifest lists, default version first."""
+    return [(target, version) for version in (CODE_OBJECT_VERSION, LEGACY_CODE_OBJECT_VERSION)
+            for target in manifest.get(manifest_table(version), {})]
+
+
+def _local_artifacts(target: str) -> list[Artifact]:
+    """The local builds of `target` for these sources (default version first), or []. An unreadable
+    local manifest or a missing local file is logged and skipped, so the prebuilt code objects (if any)
+    serve instead."""
     directory = local_build_dir()
     manifest_path = directory / "manifest.json"
     if not manifest_path.is_file():
-        return None
+        return []
     try:
-        entry = _entry(_read_manifest(manifest_path, REBUILD_HINT), target, manifest_path, REBUILD_HINT)
+        manifest = _read_manifest(manifest_path, REBUILD_HINT)
+        entries = [(version, _entry(manifest, target, manifest_path, REBUILD_HINT, version))
+                   for version in (CODE_OBJECT_VERSION, LEGACY_CODE_OBJECT_VERSION)]
     except ArtifactError as error:
         log.warning("ignoring the local kernel builds: %s", error)
-        return None
-    if entry is None:
-        return None
-    path = directory / entry["file"]
-    if not path.is_file():
-        log.warning("ignoring the local build of %s: %s is missing (python -m rdna_flash_attn rebuild --target %s)",
-                    target, path, target)
-        return None
-    return Artifact(target, path, entry["sha256"], emulated=False, local=True)
+        return []
+    found = []
+    for version, entry in entries:
+        if entry is None:
+            continue
+        path = directory / entry["file"]
+        if not path.is_file():
+            log.warning("ignoring the local build of %s: %s is missing (python -m rdna_flash_attn rebuild --target %s)",
+                        target, path, target)
+            return []
+        found.append(Artifact(target, path, entry["sha256"], emulated=False, local=True, code_object_version=version))
+    return found
 
 
-def prebuilt_artifact(target: str) -> Artifact:
+def _prebuilt_artifacts(target: str) -> list[Artifact]:
     directory = prebuilt_dir()
     manifest = load_manifest(directory)
-    entry = _entry(manifest, target, directory / "manifest.json")
-    if entry is None:
+    found = []
+    for version in (CODE_OBJECT_VERSION, LEGACY_CODE_OBJECT_VERSION):
+        entry = _entry(manifest, target, directory / "manifest.json", code_object_version=version)
+        if entry is None:
+            continue
+        path = directory / entry["file"]
+        if not path.is_file():
+            raise ArtifactError(f"{path.name} listed in the manifest is missing from {directory}: {REINSTALL_HINT}")
+        found.append(Artifact(target, path, entry["sha256"], emulated=False, code_object_version=version))
+    if not found:
         raise ArtifactError(_no_code_object(target, manifest))
-    path = directory / entry["file"]
-    if not path.is_file():
-        raise ArtifactError(f"{path.name} listed in the manifest is missing from {directory}: {REINSTALL_HINT}")
-    return Artifact(target, path, entry["sha256"], emulated=False)
+    return found
 
 
 def _no_code_object(target: str, manifest: dict) -> str:
@@ -162,31 +190,50 @@ def _no_code_object(target: str, manifest: dict) -> str:
             f"'python -m rdna_flash_attn rebuild --target {target}' (needs clang >= 19)")
 
 
+def amd_artifacts(target: str) -> list[Artifact]:
+    """The code objects of a GPU target, default version first: the local build of these sources if
+    there is one, else the prebuilt ones."""
+    return _local_artifacts(target) or _prebuilt_artifacts(target)
+
+
 def amd_artifact(target: str) -> Artifact:
-    """The code object for a GPU target: a local build of these sources first, else the prebuilt one."""
-    return local_artifact(target) or prebuilt_artifact(target)
+    """The code object for a GPU target in the default version: a local build first, else the prebuilt one."""
+    return amd_artifacts(target)[0]
 
 
 def verify_prebuilt(directory: Path | None = None) -> tuple[list[str], list[str]]:
-    """(targets whose code object matches its sha256, one-line problems), for doctor."""
+    """(targets whose code objects all match their sha256, one-line problems), for doctor."""
     directory = directory or prebuilt_dir()
     manifest_path = directory / "manifest.json"
     try:
         manifest = _read_manifest(manifest_path)
     except ArtifactError as error:
         return [], [str(error)]
-    verified, problems = [], []
-    for target in manifest["targets"]:
+    problems, damaged = [], set()
+    for target, version in manifest_code_objects(manifest):
         try:
-            entry = _entry(manifest, target, manifest_path)
+            entry = _entry(manifest, target, manifest_path, code_object_version=version)
             Artifact(target, directory / entry["file"], entry["sha256"], emulated=False).read_verified()
         except FileNotFoundError as error:
             problems.append(f"{target}: {Path(error.filename).name} is missing")
+            damaged.add(target)
         except (ArtifactError, OSError) as error:
             problems.append(f"{target}: {error}")
-        else:
-            verified.append(target)
+            damaged.add(target)
+    verified = [target for target in manifest["targets"] if target not in damaged]
     return verified, problems
+
+
+def prebuilt_code_object_versions(directory: Path | None = None) -> dict[int, list[str]]:
+    """{code object version: targets} of the prebuilt manifest ({} when it is unreadable), for doctor."""
+    try:
+        manifest = _read_manifest((directory or prebuilt_dir()) / "manifest.json")
+    except ArtifactError:
+        return {}
+    versions: dict[int, list[str]] = {}
+    for target, version in manifest_code_objects(manifest):
+        versions.setdefault(version, []).append(target)
+    return versions
 
 
 def emulated_artifact(layer: str) -> Artifact:
@@ -196,4 +243,5 @@ def emulated_artifact(layer: str) -> Artifact:
     if not path.is_file():
         raise ArtifactError(f"no emulation build at {path}: run python kernels/build.py --no-amd --emulate")
     # Built locally, not shipped: its own bytes are the reference.
-    return Artifact(f"emulated-{layer}", path, hashlib.sha256(path.read_bytes()).hexdigest(), emulated=True)
+    return Artifact(f"emulated-{layer}", path, hashlib.sha256(path.read_bytes()).hexdigest(), emulated=True,
+                    code_object_version=None)

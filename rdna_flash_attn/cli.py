@@ -9,7 +9,7 @@ import sys
 import torch
 
 from . import __version__, artifacts, benchmark, dispatch, ops, selftest
-from . import rebuild
+from . import rebuild, runtime
 from . import device as _device
 from .config import Settings, settings
 
@@ -39,6 +39,11 @@ def _doctor_device(device: torch.device) -> None:
         emulated = ", NVIDIA emulation build" if artifact["emulated"] else ""
         _line("  artifact", f"{artifact['path']} ({artifact['target']}{emulated})")
         _line("  sha256", artifact["sha256"])
+        if artifact.get("code_object_version") is not None:
+            preference = runtime.code_object_preference(artifact.get("runtime_version"))
+            _line("  code object", f"v{artifact['code_object_version']} loaded by HIP runtime "
+                                   f"{artifact.get('runtime_version') or '(version unknown)'} "
+                                   f"(order tried: {', '.join(f'v{v}' for v in preference)})")
     unloadable = ops.availability(device)  # loading checks the sha256 against the manifest
     _line("  loadable", f"no: {unloadable}" if unloadable else "yes (sha256 verified)")
     refusal = dispatch.device_refusal(device)
@@ -59,6 +64,8 @@ def _doctor_code_objects() -> None:
     local rebuild would use."""
     verified, problems = artifacts.verify_prebuilt()
     _line("prebuilt", f"{artifacts.prebuilt_dir()}: {len(verified)} targets sha256-verified ({', '.join(verified) or '-'})")
+    for version, targets in sorted(artifacts.prebuilt_code_object_versions().items(), reverse=True):
+        _line(f"  code object v{version}", ", ".join(targets))
     for problem in problems:
         _line("  PROBLEM", problem)
     built = artifacts.local_build_targets()

@@ -20,6 +20,9 @@ _EM_AMDGPU = 224
 _PT_NOTE = 4
 _NT_AMDGPU_METADATA = 32
 _NOTE_OWNER = b"AMDGPU"
+# e_ident[EI_ABIVERSION] of an HSA code object -> code object version (AMDGPUUsage, "ELF Header")
+_EI_ABIVERSION = 8
+_ABI_VERSION_TO_CODE_OBJECT = {2: 4, 3: 5, 4: 6}
 
 # e_flags & EF_AMDGPU_MACH (0xff) -> processor, for the targets this project builds: AMDGPUUsage's
 # EF_AMDGPU_MACH table (LLVM BinaryFormat/ELF.h), as llvm-readelf-19 decodes clang-19's output. Only
@@ -55,6 +58,10 @@ class KernelResources:
     max_flat_workgroup_size: int
     wavefront_size: int
     workgroup_processor_mode: bool  # WGP mode (gfx10+ default) vs CU mode
+    # value kinds of the implicit arguments the runtime appends (hidden_block_count_x, ...): their
+    # layout differs between code object v4 and v5
+    hidden_args: tuple[str, ...] = ()
+    kernarg_bytes: int = 0  # .kernarg_segment_size: explicit arguments plus any hidden ones
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,7 @@ class CodeObject:
     target: str  # processor, e.g. "gfx1100"
     target_id: str  # full target ID, e.g. "amdgcn-amd-amdhsa--gfx1100"
     kernels: tuple[KernelResources, ...]
+    code_object_version: int | None = None  # from the ELF header; None if not an HSA version it knows
 
     def kernel(self, name: str) -> KernelResources:
         for k in self.kernels:
@@ -78,7 +86,8 @@ def parse_code_object(data: bytes) -> CodeObject:
     metadata = read_metadata(data)
     target_id = metadata["amdhsa.target"]
     kernels = tuple(_kernel_resources(k) for k in metadata["amdhsa.kernels"])
-    return CodeObject(target=processor_of(target_id), target_id=target_id, kernels=kernels)
+    return CodeObject(target=processor_of(target_id), target_id=target_id, kernels=kernels,
+                      code_object_version=_ABI_VERSION_TO_CODE_OBJECT.get(data[_EI_ABIVERSION]))
 
 
 def read_metadata(data: bytes) -> dict[str, Any]:
@@ -165,6 +174,9 @@ def _kernel_resources(meta: dict[str, Any]) -> KernelResources:
             wavefront_size=meta[".wavefront_size"],
             # Absent before code object v5; gfx10+ compiles in WGP mode unless told otherwise.
             workgroup_processor_mode=bool(meta.get(".workgroup_processor_mode", 1)),
+            kernarg_bytes=meta.get(".kernarg_segment_size", 0),
+            hidden_args=tuple(kind for arg in meta.get(".args", ())
+                              if str(kind := arg.get(".value_kind", "")).startswith("hidden_")),
         )
     except KeyError as missing:
         raise CodeObjectError(f"kernel metadata lacks {missing}") from None

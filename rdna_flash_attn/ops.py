@@ -106,7 +106,8 @@ def artifact_info(device: torch.device) -> dict:
     library = runtime.library_for(torch.device(device))
     artifact: artifacts.Artifact = library.artifact
     return {"target": artifact.target, "path": str(artifact.path), "sha256": artifact.sha256,
-            "emulated": artifact.emulated}
+            "emulated": artifact.emulated, "code_object_version": artifact.code_object_version,
+            "runtime_version": library.runtime_version}
 
 
 def output_like(q: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,8 @@ replace one, building into the user cache.
 
 The compile is clang >= 19 with builtins only (no ROCm headers or device libraries) and a pinned
 -cuid, so the same clang release gives the same bytes from any folder: Debian's clang-19 reproduces
-prebuilt/ exactly. Nothing here is imported by the attention path, and nothing compiles unless a user
-or a build script asks.
+prebuilt/ exactly. The attention path reads only the code object constants and names here, and
+nothing compiles unless a user or a build script asks.
 """
 
 from __future__ import annotations
@@ -32,15 +32,18 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 PREBUILT_TARGETS = ("gfx1100", "gfx1101", "gfx1102", "gfx1103", "gfx1150", "gfx1151", "gfx1200", "gfx1201")
 RDNA_TARGET = re.compile(r"gfx1[12][0-9a-f]{2}")  # the gfx11 and gfx12 matrix layers (isa/isa.h)
 MIN_CLANG_MAJOR = 19
+# Code object version 5 is what HIP 6.0 and newer emit and load by default; version 4 is built beside it
+# for the targets HIP 5.x knows (gfx1100-gfx1103), whose runtimes had it as their default. The machine
+# code is the same: the kernels read no implicit (hidden) kernel argument, so only the ELF ABI version and
+# the metadata differ (see docs/hip_runtimes.md).
 CODE_OBJECT_VERSION = 5
+LEGACY_CODE_OBJECT_VERSION = 4
+LEGACY_TARGETS = ("gfx1100", "gfx1101", "gfx1102", "gfx1103")
 MAIN_SOURCE = "attention.hip"
 INSTANCES_HEADER = "instances.inc"
 # -cuid: clang otherwise names a symbol after a hash of paths and options, and the code objects would
 # differ between checkouts.
-CLANG_FLAGS = (
-    "-x hip --cuda-device-only --no-gpu-bundle-output -nogpulib -nogpuinc -O3 -std=c++17 "
-    f"-mcode-object-version={CODE_OBJECT_VERSION} -cuid=rdna_flash_attn"
-)
+CLANG_FLAGS = "-x hip --cuda-device-only --no-gpu-bundle-output -nogpulib -nogpuinc -O3 -std=c++17 -cuid=rdna_flash_attn"
 VERSION_TIMEOUT_S = 30
 PROGRESS_EVERY_S = 30
 
@@ -64,8 +67,26 @@ def kernels_dir() -> Path:
     return inside_package if (inside_package / MAIN_SOURCE).is_file() else PACKAGE_DIR.parent / "kernels"
 
 
-def artifact_name(target: str) -> str:
-    return f"rdna_fa_{target}.hsaco"
+def clang_flags(code_object_version: int = CODE_OBJECT_VERSION) -> list[str]:
+    return [*CLANG_FLAGS.split(), f"-mcode-object-version={code_object_version}"]
+
+
+def artifact_name(target: str, code_object_version: int = CODE_OBJECT_VERSION) -> str:
+    """rdna_fa_gfx1100.hsaco for the default version, rdna_fa_gfx1100.cov4.hsaco for version 4."""
+    suffix = "" if code_object_version == CODE_OBJECT_VERSION else f".cov{code_object_version}"
+    return f"rdna_fa_{target}{suffix}.hsaco"
+
+
+def code_object_versions(target: str) -> tuple[int, ...]:
+    """The code object versions built for a target: the default one, and version 4 where HIP 5.x knows it."""
+    if target in LEGACY_TARGETS:
+        return (CODE_OBJECT_VERSION, LEGACY_CODE_OBJECT_VERSION)
+    return (CODE_OBJECT_VERSION,)
+
+
+def manifest_table(code_object_version: int) -> str:
+    """The manifest's table of one code object version: "targets" for the default, "targets_cov4"."""
+    return "targets" if code_object_version == CODE_OBJECT_VERSION else f"targets_cov{code_object_version}"
 
 
 def source_files(kernels: Path) -> list[Path]:
@@ -80,7 +101,9 @@ def source_hash(kernels: Path | None = None) -> str:
     as they are. Equal for a git checkout and the wheel's copy of the same sources."""
     kernels = kernels or kernels_dir()
     digest = hashlib.sha256()
-    digest.update(f"clang flags: {CLANG_FLAGS}\n".encode())
+    for version in (CODE_OBJECT_VERSION, LEGACY_CODE_OBJECT_VERSION):
+        digest.update(f"clang flags: {' '.join(clang_flags(version))}\n".encode())
+    digest.update(f"version 4 for: {' '.join(LEGACY_TARGETS)}\n".encode())
     digest.update(f"variants:\n{variants.instantiation_lines()}".encode())
     for path in source_files(kernels):
         digest.update(f"kernels/{path.relative_to(kernels).as_posix()}".encode() + b"\0")
@@ -157,10 +180,12 @@ def _install_hint() -> str:
 # --- the build --------------------------------------------------------------------------------------
 
 
-def clang_command(clang: str, target: str, include_dir: Path, output: Path, kernels: Path | None = None) -> list[str]:
-    """One target's compile, exactly as kernels/build.py's ninja rule runs it."""
+def clang_command(clang: str, target: str, include_dir: Path, output: Path, kernels: Path | None = None,
+                  code_object_version: int = CODE_OBJECT_VERSION) -> list[str]:
+    """One code object's compile, exactly as kernels/build.py's ninja rule runs it."""
     main = (kernels or kernels_dir()) / MAIN_SOURCE
-    return [clang, *CLANG_FLAGS.split(), f"--offload-arch={target}", f"-I{include_dir}", str(main), "-o", str(output)]
+    return [clang, *clang_flags(code_object_version), f"--offload-arch={target}", f"-I{include_dir}", str(main),
+            "-o", str(output)]
 
 
 def write_instances(directory: Path) -> Path:
@@ -180,14 +205,16 @@ def _clang_failure(compiler: Compiler, target: str, stderr: str) -> BuildError:
     return BuildError(f"clang failed for {target}: {tail or 'no message'}")
 
 
-def _compile_one(compiler: Compiler, target: str, include_dir: Path, out_dir: Path, step: str,
+def _compile_one(compiler: Compiler, target: str, version: int, include_dir: Path, out_dir: Path, step: str,
                  progress: Progress) -> None:
-    output = out_dir / artifact_name(target)
+    output = out_dir / artifact_name(target, version)
     partial = out_dir / f".{output.name}.{os.getpid()}.part"
     started = time.monotonic()
-    progress(f"{step} {target}: compiling ({len(variants.ALL_SYMBOLS)} kernels, usually a few minutes)")
+    progress(f"{step} {target}: compiling code object v{version} ({len(variants.ALL_SYMBOLS)} kernels, "
+             "usually a few minutes)")
     with tempfile.TemporaryFile() as errors:
-        process = subprocess.Popen(clang_command(compiler.path, target, include_dir, partial),
+        process = subprocess.Popen(clang_command(compiler.path, target, include_dir, partial,
+                                                 code_object_version=version),
                                    stdout=subprocess.DEVNULL, stderr=errors)
         while True:
             try:
@@ -201,20 +228,22 @@ def _compile_one(compiler: Compiler, target: str, include_dir: Path, out_dir: Pa
         partial.unlink(missing_ok=True)
         raise _clang_failure(compiler, target, stderr)
     os.replace(partial, output)  # atomic: a process loading it never sees half a file
-    progress(f"{step} {target}: done in {time.monotonic() - started:.0f} s ({output.stat().st_size / 1e6:.1f} MB)")
+    progress(f"{step} {target}: v{version} done in {time.monotonic() - started:.0f} s "
+             f"({output.stat().st_size / 1e6:.1f} MB)")
 
 
 def compile_targets(compiler: Compiler, targets: Iterable[str], out_dir: Path, jobs: int | None = None,
                     progress: Progress = print) -> None:
-    """Compile each target into out_dir (one clang per target, `jobs` at a time)."""
-    targets = list(targets)
+    """Compile each target's code objects into out_dir (one clang per code object, `jobs` at a time)."""
+    builds = [(target, version) for target in targets for version in code_object_versions(target)]
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="rdna_fa_gen_") as generated:
         write_instances(Path(generated))
-        workers = max(1, min(jobs or os.cpu_count() or 1, len(targets)))
+        workers = max(1, min(jobs or os.cpu_count() or 1, len(builds)))
         with ThreadPoolExecutor(workers) as pool:
-            steps = [pool.submit(_compile_one, compiler, target, Path(generated), out_dir,
-                                 f"[{i}/{len(targets)}]", progress) for i, target in enumerate(targets, 1)]
+            steps = [pool.submit(_compile_one, compiler, target, version, Path(generated), out_dir,
+                                 f"[{i}/{len(builds)}]", progress)
+                     for i, (target, version) in enumerate(builds, 1)]
             for step in steps:
                 step.result()
 
@@ -224,28 +253,33 @@ def sha256_file(path: Path) -> str:
 
 
 def write_manifest(out_dir: Path, built: Iterable[str], compiler_version: str, kernels: Path | None = None) -> Path:
-    """Add the built targets to out_dir/manifest.json; entries built from other sources are dropped."""
+    """Add the built targets' code objects to out_dir/manifest.json: the default version under "targets",
+    version 4 under "targets_cov4"; entries built from other sources are dropped."""
     path = out_dir / "manifest.json"
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError):
         manifest = {}
     new_sources = source_hash(kernels)
-    targets = manifest.get("targets", {}) if manifest.get("source_hash") == new_sources else {}
+    keep = manifest.get("source_hash") == new_sources
+    tables = {version: dict(manifest.get(manifest_table(version), {})) if keep else {}
+              for version in (CODE_OBJECT_VERSION, LEGACY_CODE_OBJECT_VERSION)}
     for target in built:
-        file = out_dir / artifact_name(target)
-        targets[target] = {
-            "file": file.name,
-            "sha256": sha256_file(file),
-            "size": file.stat().st_size,
-            "kernels": list(variants.ALL_SYMBOLS),
-        }
+        for version in code_object_versions(target):
+            file = out_dir / artifact_name(target, version)
+            tables[version][target] = {
+                "file": file.name,
+                "sha256": sha256_file(file),
+                "size": file.stat().st_size,
+                "code_object_version": version,
+                "kernels": list(variants.ALL_SYMBOLS),
+            }
     manifest = {
         "abi_version": variants.ABI_VERSION,
         "compiler": compiler_version,
         "code_object_version": CODE_OBJECT_VERSION,
         "source_hash": new_sources,
-        "targets": dict(sorted(targets.items())),
+        **{manifest_table(version): dict(sorted(table.items())) for version, table in tables.items()},
     }
     partial = path.with_name(f".manifest.{os.getpid()}.part")
     partial.write_text(json.dumps(manifest, indent=2) + "\n")

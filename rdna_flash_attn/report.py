@@ -2,8 +2,9 @@
 
 For every target and kernel: VGPRs, SGPRs, LDS, scratch, spills, waves per SIMD and the WMMA
 instructions in the main loop, read from the code object metadata (codeobject.py) and from
-`llvm-objdump` disassembly. `--check` fails on scratch, spills, LDS over 64 KiB, or LDS that
-differs from what variants.py says the kernel declares.
+`llvm-objdump` disassembly. `--check` fails on scratch, spills, LDS over 64 KiB, LDS that differs
+from what variants.py says the kernel declares, hidden (implicit) kernel arguments, or a code object
+whose version is not the one its manifest entry names.
 
     python -m rdna_flash_attn.report                      # prebuilt/manifest.json
     python -m rdna_flash_attn.report build/x.hsaco --check --json report.json
@@ -25,6 +26,7 @@ from pathlib import Path
 from . import variants
 from .artifacts import prebuilt_dir
 from .codeobject import CodeObject, KernelResources, load_code_object
+from .rebuild import CODE_OBJECT_VERSION
 
 DEFAULT_MANIFEST = prebuilt_dir() / "manifest.json"
 LDS_LIMIT = variants.LDS_LIMIT  # bytes one workgroup may allocate on every RDNA target
@@ -223,6 +225,7 @@ class Artifact:
     path: Path
     expected_target: str | None  # what the manifest says, if it was read from one
     expected_kernels: tuple[str, ...]
+    expected_code_object_version: int | None = None  # what the manifest entry says, if it says
 
 
 @dataclass(frozen=True)
@@ -234,13 +237,23 @@ class KernelRow:
     variant: object | None  # the variants.py entry, None for unknown symbols
     occupancy: Occupancy | None
     wmma: WmmaCounts | None
+    code_object_version: int | None = None  # from the ELF header
+
+    @property
+    def label(self) -> str:
+        """The target, with the code object version when it is not the default one (gfx1100 v4)."""
+        if self.code_object_version in (None, CODE_OBJECT_VERSION):
+            return self.target
+        return f"{self.target} v{self.code_object_version}"
 
 
 def artifacts_from_manifest(manifest_path: Path) -> list[Artifact]:
     manifest = json.loads(manifest_path.read_text())
+    tables = [manifest["targets"], manifest.get("targets_cov4", {})]  # code object v5, then the v4 ones
     return [
-        Artifact(manifest_path.parent / entry["file"], target, tuple(entry.get("kernels", ())))
-        for target, entry in manifest["targets"].items()
+        Artifact(manifest_path.parent / entry["file"], target, tuple(entry.get("kernels", ())),
+                 entry.get("code_object_version"))
+        for table in tables for target, entry in table.items()
     ]
 
 
@@ -261,6 +274,7 @@ def collect_rows(code_objects: dict[Path, CodeObject], wmma: dict[Path, dict | N
                     variant=variant,
                     occupancy=occupancy(co.target, kernel, workgroup_size),
                     wmma=counts.get(kernel.name) if counts is not None else None,
+                    code_object_version=co.code_object_version,
                 )
             )
     return rows
@@ -289,9 +303,12 @@ def kernel_problems(row: KernelRow) -> list[str]:
         found.append(
             f"is launched with {variant.threads} threads but compiled for at most {k.max_flat_workgroup_size}"
         )
+    if k.hidden_args:
+        found.append(f"reads hidden kernel arguments ({', '.join(k.hidden_args)}): the runtime lays them out "
+                     "differently for code object v4 and v5, and both versions ship")
     if variant is not None and k.wavefront_size != variants.WAVE_SIZE:
         found.append(f"is compiled for wave{k.wavefront_size}; the kernel assumes wave{variants.WAVE_SIZE}")
-    return [f"{row.target} {k.name} {problem}" for problem in found]
+    return [f"{row.label} {k.name} {problem}" for problem in found]
 
 
 def artifact_problems(artifact: Artifact, co: CodeObject) -> list[str]:
@@ -300,6 +317,10 @@ def artifact_problems(artifact: Artifact, co: CodeObject) -> list[str]:
         found.append(
             f"{artifact.path.name}: manifest says {artifact.expected_target}, code object is {co.target}"
         )
+    expected_version = artifact.expected_code_object_version
+    if expected_version is not None and expected_version != co.code_object_version:
+        found.append(f"{artifact.path.name}: manifest says code object v{expected_version}, "
+                     f"the ELF header says v{co.code_object_version}")
     present = {k.name for k in co.kernels}
     found += [
         f"{co.target} {name}: listed in the manifest but missing from {artifact.path.name}"
@@ -322,7 +343,7 @@ def _table_cells(row: KernelRow) -> tuple[str, ...]:
     wmma = f"{row.wmma.main_loop}/{row.wmma.total}" if row.wmma else "n/a"
     scratch = f"{k.scratch_bytes}+dyn" if k.uses_dynamic_stack else str(k.scratch_bytes)
     return (
-        row.target, k.name, str(row.workgroup_size), str(k.vgpr_count), str(k.sgpr_count),
+        row.label, k.name, str(row.workgroup_size), str(k.vgpr_count), str(k.sgpr_count),
         str(k.lds_bytes), scratch, f"{k.vgpr_spill_count}/{k.sgpr_spill_count}", occ, wmma,
     )
 
@@ -343,6 +364,7 @@ def row_json(row: KernelRow) -> dict:
     k = row.kernel
     return {
         "target": row.target,
+        "code_object_version": row.code_object_version,
         "file": row.file,
         "kernel": k.name,
         "workgroup_size": row.workgroup_size,

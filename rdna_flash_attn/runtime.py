@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
+import re
 import threading
 
 import torch
 
 from . import artifacts, device as devices, driver
+from .config import LOGGER_NAME
+from .rebuild import CODE_OBJECT_VERSION, LEGACY_CODE_OBJECT_VERSION
+
+log = logging.getLogger(LOGGER_NAME)
 
 
 class KernelUnavailable(RuntimeError):
@@ -17,6 +23,26 @@ class KernelUnavailable(RuntimeError):
 
 
 DEFAULT_EMULATED_LAYER = "gfx11"
+# HIP 6.0 is the first release whose compiler emits code object v5 by default; older runtimes get v4
+# first (what they emit themselves), and v5 only if v4 is refused. See docs/hip_runtimes.md.
+FIRST_HIP_PREFERRING_V5 = (6, 0)
+# The first HIP release whose runtime knows a target (ROCm/clr rocclr/device/device.cpp's ISA table):
+# an older runtime refuses its code objects whatever their version.
+FIRST_HIP_KNOWING_TARGET = {"gfx1150": (6, 0), "gfx1151": (6, 0), "gfx1200": (6, 2), "gfx1201": (6, 2)}
+
+
+def hip_version_tuple(version: str | None) -> tuple[int, int] | None:
+    """(major, minor) of a HIP runtime version string such as "6.2.41512", None if unreadable."""
+    match = re.match(r"(\d+)\.(\d+)", version or "")
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def code_object_preference(runtime_version: str | None) -> tuple[int, ...]:
+    """The code object versions to try on a HIP runtime, first choice first."""
+    version = hip_version_tuple(runtime_version)
+    if version is not None and version < FIRST_HIP_PREFERRING_V5:
+        return (LEGACY_CODE_OBJECT_VERSION, CODE_OBJECT_VERSION)
+    return (CODE_OBJECT_VERSION, LEGACY_CODE_OBJECT_VERSION)
 
 
 def emulated_layer() -> str:
@@ -27,10 +53,11 @@ def emulated_layer() -> str:
 class KernelLibrary:
     """One loaded code object on one device."""
 
-    def __init__(self, gpu_driver, artifact: artifacts.Artifact, ordinal: int):
+    def __init__(self, gpu_driver, artifact: artifacts.Artifact, ordinal: int, runtime_version: str | None = None):
         self.driver = gpu_driver
         self.artifact = artifact
         self.ordinal = ordinal
+        self.runtime_version = runtime_version  # the HIP runtime's, for doctor; None for the emulation
         self._module = gpu_driver.load_module(artifact.read_verified(), ordinal)
         self._functions: dict[str, object] = {}
         self._lock = threading.Lock()
@@ -61,6 +88,38 @@ _failures: dict[tuple, str] = {}
 _lock = threading.Lock()
 
 
+def _open_amd_library(hip, target: str, ordinal: int) -> KernelLibrary:
+    """Load the target's code object the HIP runtime prefers; a refused one is logged and the next
+    version tried. A sha256 mismatch is not a refusal: it is raised at once."""
+    try:
+        runtime_version = hip.runtime_version()
+    except driver.DriverError as error:
+        log.warning("could not read the HIP runtime version (%s): trying code object v%d first", error,
+                    CODE_OBJECT_VERSION)
+        runtime_version = None
+    preference = code_object_preference(runtime_version)
+    candidates = sorted(artifacts.amd_artifacts(target), key=lambda a: preference.index(a.code_object_version))
+    refusals = []
+    for artifact in candidates:
+        try:
+            return KernelLibrary(hip, artifact, ordinal, runtime_version)
+        except driver.DriverError as error:
+            refusals.append(f"v{artifact.code_object_version} ({artifact.path.name}): {error}")
+            if artifact is not candidates[-1]:
+                log.info("HIP runtime %s refused code object v%d for %s (%s); trying the next version",
+                         runtime_version or "(version unknown)", artifact.code_object_version, target, error)
+    raise KernelUnavailable(_refusal_reason(target, runtime_version, refusals))
+
+
+def _refusal_reason(target: str, runtime_version: str | None, refusals: list[str]) -> str:
+    reason = f"the HIP runtime {runtime_version or '(version unknown)'} refused the code objects for {target}: "
+    reason += "; ".join(refusals)
+    needed, found = FIRST_HIP_KNOWING_TARGET.get(target), hip_version_tuple(runtime_version)
+    if needed and found and found < needed:
+        reason += f" (HIP {needed[0]}.{needed[1]} is the first runtime that knows {target}: update the HIP SDK/ROCm)"
+    return reason
+
+
 def _open_library(info: devices.DeviceInfo, layer: str) -> KernelLibrary:
     if info.backend in ("rocm", "zluda"):
         if info.gfx_target is None:
@@ -68,7 +127,7 @@ def _open_library(info: devices.DeviceInfo, layer: str) -> KernelLibrary:
         hip = driver.hip_driver(info.backend == "zluda")
         if hip is None:
             raise KernelUnavailable("no HIP runtime is loaded in this process")
-        return KernelLibrary(hip, artifacts.amd_artifact(info.gfx_target), info.index)
+        return _open_amd_library(hip, info.gfx_target, info.index)
     if info.backend == "cuda":
         return KernelLibrary(driver.cuda_driver(), artifacts.emulated_artifact(layer), info.index)
     raise KernelUnavailable(f"{info.backend} device {info.name}: the kernels need an AMD GPU (or NVIDIA emulation)")

@@ -285,3 +285,38 @@ def test_occupancy_matches_clang(tmp_path, target):
     co = load_code_object(hsaco)
     ours = {k.name: report.occupancy(target, k, k.max_flat_workgroup_size).waves_per_simd for k in co.kernels}
     assert len(ours) == 5 and ours == clang_waves
+
+
+_READS_BLOCK_SIZE = """
+extern "C" __attribute__((global)) void explicit_only(float* out) { out[__builtin_amdgcn_workitem_id_x()] = 1.0f; }
+extern "C" __attribute__((global)) void reads_block_size(float* out) {
+  out[__builtin_amdgcn_workitem_id_x()] = (float)__builtin_amdgcn_workgroup_size_x();
+}
+"""
+
+
+@needs_clang
+def test_check_fails_on_hidden_arguments_and_on_a_code_object_version_the_manifest_does_not_name(tmp_path, capsys):
+    hsaco, _ = compile_hip(tmp_path, _READS_BLOCK_SIZE, "gfx1100", "-mcode-object-version=5")
+    code_object = load_code_object(hsaco)
+    assert code_object.code_object_version == 5
+    assert code_object.kernel("explicit_only").hidden_args == ()
+    assert "hidden_group_size_x" in code_object.kernel("reads_block_size").hidden_args
+    rc, out = run_report(capsys, hsaco, "--check", "--no-disasm")
+    failures = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert rc == 1 and len(failures) == 1
+    assert failures[0].startswith("FAIL gfx1100 reads_block_size reads hidden kernel arguments (")
+
+    manifest = tmp_path / "manifest.json"
+    entry = {"file": hsaco.name, "sha256": "", "kernels": ["explicit_only"], "code_object_version": 4}
+    manifest.write_text(json.dumps({"abi_version": 1, "targets": {}, "targets_cov4": {"gfx1100": entry}}))
+    rc, out = run_report(capsys, "--manifest", manifest, "--check", "--no-disasm")
+    assert rc == 1 and f"FAIL {hsaco.name}: manifest says code object v4, the ELF header says v5" in out
+
+
+@needs_clang
+def test_a_v4_code_object_is_labelled_with_its_version(tmp_path, capsys):
+    hsaco, _ = compile_hip(tmp_path, _READS_BLOCK_SIZE, "gfx1100", "-mcode-object-version=4")
+    assert load_code_object(hsaco).code_object_version == 4
+    rc, out = run_report(capsys, hsaco, "--no-disasm")
+    assert rc == 0 and re.search(r"^gfx1100 v4\s+explicit_only\s", out, re.M)

@@ -50,13 +50,32 @@ def local_cache(tmp_path) -> Path:
     return Path(settings.cache_dir)
 
 
+# e_ident[EI_ABIVERSION] of an AMDGPU HSA code object: 2 is code object v4, 3 is v5 (AMDGPUUsage.rst).
+ELF_ABI_VERSION_BYTE = 8
+CODE_OBJECT_VERSION_OF_ABI_BYTE = {2: 4, 3: 5}
+
+
+def code_object_version_of(data: bytes) -> int:
+    return CODE_OBJECT_VERSION_OF_ABI_BYTE[data[ELF_ABI_VERSION_BYTE]]
+
+
 class FakeHip:
-    """The HIP runtime as KernelLibrary uses it when opening a code object: records what it loads."""
+    """The HIP runtime as KernelLibrary uses it when opening a code object: reports `version`, records
+    what it loads, and refuses code objects whose version (read from the ELF header) is in `refuses`,
+    with the error a HIP runtime gives."""
 
     def __init__(self):
+        self.version = "6.2.41512"
+        self.refuses: set[int] = set()
         self.loaded: list[bytes] = []
 
+    def runtime_version(self) -> str:
+        return self.version
+
     def load_module(self, data: bytes, ordinal: int) -> object:
+        if code_object_version_of(data) in self.refuses:
+            raise driver.DriverError("hipModuleLoadData failed: no kernel image is available for execution on "
+                                     "the device (209)")
         self.loaded.append(data)
         return object()
 

@@ -18,10 +18,11 @@ from .conftest import REPO_PREBUILT, fallback_reason_of_one_call
 
 
 def make_local_build(target: str, source: str = "gfx1100") -> artifacts.Path:
-    """A local build of `target` for the current sources, made of a prebuilt code object's bytes."""
+    """A local build of `target` for the current sources, made of a prebuilt code objects' bytes."""
     folder = artifacts.local_build_dir()
     folder.mkdir(parents=True)
-    shutil.copy2(REPO_PREBUILT / rebuild.artifact_name(source), folder / rebuild.artifact_name(target))
+    for version in rebuild.code_object_versions(target):
+        shutil.copy2(REPO_PREBUILT / rebuild.artifact_name(source, version), folder / rebuild.artifact_name(target, version))
     rebuild.write_manifest(folder, [target], "test copy")
     return folder
 

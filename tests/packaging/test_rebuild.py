@@ -34,14 +34,24 @@ def test_manifest_source_hash_matches_the_sources():
     manifest = json.loads((REPO_PREBUILT / "manifest.json").read_text())
     assert manifest["source_hash"] == rebuild.source_hash(REPO_ROOT / "kernels")
     assert sorted(manifest["targets"]) == sorted(rebuild.PREBUILT_TARGETS)
+    assert sorted(manifest["targets_cov4"]) == sorted(rebuild.LEGACY_TARGETS)
 
 
-def test_the_clang_command_is_the_prebuilt_one():
-    command = rebuild.clang_command("clang-19", "gfx1100", Path("/gen"), Path("/out.hsaco"), REPO_ROOT / "kernels")
+@pytest.mark.parametrize("version", [5, 4])
+def test_the_clang_command_is_the_prebuilt_one(version):
+    command = rebuild.clang_command("clang-19", "gfx1100", Path("/gen"), Path("/out.hsaco"), REPO_ROOT / "kernels",
+                                    code_object_version=version)
     assert command == ["clang-19", "-x", "hip", "--cuda-device-only", "--no-gpu-bundle-output", "-nogpulib",
-                       "-nogpuinc", "-O3", "-std=c++17", "-mcode-object-version=5", "-cuid=rdna_flash_attn",
+                       "-nogpuinc", "-O3", "-std=c++17", "-cuid=rdna_flash_attn", f"-mcode-object-version={version}",
                        "--offload-arch=gfx1100", "-I/gen", str(REPO_ROOT / "kernels" / "attention.hip"),
                        "-o", "/out.hsaco"]
+
+
+def test_v4_is_built_beside_v5_for_the_targets_hip_5_knows():
+    assert rebuild.code_object_versions("gfx1100") == (5, 4)
+    assert rebuild.code_object_versions("gfx1201") == (5,)
+    assert rebuild.artifact_name("gfx1101", 4) == "rdna_fa_gfx1101.cov4.hsaco"
+    assert rebuild.artifact_name("gfx1101") == rebuild.artifact_name("gfx1101", 5) == "rdna_fa_gfx1101.hsaco"
 
 
 @pytest.mark.parametrize("target", ["gfx90a", "gfx1030", "sm_90", "gfx11", ""])
@@ -141,15 +151,18 @@ def test_build_into_the_user_cache_is_used_by_the_runtime(fake_clang, amd_gpu, c
     out = capsys.readouterr().out
     folder = artifacts.local_build_dir()
     assert folder.parent == Path(rdna_flash_attn.settings.cache_dir) / "kernels"
-    assert re.search(r"\[\d/2\] gfx1152: compiling \(\d+ kernels", out) and re.search(r"\[\d/2\] gfx1152: done in", out)
+    assert re.search(r"\[\d/3\] gfx1152: compiling code object v5 \(\d+ kernels", out)
+    assert re.search(r"\[\d/3\] gfx1152: v5 done in", out) and re.search(r"\[\d/3\] gfx1100: v4 done in", out)
     assert "no GPU of these targets here: the self-test runs on first use" in out  # torch sees no GPU here
 
     # what clang was asked: the prebuilt command, with the generated variant list on the include path
     compiled = (folder / "rdna_fa_gfx1152.hsaco").read_text().split()
-    assert compiled[:-3] == rebuild.CLANG_FLAGS.split() + ["--offload-arch=gfx1152"]
+    assert compiled[:-3] == rebuild.clang_flags(5) + ["--offload-arch=gfx1152"]
+    compiled_v4 = (folder / "rdna_fa_gfx1100.cov4.hsaco").read_text().split()
+    assert compiled_v4[:-3] == rebuild.clang_flags(4) + ["--offload-arch=gfx1100"]
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["source_hash"] == rebuild.source_hash() and manifest["compiler"] == "clang version 19.1.7"
-    assert sorted(manifest["targets"]) == ["gfx1100", "gfx1152"]
+    assert sorted(manifest["targets"]) == ["gfx1100", "gfx1152"] and sorted(manifest["targets_cov4"]) == ["gfx1100"]
     assert list(folder.glob(".*")) == []  # no partial files left
 
     artifact = artifacts.amd_artifact("gfx1152")

@@ -105,11 +105,12 @@ def test_saved_settings_apply_at_start(webui):
     assert rdna_flash_attn.settings.training is False and options.toggles.vae is False
 
 
-def test_a_broken_code_object_makes_it_unavailable(fake_gpu, started, tmp_path, monkeypatch):
+@pytest.mark.parametrize("table", ["targets", "targets_cov4"])  # code object v5, and the v4 beside it
+def test_a_broken_code_object_makes_it_unavailable(fake_gpu, started, tmp_path, monkeypatch, table):
     broken = tmp_path / "prebuilt"
     shutil.copytree(artifacts.prebuilt_dir(), broken)
     manifest = json.loads((broken / "manifest.json").read_text())
-    code_object = broken / manifest["targets"]["gfx1100"]["file"]
+    code_object = broken / manifest[table]["gfx1100"]["file"]
     code_object.write_bytes(code_object.read_bytes() + b"damage")
     monkeypatch.setattr(artifacts, "prebuilt_dir", lambda: broken)
 
