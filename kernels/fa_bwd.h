@@ -14,7 +14,8 @@
 // either dV or dK of its keys, so S is computed twice per key block.
 // dQ: each wave owns 16 queries, like the forward pass: S^T, dP^T with one query per lane; a first
 // sweep over the keys sums delta, a second one makes dS^T and dQ^T += K^T dS^T.
-// K and V (dK/dV) or Q and dO (dQ) are private to a wave and read straight from global memory; the
+// K and V (dK/dV) or Q and dO (dQ) are private to a wave and read straight from global memory: K and
+// V once per kernel into registers where they fit (kResidentK, kResidentV), the rest per use; the
 // operands shared by the workgroup go through LDS.
 #pragma once
 #include "tiles.h"
