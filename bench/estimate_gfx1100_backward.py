@@ -119,7 +119,10 @@ def loop_trips(cfg: Cfg, main: int, v) -> dict[int, int]:
         ops = cfg.ops(blocks)
         inner_wmma = any(g != h and g in blocks and blocks > cfg.loops[g] and
                          any(op.startswith("v_wmma") for op in cfg.ops(cfg.loops[g])) for g in cfg.loops)
-        if inner_wmma:  # dK/dV: the 16-query fragment loop (#pragma unroll 1)
+        resident_k = v.kind == "dkdv" and v.d_pad <= variants.BWD_RESIDENT_K_MAX_D
+        if inner_wmma or (resident_k and any(op.startswith("v_wmma") for op in ops)):
+            # dK/dV: the 16-query fragment loop (#pragma unroll 1); with K held in registers the
+            # head-dim loop inside it is unrolled completely
             trips[h] = v.block_tile // FRAG
         elif any(op.startswith("v_wmma") for op in ops):  # head-dim loop, #pragma unroll 2
             trips[h] = dim_frags // 2
@@ -154,8 +157,11 @@ def trace(cfg: Cfg, main: int, trips: dict[int, int], flags: dict[str, bool]) ->
     """Times each instruction runs in one main-loop iteration: all lanes active (every divergent block
     runs), inner loops run their trip counts, uniform branches follow the given SGPR flag values."""
     given, flags, runs, visits, entered, pc = set(flags), dict(flags), Counter(), Counter(), {}, main
+    limit = 4 * len(cfg.loops[main]) * max([1, *trips.values()]) ** 2  # above any real iteration (nesting <= 2)
     while not (pc == main and visits[main]):
         visits[pc] += 1
+        if visits.total() > limit:
+            raise RuntimeError("flags that never leave an inner loop")
         if pc in trips and entered.get(pc) is None:
             entered[pc] = visits[pc] - 1
         for h in [h for h in entered if entered[h] is not None and pc not in cfg.loops[h]]:
@@ -207,9 +213,12 @@ def paths(v) -> dict[str, tuple[int, int]]:
         base = rows * 2 + 4 * dim
         return {"sweep 0 (delta)": (2 * dim * tile // FRAG, base),
                 "sweep 1 (dQ)": (2 * dim * tile // FRAG + 2 * out * tile // FRAG, base + trans)}
-    frags = tile // FRAG  # per query tile: Q rows, lse + delta, then per fragment K (and V) operands
-    return {"dV": (frags * (dim + 2 * out), rows + trans + 2 + frags * 2 * dim),
-            "dK": (frags * (2 * dim + 2 * out), 2 * rows + trans + 2 + frags * 4 * dim)}
+    # per query tile: Q rows, lse + delta, then per fragment the K (and V) operands not held in registers
+    frags = tile // FRAG
+    k_loads = 0 if v.d_pad <= variants.BWD_RESIDENT_K_MAX_D else 2 * dim
+    v_loads = 0 if v.d_pad <= variants.BWD_RESIDENT_V_MAX_D else 2 * dim
+    return {"dV": (frags * (dim + 2 * out), rows + trans + 2 + frags * k_loads),
+            "dK": (frags * (2 * dim + 2 * out), 2 * rows + trans + 2 + frags * (k_loads + v_loads))}
 
 
 def main_loop(cfg: Cfg) -> int:
@@ -219,22 +228,55 @@ def main_loop(cfg: Cfg) -> int:
     return min(candidates, key=lambda h: len(cfg.loops[h]))
 
 
+def load_guards(cfg: Cfg, main: int, regs: list[str]) -> dict[str, bool]:
+    """Flags that only decide whether a global load runs (the bounds tests `row < seqlen`, `col < head_dim`
+    of an operand read from global memory, uniform per wave, possibly and-ed with a path flag), each
+    with the value that runs the load. An unrolled head-dim loop tests one per load: tried together,
+    they keep the flag combinations few."""
+    guards, other = {}, set()
+    for b in cfg.loops[main]:
+        if len(cfg.succ[b]) != 2 or not (r := flag_of(cfg.blocks[b])) or r.lstrip("!") not in regs:
+            continue
+        reg, block = r.lstrip("!"), cfg.blocks[b]
+        loads = [any(i.op.startswith("global_load") for i in cfg.blocks[s]) for s in cfg.succ[b]]
+        wmma = any(i.op.startswith("v_wmma") for s in cfg.succ[b] for i in cfg.blocks[s])
+        op = block[-1].op
+        if wmma or loads.count(True) != 1 or op not in ("s_cbranch_vccz", "s_cbranch_vccnz", "s_cbranch_execz"):
+            other.add(reg)
+            continue
+        to_second = loads.index(True) == 1  # as trace() branches: to succ[1] iff ...
+        if op == "s_cbranch_execz":  # ... (op == execz) != active
+            value = to_second is False
+        else:  # ... (op == vccnz) == vcc, with vcc = flag != negated
+            value = ((op == "s_cbranch_vccnz") == to_second) != r.startswith("!")
+        if guards.setdefault(reg, value) != value:
+            other.add(reg)
+    return {r: value for r, value in guards.items() if r not in other}
+
+
 def count_path(cfg: Cfg, main: int, trips: dict[int, int], v, expect: tuple[int, int]):
     """Tries every value of the uniform flags the main loop tests; exactly one count must match."""
     written = {i.args.split(",")[0].strip() for b in cfg.loops[main] for i in cfg.blocks[b] if i.op.startswith("s_")
                and not (i.op == "s_mov_b32" and i.args.split(",")[1].strip() in ("-1", "0"))}
     regs = sorted({r.lstrip("!") for b in cfg.loops[main] if len(cfg.succ[b]) == 2
                    and (r := flag_of(cfg.blocks[b])) and r.lstrip("!") not in written})
+    guards = load_guards(cfg, main, regs)
+    if len(guards) > 4:  # an unrolled head-dim loop: its loads all run or are all skipped
+        regs = [r for r in regs if r not in guards]
+        settings = [guards, {r: not value for r, value in guards.items()}]
+    else:
+        settings = [{}]
+    where = {i.addr: region(cfg, trips, i) for b in cfg.loops[main] for i in cfg.blocks[b]}
     found = {}
-    for values in itertools.product((False, True), repeat=len(regs)):
+    for values, fixed in itertools.product(itertools.product((False, True), repeat=len(regs)), settings):
         try:
-            runs = trace(cfg, main, trips, dict(zip(regs, values)))
+            runs = trace(cfg, main, trips, {**fixed, **dict(zip(regs, values))})
         except RuntimeError:  # a flag combination the loop cannot take (e.g. an untested phi flag)
             continue
-        insns = [(i, runs[i.addr], region(cfg, trips, i)) for i in cfg.body if runs[i.addr]]
+        insns = [(i, runs[i.addr], where[i.addr]) for i in cfg.body if runs[i.addr]]
         c = tally(insns)
         if (c.wmma, c.global_load_insts) == expect:
-            found[json.dumps(asdict(c), sort_keys=True)] = (c, dict(zip(regs, values)), insns)
+            found[json.dumps(asdict(c), sort_keys=True)] = (c, {**fixed, **dict(zip(regs, values))}, insns)
     if not found:
         raise RuntimeError(f"{v.symbol}: no trace matches {expect} (flags {regs})")
     # Flags the expected counts leave open are lane masks (e.g. key < seqlen): all lanes active, as

@@ -14,7 +14,8 @@
 // either dV or dK of its keys, so S is computed twice per key block.
 // dQ: each wave owns 16 queries, like the forward pass: S^T, dP^T with one query per lane; a first
 // sweep over the keys sums delta, a second one makes dS^T and dQ^T += K^T dS^T.
-// K and V (dK/dV) or Q and dO (dQ) are private to a wave and read straight from global memory; the
+// K and V (dK/dV) or Q and dO (dQ) are private to a wave and read straight from global memory: K and
+// V once per kernel into registers where they fit (kResidentK, kResidentV), the rest per use; the
 // operands shared by the workgroup go through LDS.
 #pragma once
 #include "tiles.h"
@@ -45,6 +46,14 @@ struct BwdArgs {
   float scale;
   int blocks;  // row blocks along grid x (query blocks for dQ)
 };
+
+// dK/dV: a wave's K and V operands are the same for every query tile. Up to these padded head dims
+// they stay in registers beside the accumulators (gfx11 operands hold every value twice, so K and V
+// of d128 would spill); past them they are re-read from global memory (cache hits) per use.
+template <int D_PAD>
+constexpr bool kResidentK = D_PAD <= 128;
+template <int D_PAD>
+constexpr bool kResidentV = D_PAD <= 96;
 
 // acc[f] += A_f (x_high + x_rest), A_f the f-th 16-row fragment of an LDS tile: a product whose B
 // operand keeps 16 more bits than one 16-bit value can.
@@ -119,6 +128,17 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
   #pragma unroll
   for (int f = 0; f < kOutFrags; ++f) acc[f] = zero_v8f();
 
+  // This wave's K (and for dK its V) operands, loaded once where they stay in registers.
+  constexpr bool kHoldK = kResidentK<D_PAD>, kHoldV = kResidentV<D_PAD>;
+  constexpr int kDimSteps = kHoldK ? kDimFrags : kDimUnroll;  // register arrays need constant indices
+  Isa::Operand k_ops[kHoldK ? kDimFrags : 1], v_ops[kHoldV ? kDimFrags : 1];
+  #pragma unroll
+  for (int d = 0; d < kDimFrags; ++d) {
+    if (kHoldK) k_ops[kHoldK ? d : 0] = load_operand_global(k, a.k_stride_s, wave_key0, a.seqlen_k, d * kFrag, a.head_dim, lane);
+    if (kHoldV && make_dk)
+      v_ops[kHoldV ? d : 0] = load_operand_global(v, a.v_stride_s, wave_key0, a.seqlen_k, d * kFrag, a.head_dim, lane);
+  }
+
   // Top-left causal: query i sees keys 0..i, so queries before this key block contribute nothing.
   const int q_begin = a.causal ? k0 / BLOCK_M * BLOCK_M : 0;
   for (int q0 = q_begin; q0 < a.seqlen_q; q0 += BLOCK_M) {
@@ -144,13 +164,16 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
     #pragma unroll 1
     for (int qf = 0; qf < kQueryFrags; ++qf) {
       v8f s_acc = zero_v8f(), dp_acc = zero_v8f();
-      #pragma unroll kDimUnroll
+      #pragma unroll kDimSteps
       for (int d = 0; d < kDimFrags; ++d) {
-        const Isa::Operand k_op = load_operand_global(k, a.k_stride_s, wave_key0, a.seqlen_k, d * kFrag, a.head_dim, lane);
+        const Isa::Operand k_op = kHoldK ? k_ops[kHoldK ? d : 0]
+                                            : load_operand_global(k, a.k_stride_s, wave_key0, a.seqlen_k, d * kFrag,
+                                                                  a.head_dim, lane);
         Isa::mma(dt, s_acc, load_operand<Shape::kRow>(q_lds + qf * kFrag * Shape::kRow, d * kFrag, lane), k_op);
         if (make_dk) {
-          const Isa::Operand v_op = load_operand_global(v, a.v_stride_s, wave_key0, a.seqlen_k, d * kFrag, a.head_dim,
-                                                        lane);
+          const Isa::Operand v_op = kHoldV ? v_ops[kHoldV ? d : 0]
+                                              : load_operand_global(v, a.v_stride_s, wave_key0, a.seqlen_k, d * kFrag,
+                                                                    a.head_dim, lane);
           Isa::mma(dt, dp_acc, load_operand<Shape::kRow>(do_lds + qf * kFrag * Shape::kRow, d * kFrag, lane), v_op);
         }
       }

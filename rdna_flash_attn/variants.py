@@ -19,6 +19,10 @@ LDS_ROW_PAD = 8  # elements added to every LDS row so rows start on different ba
 MAX_O_CHUNK = 256  # output columns one forward workgroup accumulates in registers
 MAX_GRAD_CHUNK = 128  # gradient columns one backward workgroup accumulates in registers
 BWD_WAVES = 4
+# Padded head dims up to which a dK/dV wave holds its K (resp. V) operands in registers for the whole
+# kernel instead of re-reading them per query fragment; mirrors kResidentK / kResidentV in fa_bwd.h.
+BWD_RESIDENT_K_MAX_D = 128
+BWD_RESIDENT_V_MAX_D = 96
 
 SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8)) + (320, 384, 512)
 

@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""CPU model of the backward kernels' arithmetic against the GPU grid's precision criterion.
+
+Runs in seconds on a CPU, before any kernel change reaches the GPU. Each scheme is the kernels'
+arithmetic with fp32 accumulation and 16-bit rounding exactly where the scheme rounds; a case passes
+when every gradient's max error against float64 is at most max(2 x math SDPA's error, 1e-6), as in
+tests/gpu/test_backward.py (math SDPA upcasts fp16/bf16 to fp32, so its error is the final rounding).
+
+    python3 bench/backward_precision_model.py --cases 300 --seed 2
+    python3 bench/backward_precision_model.py --cases 300 --seed 1 --large-inputs
+
+Schemes:
+  exact-delta-split  delta = rowsum(P dP) / rowsum(P) in fp32, P and dS as two 16-bit parts (the kernels)
+  o16-delta-split    delta = rowsum(dO O), O the forward's 16-bit output; P and dS in two parts
+  o16-delta-single   the same delta, P and dS rounded once to 16 bits (FlashAttention-2)
+  o32-delta-split    delta = rowsum(dO O) with the forward's fp32 O; P and dS in two parts
+Results: bench/results/backward_estimate_gfx1100.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+SCHEMES = ("exact-delta-split", "o16-delta-split", "o16-delta-single", "o32-delta-split")
+SEQ_LENGTHS = (1, 2, 7, 16, 17, 33, 64, 65, 77, 100, 128)
+HEAD_DIMS = (8, 16, 40, 64, 80, 128, 160)
+
+
+def rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x.to(dtype).float()
+
+
+def causal_mask(scores: torch.Tensor) -> torch.Tensor:
+    return torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
+
+
+def kernel_forward(q, k, v, causal, scale):
+    """(16-bit output, fp32 output, lse) as the forward kernel makes them: rounded probabilities in P V."""
+    scores = q.float() @ k.float().transpose(-1, -2) * scale
+    if causal:
+        scores = scores.masked_fill(~causal_mask(scores), float("-inf"))
+    row_max = scores.amax(-1, keepdim=True)
+    exact = torch.exp(scores - row_max)
+    p = rounded(exact, q.dtype)
+    out = (p @ v.float()) / p.sum(-1, keepdim=True)
+    return out.to(q.dtype), out, row_max + torch.log(exact.sum(-1, keepdim=True))
+
+
+def kernel_backward(scheme, q, k, v, dout, out16, out32, lse, causal, scale):
+    qf, kf, vf, df = q.float(), k.float(), v.float(), dout.float()
+    p = torch.exp(qf @ kf.transpose(-1, -2) * scale - lse)
+    if causal:
+        p = p.masked_fill(~causal_mask(p), 0.0)
+    # Sums of exact 16-bit products: in double, rounded once, so equal inputs give equal sums (WMMA).
+    dp = (df.double() @ vf.double().transpose(-1, -2)).float()
+    if scheme == "exact-delta-split":
+        delta = (p * dp).sum(-1, keepdim=True) / p.sum(-1, keepdim=True)
+    else:
+        o = out32 if scheme == "o32-delta-split" else out16.float()
+        delta = (df.double() * o.double()).sum(-1, keepdim=True).float()
+    ds = p * (dp - delta)
+    if scheme == "o16-delta-single":
+        p, ds = rounded(p, q.dtype), rounded(ds, q.dtype)
+    dq = scale * ds @ kf
+    dk = scale * ds.transpose(-1, -2) @ qf
+    dv = p.transpose(-1, -2) @ df
+    return tuple(g.to(q.dtype) for g in (dq, dk, dv))
+
+
+def grads_fp64(q, k, v, dout, causal, scale):
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    scores = q @ k.transpose(-1, -2) * scale
+    if causal:
+        scores = scores.masked_fill(~causal_mask(scores), float("-inf"))
+    return torch.autograd.grad(torch.softmax(scores, -1) @ v, (q, k, v), dout.double())
+
+
+def grads_sdpa_math(q, k, v, dout, causal, scale):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    with sdpa_kernel(SDPBackend.MATH):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    return torch.autograd.grad(out, (q, k, v), dout)
+
+
+def max_error(a, b) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def run(cases: int, seed: int, large_inputs: bool) -> dict:
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    fails = dict.fromkeys(SCHEMES, 0)
+    worst = {s: dict.fromkeys(("dq", "dk", "dv"), (0.0, None)) for s in SCHEMES}
+    for index in range(cases):
+        dtype = (torch.float16, torch.bfloat16)[index % 2]
+        d = rng.choice(HEAD_DIMS)
+        seq_q, seq_k = rng.choice(SEQ_LENGTHS), 1 if index % 7 == 0 else rng.choice(SEQ_LENGTHS)
+        causal = rng.random() < 0.35
+        scale = 1 / math.sqrt(d) if rng.random() < 0.7 else rng.uniform(0.02, 0.5)
+        magnitude = rng.choice((4.0, 16.0)) if large_inputs and index % 5 == 0 else 1.0
+        q, k, v = ((torch.randn(1, 2, s, d) * magnitude).to(dtype) for s in (seq_q, seq_k, seq_k))
+        dout = torch.randn(1, 2, seq_q, d).to(dtype)
+        reference = grads_fp64(q, k, v, dout, causal, scale)
+        baseline = grads_sdpa_math(q, k, v, dout, causal, scale)
+        out16, out32, lse = kernel_forward(q, k, v, causal, scale)
+        case = (index, str(dtype), d, seq_q, seq_k, causal, round(scale, 3), magnitude)
+        for scheme in SCHEMES:
+            grads = kernel_backward(scheme, q, k, v, dout, out16, out32, lse, causal, scale)
+            failed = False
+            for name, grad, ref, base in zip(("dq", "dk", "dv"), grads, reference, baseline):
+                ratio = max_error(grad, ref) / max(2 * max_error(base, ref), 1e-6)
+                failed |= ratio > 1
+                if ratio > worst[scheme][name][0]:
+                    worst[scheme][name] = (ratio, case)
+            fails[scheme] += failed
+    return {"fails": fails, "worst": worst}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=2)
+    parser.add_argument("--large-inputs", action="store_true", help="one case in five with inputs x4 or x16")
+    args = parser.parse_args()
+    result = run(args.cases, args.seed, args.large_inputs)
+    for scheme in SCHEMES:
+        print(f"{scheme}: {result['fails'][scheme]} of {args.cases} cases fail")
+        for name, (ratio, case) in result["worst"][scheme].items():
+            print(f"  {name} worst error / bound {ratio:.3f}  (index, dtype, d, seq_q, seq_k, causal, scale, x) {case}")
+
+
+if __name__ == "__main__":
+    main()
