@@ -179,19 +179,40 @@ class TileCounts:
     valu_mix: list = field(default_factory=list)  # most frequent VALU + TRANS opcodes per tile
 
 
-def main_loop(body: list[Insn]) -> tuple[int, int]:
-    """The key-tile loop: the widest backward-branch span that holds a WMMA."""
+def key_tile_loops(body: list[Insn]) -> list[tuple[int, int]]:
+    """The key-tile loops: backward-branch spans that hold a WMMA and lie inside no other span."""
     wmma = [i.addr for i in body if i.op.startswith("v_wmma")]
     spans = [(s, e) for s, e in back_edges(body) if any(s <= a <= e for a in wmma)]
-    return max(spans, key=lambda span: span[1] - span[0])
+    return sorted(span for span in spans if not any(o != span and o[0] <= span[0] and span[1] <= o[1] for o in spans))
+
+
+def main_loop(body: list[Insn]) -> tuple[int, int]:
+    """The loop that runs the interior key tiles.
+
+    Before the masked/open split there was one key-tile loop. Since then the kernel has two: one for
+    the tiles every query sees whole (no per-score mask) and one for the tiles that need the mask
+    (the last, ragged tile; the causal diagonal). The open loop is the shorter one: the masked loop
+    adds the per-score key compares. At 4096 keys, non-causal, every tile is open."""
+    return min(key_tile_loops(body), key=lambda span: sum(span[0] <= i.addr <= span[1] for i in body))
+
+
+def copy_batches(variant) -> int:
+    """Trips of the forward's K/V copy-batch loop: mirrors TileCopy in kernels/fa_fwd.h."""
+    in_flight = 16 if variant.d_chunk <= 64 else 8 if variant.d_chunk <= 128 else 2
+    k_loads = -(-variant.block_n * variant.d_pad // 8 // variant.threads)
+    v_units = -(-(variant.block_n // 2) * (variant.d_chunk // 8) // variant.threads)
+    return -(-(k_loads + 2 * v_units) // in_flight)
 
 
 def inner_loops(body: list[Insn], main: tuple[int, int], variant) -> list[InnerLoop]:
     """The loops inside the key-tile loop, with trip counts from the kernel source.
 
-    The source has three single-level loops there (fa_fwd.hip): load_rows for K, load_transposed for
-    V^T, and the head-dim loop. The compiler rotates the load loops, so one loop can have several
-    backward branches; overlapping spans are merged into one loop."""
+    Two source shapes are recognised. Up to kernels at 3e5b031 (fa_fwd.h): three single-level loops,
+    load_rows for K, load_transposed for V^T, and the head-dim loop. From the batched copy on: the
+    head-dim loop and, only where the copy is split into more than two batches (wide head dims), one
+    loop over the batches that holds both the K and the V^T stores; otherwise the copy is unrolled
+    and counted once, like the rest of the tile. The compiler rotates the load loops, so one loop
+    can have several backward branches; overlapping spans are merged into one loop."""
     spans = sorted((s, e) for s, e in back_edges(body) if main[0] <= s and e <= main[1] and (s, e) != main)
     merged: list[list[int]] = []
     for s, e in spans:
@@ -200,8 +221,8 @@ def inner_loops(body: list[Insn], main: tuple[int, int], variant) -> list[InnerL
         else:
             merged.append([s, e])
     key_frags, dim_frags = variant.block_n // 16, variant.d_pad // 16
-    load_trips = iter((variant.block_n * variant.d_pad // 8 // variant.threads,  # K: 16-byte chunks
-                       variant.block_n // 2 * variant.d_chunk // 8 // variant.threads))  # V^T: key pairs
+    old_trips = {"K": variant.block_n * variant.d_pad // 8 // variant.threads,  # 16-byte chunks
+                 "V^T": variant.block_n // 2 * variant.d_chunk // 8 // variant.threads}  # key pairs
     loops = []
     for s, e in merged:
         ops = [i.op for i in body if s <= i.addr <= e]
@@ -210,10 +231,15 @@ def inner_loops(body: list[Insn], main: tuple[int, int], variant) -> list[InnerL
             unroll = wmma // key_frags  # head-dim steps per trip (the source asks for #pragma unroll 2)
             loops.append(InnerLoop(f"head-dim loop (unroll {unroll})", s, e, dim_frags // unroll))
         elif any(op.startswith("global_load") for op in ops):
-            role = "K rows -> LDS" if any(op == "ds_store_b128" for op in ops) else "V^T -> LDS"
-            loops.append(InnerLoop(role, s, e, next(load_trips)))
+            k_rows = any(op == "ds_store_b128" for op in ops)
+            vt = any(op.startswith("ds_store_b32") or op.startswith("ds_store_2addr_b32") for op in ops)
+            if k_rows and vt:
+                loops.append(InnerLoop("K+V^T copy batches -> LDS", s, e, copy_batches(variant)))
+            else:
+                role = "K" if k_rows else "V^T"
+                loops.append(InnerLoop(f"{role} -> LDS" if role == "V^T" else "K rows -> LDS", s, e, old_trips[role]))
     roles = [loop.role.split()[0] for loop in loops]
-    if roles != ["K", "V^T", "head-dim"] or len(loops) != len(merged):
+    if roles not in (["K", "V^T", "head-dim"], ["head-dim"], ["K+V^T", "head-dim"]) or len(loops) != len(merged):
         raise RuntimeError(f"unexpected loop structure inside the key-tile loop: {[l.role for l in loops]}")
     return loops
 
