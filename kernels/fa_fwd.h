@@ -41,10 +41,6 @@ struct FwdShape {
   static_assert(D_PAD % D_CHUNK == 0 && D_CHUNK % kFrag == 0 && BLOCK_N % kFrag == 0, "tile shape");
 };
 
-// Global loads in flight at once per thread (4 VGPRs each), fewer as the O accumulators grow.
-template <int D_CHUNK>
-constexpr int kLoadsInFlight = D_CHUNK <= 64 ? 16 : D_CHUNK <= 128 ? 8 : 2;
-
 // Copies one key tile of K (rows in Isa::key_slot order, see the ISA headers) and of V^T into LDS.
 // Every global load of a batch is issued before the first LDS store, so a tile costs one memory
 // round trip per batch instead of one per load, and no load or store is predicated: columns at or
@@ -53,7 +49,8 @@ constexpr int kLoadsInFlight = D_CHUNK <= 64 ? 16 : D_CHUNK <= 128 ? 8 : 2;
 // rows only reach output columns that are not written. MASKED (the tile reaches past seqlen_k):
 // rows past it are read from the last row; their scores are masked, and their V^T values set to
 // zero so that a zero probability cannot meet an infinity.
-template <int ROWS, int D_PAD, int COLS, int K_ROW, int VT_ROW, int THREADS>
+// LOADS: global loads in flight per thread and batch (variants.py's copy_loads, 4 VGPRs each).
+template <int ROWS, int D_PAD, int COLS, int K_ROW, int VT_ROW, int THREADS, int LOADS>
 struct TileCopy {
   static constexpr int kKChunks = D_PAD / 8;
   static constexpr int kKTotal = ROWS * kKChunks;
@@ -61,7 +58,7 @@ struct TileCopy {
   static constexpr int kVPairs = ROWS / 2;
   static constexpr int kVTotal = kVPairs * (COLS / 8);
   static constexpr int kVUnits = (kVTotal + THREADS - 1) / THREADS;  // two loads each
-  static constexpr int kBatches = (kKLoads + 2 * kVUnits + kLoadsInFlight<COLS> - 1) / kLoadsInFlight<COLS>;
+  static constexpr int kBatches = (kKLoads + 2 * kVUnits + LOADS - 1) / LOADS;
   static constexpr int kKPerBatch = (kKLoads + kBatches - 1) / kBatches;
   static constexpr int kVPerBatch = (kVUnits + kBatches - 1) / kBatches;
 
@@ -158,10 +155,10 @@ RDNA_DEV int probability_shift(bf16, int seqlen_k) {
 }
 RDNA_DEV int probability_shift(f16, int) { return 0; }
 
-template <class DT, int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK>
+template <class DT, int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK, int COPY_LOADS>
 struct FwdLoop {
   using Shape = FwdShape<D_PAD, WAVES, BLOCK_N, D_CHUNK>;
-  using Copy = TileCopy<BLOCK_N, D_PAD, D_CHUNK, Shape::kRow, Shape::kVtRow, Shape::kThreads>;
+  using Copy = TileCopy<BLOCK_N, D_PAD, D_CHUNK, Shape::kRow, Shape::kVtRow, Shape::kThreads, COPY_LOADS>;
   static constexpr int kKeyFrags = BLOCK_N / kFrag;
   static constexpr int kOutFrags = D_CHUNK / kFrag;
   static constexpr int kDimFrags = D_PAD / kFrag;
@@ -256,9 +253,9 @@ struct FwdLoop {
   }
 };
 
-template <class DT, int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK>
+template <class DT, int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK, int COPY_LOADS>
 RDNA_DEV void fwd_body(const FwdArgs& a, u16* lds) {
-  using Loop = FwdLoop<DT, D_PAD, WAVES, BLOCK_N, D_CHUNK>;
+  using Loop = FwdLoop<DT, D_PAD, WAVES, BLOCK_N, D_CHUNK, COPY_LOADS>;
   using Shape = typename Loop::Shape;
   constexpr int kChunks = D_PAD / D_CHUNK;
   const DT dt{};

@@ -152,3 +152,17 @@ def test_bfloat16_values_near_the_top_of_the_range(emulated_layer, seq_k):
     assert torch.isfinite(out).all(), "finite inputs, finite SDPA output, non-finite kernel output"
     assert max_error(out, ref) <= 2 * max_error(baseline, ref)
     assert max_error(lse, ref_lse) < 1e-3 * math.log(seq_k)
+
+
+@pytest.mark.parametrize("scale", [-0.3, 0.0])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_negative_and_zero_scale(emulated_layer, scale, causal, dtype):
+    """The kernel takes row maxima of the raw scores and folds a negative scale into Q; a zero scale
+    must still give masked keys zero weight. 77 keys: an open tile and a masked one."""
+    generator = torch.Generator(device="cuda").manual_seed(77)
+    q, k, v = (make_inputs(2, 2, 77, 72, dtype, "bhsd", generator) for _ in range(3))
+    out, lse = ops.flash_attention_forward(q, k, v, causal, scale)
+    ref, ref_lse = attention_fp64(q, k, v, causal, scale)
+    assert max_error(out, ref) <= 2 * max_error(sdpa_math(q, k, v, causal, scale), ref)
+    assert max_error(lse, ref_lse) < 1e-3 * math.log(77)
