@@ -212,7 +212,7 @@ def inner_loops(body: list[Insn], main: tuple[int, int], variant) -> list[InnerL
 
     Two source shapes are recognised. Up to kernels at 3e5b031 (fa_fwd.h): three single-level loops,
     load_rows for K, load_transposed for V^T, and the head-dim loop. From the batched copy on: the
-    head-dim loop (unrolled away where the padded dim has 3 fragments, d48) and, only where the copy
+    head-dim loop (unrolled away by the compiler at d48 and d80) and, only where the copy
     is split into more than two batches (wide head dims), one loop over the batches that holds both
     the K and the V^T stores; otherwise the copy is unrolled and counted once, like the rest of the
     tile. The WMMA count check in analyse() catches a loop that this misses. The compiler rotates the load loops, so one loop
