@@ -4,10 +4,10 @@
 #include "fa_fwd.h"
 #include "fa_bwd.h"
 
-#define RDNA_FA_FWD_INSTANCE(symbol, dtype, d_pad, waves, block_n, d_chunk)                        \
+#define RDNA_FA_FWD_INSTANCE(symbol, dtype, d_pad, waves, block_n, d_chunk, copy_loads)            \
   RDNA_KERNEL(32 * (waves)) symbol(const rdna::FwdArgs args) {                                      \
     RDNA_LDS_ARRAY(rdna::u16, lds, (rdna::FwdShape<d_pad, waves, block_n, d_chunk>::kLdsElems));   \
-    rdna::fwd_body<rdna::dtype, d_pad, waves, block_n, d_chunk>(args, lds);                        \
+    rdna::fwd_body<rdna::dtype, d_pad, waves, block_n, d_chunk, copy_loads>(args, lds);            \
   }
 
 #define RDNA_FA_BWD_DKDV_INSTANCE(symbol, dtype, d_pad, waves, block_m, d_chunk)                   \

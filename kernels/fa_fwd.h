@@ -41,55 +41,151 @@ struct FwdShape {
   static_assert(D_PAD % D_CHUNK == 0 && D_CHUNK % kFrag == 0 && BLOCK_N % kFrag == 0, "tile shape");
 };
 
-template <class DT, int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK>
-RDNA_DEV void fwd_body(const FwdArgs& a, u16* lds) {
+// Copies one key tile of K (rows in Isa::key_slot order, see the ISA headers) and of V^T into LDS.
+// Every global load of a batch is issued before the first LDS store, so a tile costs one memory
+// round trip per batch instead of one per load, and no load or store is predicated: columns at or
+// past head_dim are read from the last 8 columns instead (real, finite values) and stored as they
+// are. That is harmless: Q's padded columns are zero, so K's never reach a score, and V^T's padded
+// rows only reach output columns that are not written. MASKED (the tile reaches past seqlen_k):
+// rows past it are read from the last row; their scores are masked, and their V^T values set to
+// zero so that a zero probability cannot meet an infinity.
+// LOADS: global loads in flight per thread and batch (variants.py's copy_loads, 4 VGPRs each).
+template <int ROWS, int D_PAD, int COLS, int K_ROW, int VT_ROW, int THREADS, int LOADS>
+struct TileCopy {
+  static constexpr int kKChunks = D_PAD / 8;
+  static constexpr int kKTotal = ROWS * kKChunks;
+  static constexpr int kKLoads = (kKTotal + THREADS - 1) / THREADS;
+  static constexpr int kVPairs = ROWS / 2;
+  static constexpr int kVTotal = kVPairs * (COLS / 8);
+  static constexpr int kVUnits = (kVTotal + THREADS - 1) / THREADS;  // two loads each
+  static constexpr int kBatches = (kKLoads + 2 * kVUnits + LOADS - 1) / LOADS;
+  static constexpr int kKPerBatch = (kKLoads + kBatches - 1) / kBatches;
+  static constexpr int kVPerBatch = (kVUnits + kBatches - 1) / kBatches;
+
+  // Whether work item i exists: only a tile that does not divide evenly over the threads asks.
+  template <int TOTAL>
+  static RDNA_DEV bool exists(int i) { return TOTAL % THREADS == 0 || i < TOTAL; }
+
+  template <bool MASKED>
+  static RDNA_DEV void copy(u16* k_lds, u16* vt_lds, const u16* k, i64 k_stride, const u16* v, i64 v_stride, int key0,
+                            int seqlen, int col0, int head_dim, int tid) {
+    // Unrolled, the batches' hoisted addresses would not fit beside wide O accumulators.
+    if constexpr (kBatches <= 2) {
+      #pragma unroll
+      for (int b = 0; b < kBatches; ++b)
+        batch<MASKED>(b, k_lds, vt_lds, k, k_stride, v, v_stride, key0, seqlen, col0, head_dim, tid);
+    } else {
+      #pragma unroll 1
+      for (int b = 0; b < kBatches; ++b)
+        batch<MASKED>(b, k_lds, vt_lds, k, k_stride, v, v_stride, key0, seqlen, col0, head_dim, tid);
+    }
+  }
+
+  template <bool MASKED>
+  static RDNA_DEV void batch(int b, u16* k_lds, u16* vt_lds, const u16* k, i64 k_stride, const u16* v, i64 v_stride,
+                             int key0, int seqlen, int col0, int head_dim, int tid) {
+    // The tile's first rows: uniform, so the per-load address is a loop-invariant offset plus this.
+    const u16* k_tile = k + i64(key0) * k_stride;
+    const u16* v_tile = v + i64(key0) * v_stride;
+    u32x4 k_val[kKPerBatch];
+    u32x4 v_val[kVPerBatch][2];
+    // With a whole number of threads per K row, a thread keeps its column and steps by whole rows:
+    // one 64-bit base per thread instead of one address per load kept live across the loop.
+    constexpr int kRowStep = THREADS % kKChunks == 0 ? THREADS / kKChunks : 0;
+    const int k_col = min_int(tid % kKChunks * 8, head_dim - 8);
+    const u16* k_thread = k_tile + i64(tid / kKChunks) * k_stride + k_col;
+    #pragma unroll
+    for (int n = 0; n < kKPerBatch; ++n) {
+      const int i = tid + (b * kKPerBatch + n) * THREADS;
+      const int r = i / kKChunks, c = i % kKChunks * 8;
+      if (b * kKPerBatch + n < kKLoads && exists<kKTotal>(i)) {
+        if (MASKED || kRowStep == 0)
+          k_val[n] = load16(k_tile + i64(MASKED ? min_int(r, seqlen - 1 - key0) : r) * k_stride +
+                            min_int(c, head_dim - 8));
+        else
+          k_val[n] = load16(k_thread + i64((b * kKPerBatch + n) * kRowStep) * k_stride);
+      }
+    }
+    #pragma unroll
+    for (int n = 0; n < kVPerBatch; ++n) {
+      const int i = tid + (b * kVPerBatch + n) * THREADS;
+      const int r = 2 * (i % kVPairs), col = min_int(col0 + i / kVPairs * 8, head_dim - 8);
+      if (b * kVPerBatch + n < kVUnits && exists<kVTotal>(i)) {
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = MASKED ? min_int(r + h, seqlen - 1 - key0) : r + h;
+          v_val[n][h] = load16(v_tile + i64(row) * v_stride + col);
+          if (MASKED && key0 + r + h >= seqlen) v_val[n][h] = zero_u32x4();
+        }
+      }
+    }
+    #pragma unroll
+    for (int n = 0; n < kKPerBatch; ++n) {
+      const int i = tid + (b * kKPerBatch + n) * THREADS;
+      const int r = i / kKChunks, c = i % kKChunks * 8;
+      if (b * kKPerBatch + n < kKLoads && exists<kKTotal>(i))
+        store16(k_lds + ((r & ~15) + Isa::key_slot(r & 15)) * K_ROW + c, k_val[n]);
+    }
+    #pragma unroll
+    for (int n = 0; n < kVPerBatch; ++n) {
+      const int i = tid + (b * kVPerBatch + n) * THREADS;
+      const int r = 2 * (i % kVPairs), c = i / kVPairs * 8;
+      if (b * kVPerBatch + n < kVUnits && exists<kVTotal>(i)) {
+        #pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          u32* dst = reinterpret_cast<u32*>(vt_lds + (c + 2 * w) * VT_ROW + r);
+          dst[0] = pack_low_halves(v_val[n][0][w], v_val[n][1][w]);
+          dst[VT_ROW / 2] = pack_high_halves(v_val[n][0][w], v_val[n][1][w]);
+        }
+      }
+    }
+  }
+};
+
+// bf16 probabilities are computed as p * 2^-shift with 2^shift >= 2 * seqlen_k, so the row sum stays
+// <= 1/2 and |O accumulator| <= max |V| (about 3.4e38 at most for bf16, still finite in float32);
+// without it a few hundred values near the top of the bf16 range overflow the float32 accumulator.
+// O = acc / sum is unchanged (a power of two scales both exactly, barring underflow far below the
+// row's largest probability) and the LSE adds the shift back. f16 needs no shift: |V| <= 65504, so
+// |acc| <= 65504 * seqlen_k, far from float32's limit.
+RDNA_DEV int probability_shift(bf16, int seqlen_k) {
+  int shift = 1;
+  while ((1 << (shift - 1)) < seqlen_k && shift < 31) ++shift;
+  return shift;
+}
+RDNA_DEV int probability_shift(f16, int) { return 0; }
+
+template <class DT, int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK, int COPY_LOADS>
+struct FwdLoop {
   using Shape = FwdShape<D_PAD, WAVES, BLOCK_N, D_CHUNK>;
-  constexpr int kKeyFrags = BLOCK_N / kFrag;
-  constexpr int kOutFrags = D_CHUNK / kFrag;
-  constexpr int kDimFrags = D_PAD / kFrag;
-  constexpr int kChunks = D_PAD / D_CHUNK;
-  const DT dt{};
-  const float kNegInf = -__builtin_inff();
+  using Copy = TileCopy<BLOCK_N, D_PAD, D_CHUNK, Shape::kRow, Shape::kVtRow, Shape::kThreads, COPY_LOADS>;
+  static constexpr int kKeyFrags = BLOCK_N / kFrag;
+  static constexpr int kOutFrags = D_CHUNK / kFrag;
+  static constexpr int kDimFrags = D_PAD / kFrag;
 
-  const int tid = thread_id();
-  const int lane = lane_id();
-  const int wave = tid >> 5;
-  const int chunk = block_id_x() % kChunks;
-  int q_block = block_id_x() / kChunks;
-  if (a.causal) q_block = a.q_blocks - 1 - q_block;  // longest rows first: better tail balance
-  const i64 head = block_id_y(), batch = block_id_z();
-  const int q0 = q_block * Shape::kBlockM;
-  const int col0 = chunk * D_CHUNK;
-
-  const u16* q = a.q + batch * a.q_stride_b + head * a.q_stride_h;
-  const u16* k = a.k + batch * a.k_stride_b + head * a.k_stride_h;
-  const u16* v = a.v + batch * a.v_stride_b + head * a.v_stride_h;
-  u16* q_lds = lds + Shape::kQOffset;
-  u16* k_lds = lds + Shape::kKOffset;
-  u16* vt_lds = lds + Shape::kVtOffset;
-  const u16* wave_q_lds = q_lds + wave * kFrag * Shape::kRow;
-
-  load_rows<Shape::kBlockM, D_PAD, Shape::kRow, Shape::kThreads>(q_lds, q, a.q_stride_s, q0, a.seqlen_q, a.head_dim, tid);
-
-  // Top-left causal alignment (SDPA's): query i sees keys 0..i.
-  const int key_end = a.causal ? min_int(a.seqlen_k, q0 + Shape::kBlockM) : a.seqlen_k;
-  const int key_tiles = (key_end + BLOCK_N - 1) / BLOCK_N;
-  const int query = q0 + wave * kFrag + (lane & 15);
-  const int key_limit = a.causal ? min_int(a.seqlen_k, query + 1) : a.seqlen_k;
-
+  const FwdArgs& a;
+  const u16* k;
+  const u16* v;
+  u16* k_lds;
+  u16* vt_lds;
+  const u16* wave_q_lds;
+  int tid, lane, col0, key_limit;
+  float scale;       // softmax scale * log2(e), >= 0: a negative scale was folded into Q
+  float prob_shift;  // probability_shift(): subtracted from every exponent
   v8f o_acc[kOutFrags];
-  #pragma unroll
-  for (int f = 0; f < kOutFrags; ++f) o_acc[f] = zero_v8f();
-  float row_max = kNegInf;  // in log2 units, on the same scaled value that is exponentiated
-  float row_sum = 0.f;      // this lane's share of the rounded probabilities; the partner lane has the rest
-  float exact_sum = 0.f;    // the same before rounding, for the log-sum-exp
+  float row_max;    // in log2 units, scaled
+  float row_sum;    // this lane's share of the rounded probabilities; the partner lane has the rest
+  float exact_sum;  // the same before rounding, for the log-sum-exp
 
-  for (int tile = 0; tile < key_tiles; ++tile) {
-    const int key0 = tile * BLOCK_N;
+  // One key tile. MASKED: some key of the tile is past seqlen_k or (causal) past a query of this
+  // workgroup, so scores are masked per key; every other tile skips the per-score compare.
+  template <bool MASKED>
+  RDNA_DEV void tile(int key0) {
+    const DT dt{};
+    const float kNegInf = -__builtin_inff();
     block_barrier();  // every wave is done with the previous tile
-    load_rows<BLOCK_N, D_PAD, Shape::kRow, Shape::kThreads>(k_lds, k, a.k_stride_s, key0, a.seqlen_k, a.head_dim, tid);
-    load_transposed<BLOCK_N, D_CHUNK, Shape::kVtRow, Shape::kThreads>(vt_lds, v, a.v_stride_s, key0, a.seqlen_k,
-                                                                      col0, a.head_dim, tid);
+    Copy::template copy<MASKED>(k_lds, vt_lds, k, a.k_stride_s, v, a.v_stride_s, key0, a.seqlen_k, col0, a.head_dim,
+                                tid);
     block_barrier();
 
     v8f s_acc[kKeyFrags];
@@ -105,35 +201,43 @@ RDNA_DEV void fwd_body(const FwdArgs& a, u16* lds) {
         Isa::mma(dt, s_acc[j], load_operand<Shape::kRow>(k_lds + j * kFrag * Shape::kRow, d * kFrag, lane), q_op);
     }
 
+    // The maximum of the raw scores: scale >= 0, so scaling it gives the maximum of the scaled ones.
     float tile_max = kNegInf;
     #pragma unroll
     for (int j = 0; j < kKeyFrags; ++j)
       #pragma unroll
       for (int s = 0; s < 8; ++s) {
-        const int key = key0 + j * kFrag + Isa::acc_row(lane, s);
-        const float x = key < key_limit ? s_acc[j][s] * a.scale_log2 : kNegInf;
-        s_acc[j][s] = x;
-        tile_max = max_f32(tile_max, x);
+        if (MASKED && key0 + j * kFrag + Isa::acc_key(lane, s) >= key_limit) s_acc[j][s] = kNegInf;
+        tile_max = max_f32(tile_max, s_acc[j][s]);
       }
     tile_max = max_f32(tile_max, other_half(tile_max));
-    const float new_max = max_f32(row_max, tile_max);
+    const float new_max = max_f32(row_max, tile_max == kNegInf ? kNegInf : tile_max * scale);
     const float ref = new_max == kNegInf ? 0.f : new_max;  // a fully masked row must not give inf - inf
     const float rescale = exp2_approx(row_max - ref);
     row_max = new_max;
+    const float bias = ref + prob_shift;
 
-    float tile_sum = 0.f, tile_exact_sum = 0.f;
+    u32 p_bits[kKeyFrags][4];
+    float tile_sum = 0.f, exact_even = 0.f, exact_odd = 0.f;
     #pragma unroll
     for (int j = 0; j < kKeyFrags; ++j)
       #pragma unroll
-      for (int s = 0; s < 8; ++s) {
-        const float exact = exp2_approx(s_acc[j][s] - ref);
-        const float p = round_probability(dt, exact);
-        s_acc[j][s] = p;
-        tile_sum += p;
-        tile_exact_sum += exact;
+      for (int w = 0; w < 4; ++w) {
+        float p[2];
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float x = s_acc[j][2 * w + h];
+          p[h] = exp2_approx(fma_f32(x, scale, -bias));
+          // With a zero scale a masked score would give exp2(-inf * 0) = NaN.
+          if (MASKED && x == kNegInf) p[h] = 0.f;
+        }
+        exact_even += p[0];
+        exact_odd += p[1];
+        p_bits[j][w] = pack_rounded(dt, p[0], p[1]);
+        tile_sum = add_pair(dt, p_bits[j][w], tile_sum);
       }
     row_sum = row_sum * rescale + tile_sum;
-    exact_sum = exact_sum * rescale + tile_exact_sum;
+    exact_sum = exact_sum * rescale + (exact_even + exact_odd);
     #pragma unroll
     for (int f = 0; f < kOutFrags; ++f)
       #pragma unroll
@@ -141,24 +245,81 @@ RDNA_DEV void fwd_body(const FwdArgs& a, u16* lds) {
 
     #pragma unroll
     for (int j = 0; j < kKeyFrags; ++j) {
-      const Isa::Operand p_op = Isa::acc_to_operand(s_acc[j], lane, [dt](float x) { return probability_bits(dt, x); });
+      const Isa::Operand p_op = Isa::keys_to_operand(p_bits[j], lane);
       #pragma unroll
       for (int f = 0; f < kOutFrags; ++f)
         Isa::mma(dt, o_acc[f], load_operand<Shape::kVtRow>(vt_lds + f * kFrag * Shape::kVtRow, j * kFrag, lane), p_op);
     }
   }
+};
+
+template <class DT, int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK, int COPY_LOADS>
+RDNA_DEV void fwd_body(const FwdArgs& a, u16* lds) {
+  using Loop = FwdLoop<DT, D_PAD, WAVES, BLOCK_N, D_CHUNK, COPY_LOADS>;
+  using Shape = typename Loop::Shape;
+  constexpr int kChunks = D_PAD / D_CHUNK;
+  const DT dt{};
+  const float kNegInf = -__builtin_inff();
+
+  const int tid = thread_id();
+  const int lane = lane_id();
+  const int wave = tid >> 5;
+  const int chunk = block_id_x() % kChunks;
+  int q_block = block_id_x() / kChunks;
+  if (a.causal) q_block = a.q_blocks - 1 - q_block;  // longest rows first: better tail balance
+  const i64 head = block_id_y(), batch = block_id_z();
+  const int q0 = q_block * Shape::kBlockM;
+  const int col0 = chunk * D_CHUNK;
+
+  const u16* q = a.q + batch * a.q_stride_b + head * a.q_stride_h;
+  u16* q_lds = lds + Shape::kQOffset;
+
+  load_rows<Shape::kBlockM, D_PAD, Shape::kRow, Shape::kThreads>(q_lds, q, a.q_stride_s, q0, a.seqlen_q, a.head_dim, tid);
+  // The tile loop takes row maxima of the raw scores, which needs a scale >= 0: a negative one
+  // becomes a positive one on -Q. Each thread flips the rows it stored itself.
+  if (a.scale_log2 < 0.f)
+    for (int i = tid; i < Shape::kBlockM * (D_PAD / 8); i += Shape::kThreads) {
+      u16* p = q_lds + i / (D_PAD / 8) * Shape::kRow + i % (D_PAD / 8) * 8;
+      u32x4 t = load16(p);
+      #pragma unroll
+      for (int w = 0; w < 4; ++w) t[w] ^= 0x80008000u;
+      store16(p, t);
+    }
+
+  Loop loop{a, a.k + batch * a.k_stride_b + head * a.k_stride_h, a.v + batch * a.v_stride_b + head * a.v_stride_h,
+            lds + Shape::kKOffset, lds + Shape::kVtOffset, q_lds + wave * kFrag * Shape::kRow, tid, lane, col0, 0,
+            a.scale_log2 < 0.f ? -a.scale_log2 : a.scale_log2, float(probability_shift(dt, a.seqlen_k))};
+  #pragma unroll
+  for (int f = 0; f < Loop::kOutFrags; ++f) loop.o_acc[f] = zero_v8f();
+  loop.row_max = kNegInf;
+  loop.row_sum = 0.f;
+  loop.exact_sum = 0.f;
+
+  // Top-left causal alignment (SDPA's): query i sees keys 0..i.
+  const int key_end = a.causal ? min_int(a.seqlen_k, q0 + Shape::kBlockM) : a.seqlen_k;
+  const int key_tiles = (key_end + BLOCK_N - 1) / BLOCK_N;
+  // Tiles every query of the workgroup sees whole: no per-score mask.
+  const int open_tiles = min_int(key_tiles, (a.causal ? min_int(a.seqlen_k, q0 + 1) : a.seqlen_k) / BLOCK_N);
+  const int query = q0 + wave * kFrag + (lane & 15);
+  loop.key_limit = a.causal ? min_int(a.seqlen_k, query + 1) : a.seqlen_k;
+
+  int tile = 0;
+  for (; tile < open_tiles; ++tile) loop.template tile<false>(tile * BLOCK_N);
+  for (; tile < key_tiles; ++tile) loop.template tile<true>(tile * BLOCK_N);
 
   // Cross-lane exchanges stay outside lane-dependent branches: a disabled lane has nothing to give.
-  const float total = row_sum + other_half(row_sum);
-  const float exact_total = exact_sum + other_half(exact_sum);
+  const float total = loop.row_sum + other_half(loop.row_sum);
+  const float exact_total = loop.exact_sum + other_half(loop.exact_sum);
   const float inv_total = total > 0.f ? 1.f / total : 0.f;
-  const float ref = row_max == kNegInf ? 0.f : row_max;
+  const float ref = loop.row_max == kNegInf ? 0.f : loop.row_max;
   if (chunk == 0 && lane < 16 && query < a.seqlen_q)
-    a.lse[batch * a.lse_stride_b + head * a.lse_stride_h + query] = (ref + log2_approx(exact_total)) * kLn2;
+    a.lse[batch * a.lse_stride_b + head * a.lse_stride_h + query] =
+        (ref + loop.prob_shift + log2_approx(exact_total)) * kLn2;
 
   // Stage O through this wave's own Q rows, then write 16-byte rows: coalesced on both layouts.
   wave_barrier();  // every lane of the wave is done reading those rows
-  stage_transposed<DT, kOutFrags, Shape::kRow>(dt, q_lds + wave * kFrag * Shape::kRow, o_acc, inv_total, lane);
+  stage_transposed<DT, Loop::kOutFrags, Shape::kRow>(dt, q_lds + wave * kFrag * Shape::kRow, loop.o_acc, inv_total,
+                                                     lane);
   block_barrier();
   store_rows<Shape::kBlockM, D_CHUNK, Shape::kRow, Shape::kThreads>(a.o + batch * a.o_stride_b + head * a.o_stride_h,
                                                                     a.o_stride_s, q_lds, q0, a.seqlen_q, col0,

@@ -38,6 +38,16 @@ PADDED_HEAD_DIMS = tuple(sorted({padded_head_dim(d) for d in SUPPORTED_HEAD_DIMS
 _TILE_PREFERENCE = ((4, 64), (4, 32), (2, 32), (2, 16), (1, 16))
 
 
+# Global loads a forward thread keeps in flight per K/V copy batch (4 VGPRs each): as many as fit
+# beside the O accumulators without spilling. The exceptions are what `python -m rdna_flash_attn.report
+# --check` found spilling at 8 on gfx1100 with clang 19.
+_FWD_COPY_LOADS_EXCEPTIONS = {224: 4, 320: 2}
+
+
+def fwd_copy_loads(d_pad: int, d_chunk: int) -> int:
+    return 16 if d_chunk <= 64 else _FWD_COPY_LOADS_EXCEPTIONS.get(d_pad, 8)
+
+
 def lds_elems_fwd(waves: int, block_n: int, d_pad: int, d_chunk: int) -> int:
     """16-bit elements of LDS the forward kernel declares; mirrors FwdShape in kernels/fa_fwd.h."""
     row = d_pad + LDS_ROW_PAD
@@ -67,6 +77,7 @@ class FwdVariant(_WaveTiled):
     waves: int
     block_n: int
     d_chunk: int
+    copy_loads: int  # global loads in flight per thread and K/V copy batch
 
     @property
     def symbol(self) -> str:
@@ -82,7 +93,7 @@ def _fwd_variant(dtype: str, d_pad: int) -> FwdVariant:
     d_chunk = d_pad // chunks
     for waves, block_n in _TILE_PREFERENCE:
         if 2 * lds_elems_fwd(waves, block_n, d_pad, d_chunk) <= LDS_LIMIT:
-            return FwdVariant(dtype, d_pad, waves, block_n, d_chunk)
+            return FwdVariant(dtype, d_pad, waves, block_n, d_chunk, fwd_copy_loads(d_pad, d_chunk))
     raise ValueError(f"no tile shape fits LDS for head dim {d_pad}")
 
 
@@ -161,7 +172,8 @@ def bwd_variant(kind: str, dtype: str, head_dim: int) -> BwdVariant:
 
 def instantiation_lines() -> str:
     """C preprocessor lines that instantiate every variant; the build writes them to a header."""
-    lines = [f"RDNA_FA_FWD_INSTANCE({v.symbol}, {v.dtype}, {v.d_pad}, {v.waves}, {v.block_n}, {v.d_chunk})"
+    lines = [f"RDNA_FA_FWD_INSTANCE({v.symbol}, {v.dtype}, {v.d_pad}, {v.waves}, {v.block_n}, {v.d_chunk}, "
+             f"{v.copy_loads})"
              for v in FWD_VARIANTS]
     lines += [f"RDNA_FA_BWD_{v.kind.upper()}_INSTANCE({v.symbol}, {v.dtype}, {v.d_pad}, {v.waves}, {v.block_tile}, "
               f"{v.d_chunk})" for v in BWD_VARIANTS]

@@ -35,6 +35,27 @@ struct Isa {
     }
     return out;
   }
+
+  // The forward's S^T = K Q^T stores key k of a 16-key fragment in LDS row key_slot(k). Then
+  // accumulator row 2s + l / 16 holds key 8 * (l / 16) + s: each half-wave holds 8 consecutive keys
+  // (as on gfx12), and P^T needs one permlanex16 and two selects per packed pair of probabilities
+  // instead of selects, masks and shifts per 16-bit value.
+  static RDNA_DEV int key_slot(int key) { return ((key & 7) << 1) | (key >> 3); }
+  static RDNA_DEV int acc_key(int lane, int s) { return 8 * (lane >> 4) + s; }
+
+  // The B operand with k = key from this lane's probabilities, packed in pairs of acc_key order:
+  // keys 0-7 come from the lower half-wave, keys 8-15 from the upper, and both halves hold all 16.
+  static RDNA_DEV Operand keys_to_operand(const u32 (&packed)[4], int lane) {
+    Operand out;
+    const bool upper = lane >= 16;
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const u32 theirs = other_half(packed[j]);
+      out.w[j] = upper ? theirs : packed[j];
+      out.w[4 + j] = upper ? packed[j] : theirs;
+    }
+    return out;
+  }
 };
 
 }  // namespace rdna

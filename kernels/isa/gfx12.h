@@ -23,6 +23,16 @@ struct Isa {
     for (int j = 0; j < 4; ++j) out.w[j] = pack_u16x2(convert(c[2 * j]), convert(c[2 * j + 1]));
     return out;
   }
+
+  // The forward's key order (see gfx11.h): the natural one here.
+  static RDNA_DEV int key_slot(int key) { return key; }
+  static RDNA_DEV int acc_key(int lane, int s) { return acc_row(lane, s); }
+  static RDNA_DEV Operand keys_to_operand(const u32 (&packed)[4], int) {
+    Operand out;
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) out.w[j] = packed[j];
+    return out;
+  }
 };
 
 }  // namespace rdna

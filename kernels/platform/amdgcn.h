@@ -44,6 +44,7 @@ RDNA_DEV v8f zero_v8f() { return v8f{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}; }
 RDNA_DEV float exp2_approx(float x) { return __builtin_amdgcn_exp2f(x); }
 RDNA_DEV float log2_approx(float x) { return __builtin_amdgcn_logf(x); }
 RDNA_DEV float max_f32(float a, float b) { return __builtin_fmaxf(a, b); }
+RDNA_DEV float fma_f32(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 RDNA_DEV float as_f32(u32 x) { return __builtin_bit_cast(float, x); }
 RDNA_DEV u32 as_u32(float x) { return __builtin_bit_cast(u32, x); }
 
@@ -64,6 +65,25 @@ template <int N>
 RDNA_DEV auto as_vector_s16(const u32 (&w)[N]) {
   if constexpr (N == 8) return __builtin_bit_cast(v16s, w);
   else return __builtin_bit_cast(v8s, w);
+}
+
+// The low (high) 16-bit halves of lo and hi as one word, lo's first: one v_perm_b32.
+RDNA_DEV u32 pack_low_halves(u32 lo, u32 hi) { return __builtin_amdgcn_perm(hi, lo, 0x05040100u); }
+RDNA_DEV u32 pack_high_halves(u32 lo, u32 hi) { return __builtin_amdgcn_perm(hi, lo, 0x07060302u); }
+
+typedef _Float16 v2h __attribute__((ext_vector_type(2)));
+typedef __bf16 v2bf __attribute__((ext_vector_type(2)));
+
+// Two values rounded to f16 (nearest even) as one packed word: two v_cvt_f16_f32 and a v_pack_b32_f16.
+RDNA_DEV u32 pack_rounded(f16, float lo, float hi) { return __builtin_bit_cast(u32, v2h{(_Float16)lo, (_Float16)hi}); }
+
+// acc + both 16-bit values of a packed word, in one v_dot2 against (1, 1): the products are exact.
+RDNA_DEV float add_pair(f16, u32 pair, float acc) {
+  return __builtin_amdgcn_fdot2(__builtin_bit_cast(v2h, pair), v2h{1.0f16, 1.0f16}, acc, false);
+}
+RDNA_DEV float add_pair(bf16, u32 pair, float acc) {
+  return __builtin_amdgcn_fdot2_f32_bf16(__builtin_bit_cast(v2bf, pair), __builtin_bit_cast(v2bf, 0x3f803f80u), acc,
+                                         false);
 }
 
 #if defined(__GFX11__)

@@ -57,6 +57,7 @@ RDNA_DEV v8f zero_v8f() { return v8f{{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}}; 
 RDNA_DEV float exp2_approx(float x) { return exp2f(x); }
 RDNA_DEV float log2_approx(float x) { return log2f(x); }
 RDNA_DEV float max_f32(float a, float b) { return fmaxf(a, b); }
+RDNA_DEV float fma_f32(float a, float b, float c) { return fmaf(a, b, c); }
 RDNA_DEV float as_f32(u32 x) { return __uint_as_float(x); }
 RDNA_DEV u32 as_u32(float x) { return __float_as_uint(x); }
 
@@ -72,6 +73,19 @@ RDNA_DEV u32 permlanex16(u32 src, u32 sel_lo, u32 sel_hi) {
   const u32 sel = i < 8 ? (sel_lo >> (4 * i)) & 15u : (sel_hi >> (4 * (i - 8))) & 15u;
   const int source = (lane < 16 ? 16 : 0) + int(sel);
   return __shfl_sync(0xffffffffu, src, source);
+}
+
+RDNA_DEV u32 pack_low_halves(u32 lo, u32 hi) { return (lo & 0xffffu) | (hi << 16); }
+RDNA_DEV u32 pack_high_halves(u32 lo, u32 hi) { return (lo >> 16) | (hi & 0xffff0000u); }
+
+RDNA_DEV u32 pack_rounded(f16, float lo, float hi) {
+  return u32(to_bits(f16{}, lo)) | (u32(to_bits(f16{}, hi)) << 16);
+}
+RDNA_DEV float add_pair(f16, u32 pair, float acc) {
+  return acc + (from_bits(f16{}, u16(pair)) + from_bits(f16{}, u16(pair >> 16)));
+}
+RDNA_DEV float add_pair(bf16, u32 pair, float acc) {
+  return acc + (__uint_as_float(pair << 16) + __uint_as_float(pair & 0xffff0000u));
 }
 
 // The 16-bit element e of an operand held as packed words (low half first, as in a VGPR).

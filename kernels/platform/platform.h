@@ -34,6 +34,14 @@ RDNA_DEV float round_probability(f16 dt, float x) { return round_to(dt, x); }
 RDNA_DEV u16 probability_bits(bf16, float rounded) { return u16(as_u32(rounded) >> 16); }
 RDNA_DEV u16 probability_bits(f16 dt, float rounded) { return to_bits(dt, rounded); }
 
+// Two probabilities rounded to bf16, packed (lo first): to nearest, ties away from zero (one add
+// each; round_probability's ties-to-even costs two more ops per value). The forward sums these same
+// packed values for its normaliser, so the rule does not bias the output, and exp2's results are
+// exact ties about once in 2^16 values. A NaN stays a NaN.
+RDNA_DEV u32 pack_rounded(bf16, float lo, float hi) {
+  return pack_high_halves(as_u32(lo) + 0x8000u, as_u32(hi) + 0x8000u);
+}
+
 RDNA_DEV u16 to_bits(bf16, float x) {
   const u32 u = as_u32(x);
   if ((u & 0x7fffffffu) > 0x7f800000u) return u16((u >> 16) | 0x40u);

@@ -134,3 +134,35 @@ def test_output_keeps_query_layout(emulated_layer):
     out, _ = ops.flash_attention_forward(q, q, q)
     assert out.stride() == q.stride()
     assert out.transpose(1, 2).is_contiguous()
+
+
+@pytest.mark.parametrize("seq_k", [300, 1000])
+def test_bfloat16_values_near_the_top_of_the_range(emulated_layer, seq_k):
+    """V near the largest bfloat16 values, a few hundred keys: the unnormalised float32 output sum
+    (about seq_k x 2e36 with even weights) must not overflow where SDPA's math path stays finite."""
+    generator = torch.Generator(device="cuda").manual_seed(seq_k)
+    shape = 1, 2, seq_k, 64
+    q = torch.randn(1, 2, 50, 64, device="cuda", generator=generator).mul(0.1).bfloat16()
+    k = torch.randn(*shape, device="cuda", generator=generator).mul(0.1).bfloat16()
+    v = torch.rand(*shape, device="cuda", generator=generator).add(0.5).mul(2e36).bfloat16()
+    out, lse = ops.flash_attention_forward(q, k, v)
+    baseline = sdpa_math(q, k, v)
+    ref, ref_lse = attention_fp64(q, k, v)
+    assert torch.isfinite(baseline).all(), "precondition: SDPA math is finite here"
+    assert torch.isfinite(out).all(), "finite inputs, finite SDPA output, non-finite kernel output"
+    assert max_error(out, ref) <= 2 * max_error(baseline, ref)
+    assert max_error(lse, ref_lse) < 1e-3 * math.log(seq_k)
+
+
+@pytest.mark.parametrize("scale", [-0.3, 0.0])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_negative_and_zero_scale(emulated_layer, scale, causal, dtype):
+    """The kernel takes row maxima of the raw scores and folds a negative scale into Q; a zero scale
+    must still give masked keys zero weight. 77 keys: an open tile and a masked one."""
+    generator = torch.Generator(device="cuda").manual_seed(77)
+    q, k, v = (make_inputs(2, 2, 77, 72, dtype, "bhsd", generator) for _ in range(3))
+    out, lse = ops.flash_attention_forward(q, k, v, causal, scale)
+    ref, ref_lse = attention_fp64(q, k, v, causal, scale)
+    assert max_error(out, ref) <= 2 * max_error(sdpa_math(q, k, v, causal, scale), ref)
+    assert max_error(lse, ref_lse) < 1e-3 * math.log(77)
