@@ -154,18 +154,17 @@ class _ForwardLaunch:
     block with everything but the five pointers filled in. Built once per signature, after the full
     checks passed."""
 
-    __slots__ = ("library", "launcher", "args", "device", "dtype", "out_size", "out_stride", "lse_size")
+    __slots__ = ("launcher", "args", "device", "dtype", "out_size", "out_stride", "lse_size")
 
     def __init__(self, library: runtime.KernelLibrary, q, k, v, is_causal: bool, scale: float | None):
         batch, heads, seq_q, head_dim = q.shape
         variant = variants.fwd_variant(_DTYPES[q.dtype], head_dim)
         q_blocks = -(-seq_q // variant.block_rows)
-        self.library, self.device, self.dtype = library, q.device, q.dtype
+        self.device, self.dtype = q.device, q.dtype
         self.out_size, self.out_stride = _output_layout(q)
-        self.lse_size = (batch, heads, seq_q)
+        self.lse_size = (batch, heads, seq_q)  # contiguous: strides (heads * seq_q, seq_q, 1)
         self.launcher = library.launcher(variant, (q_blocks * variant.d_chunks, heads, batch), q.device)
-        self.args = FwdArgs(0, 0, 0, 0, 0, *(s for t in (q, k, v) for s in t.stride()[:3]), *self.out_stride[:3],
-                            heads * seq_q, seq_q,
+        self.args = FwdArgs(0, 0, 0, 0, 0, *_strides(q, k, v), *self.out_stride[:3], heads * seq_q, seq_q,
                             seq_q, k.shape[2], head_dim, int(bool(is_causal)),
                             _softmax_scale(head_dim, scale) * _LOG2_E, q_blocks)
 
@@ -173,7 +172,8 @@ class _ForwardLaunch:
         out = torch.empty_strided(self.out_size, self.out_stride, dtype=self.dtype, device=self.device)
         lse = torch.empty(self.lse_size, dtype=torch.float32, device=self.device)
         args = FwdArgs.from_buffer_copy(self.args)  # a copy per call: launches may run on several threads
-        args.q, args.k, args.v, args.o, args.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
+        args.q, args.k, args.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        args.o, args.lse = out.data_ptr(), lse.data_ptr()
         self.launcher(args, (q, k, v, out, lse))
         return out, lse
 
@@ -210,7 +210,8 @@ def flash_attention_forward(q, k, v, is_causal: bool = False, scale: float | Non
             _forward_launches[signature] = launch
         return launch(q, k, v)
     args = FwdArgs.from_buffer_copy(launch.args)
-    args.q, args.k, args.v, args.o, args.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
+    args.q, args.k, args.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    args.o, args.lse = out.data_ptr(), lse.data_ptr()
     args.o_stride_b, args.o_stride_h, args.o_stride_s = out.stride()[:3]
     args.lse_stride_b, args.lse_stride_h = lse.stride(0), lse.stride(1)
     launch.launcher(args, (q, k, v, out, lse))
