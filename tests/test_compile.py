@@ -165,3 +165,16 @@ def test_trace_time_marker_is_the_one_torch_sets():
     torch.compiler.assume_constant_result(public)
     dispatch._constant_while_tracing(ours)
     assert vars(ours) == vars(public) and vars(ours)
+
+
+def test_patched_torch_sdpa_compiles_to_the_kernels_op(traceable_fake_gpu):
+    """What ComfyUI's TorchCompileModel and diffusers' torch.compile meet: models calling torch's
+    SDPA by name, routed through the dispatcher by the patch."""
+    q, k, v = qkv()
+    backend = Graphs()
+    with rfa.patch_sdpa(), torch.no_grad():
+        out = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v) * 2, backend=backend,
+                            fullgraph=True)(q, k, v)
+    assert len(backend.graphs) == 1 and kernel_op().default in backend.targets()
+    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float()) * 2
+    torch.testing.assert_close(out.float(), expected, atol=4e-3, rtol=0)
