@@ -178,3 +178,16 @@ def test_patched_torch_sdpa_compiles_to_the_kernels_op(traceable_fake_gpu):
     assert len(backend.graphs) == 1 and kernel_op().default in backend.targets()
     expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float()) * 2
     torch.testing.assert_close(out.float(), expected, atol=4e-3, rtol=0)
+
+
+def test_dynamic_shapes_keep_one_graph_on_the_kernels(traceable_fake_gpu):
+    """Resolutions change the token count: one dynamic graph serves them, on the kernels."""
+    backend = Graphs()
+    function = torch.compile(attention, backend=backend, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for tokens in (40, 56, 72):
+            q, k, v = (torch.randn(2, 3, tokens, 64, dtype=torch.float16) for _ in range(3))
+            expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float()) * 2
+            torch.testing.assert_close(function(q, k, v).float(), expected, atol=4e-3, rtol=0)
+    assert len(backend.graphs) == 1 and kernel_op().default in backend.targets()
+    assert len(_op_runs) == 3
