@@ -58,8 +58,8 @@ class KernelLibrary:
         block, lds, index, gpu_driver = (variant.threads, 1, 1), self._dynamic_lds(variant), device.index, self.driver
 
         def launch(args, buffers: tuple[torch.Tensor, ...]) -> None:
-            params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
-            if index == torch.cuda.current_device():
+            params = _OneParam(ctypes.addressof(args))
+            if index == current_device():
                 gpu_driver.launch(function, grid, block, lds, gpu_driver.native_stream(current_stream(index)), params)
                 return
             with torch.cuda.device(index):
@@ -75,6 +75,10 @@ def _current_stream_object_handle(index: int) -> int:
 # torch's raw handle of a device's current stream (what its own compiled code asks for), without
 # building a Stream object per call; builds that lack the binding take the Stream's handle.
 current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _current_stream_object_handle)
+# The current device without torch.cuda's lazy-initialisation check: a library exists only on an
+# initialised device.
+current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+_OneParam = ctypes.c_void_p * 1  # the kernels take one argument: a pointer to their argument block
 
 
 _libraries: dict[tuple, KernelLibrary] = {}
