@@ -5,6 +5,12 @@ decision reads only tensor metadata and settings attributes, and caches what it 
 Each decision is a short human reason; each distinct fallback reason is logged once (INFO) and every
 call is counted (`stats()`).
 
+The decision is cached per call signature (everything it reads: settings, devices, dtypes, shapes,
+strides, storage alignment, the other arguments, autocast and grad mode), so a model's repeated calls
+pay one dictionary lookup. While torch.compile traces, the same decision runs on the traced tensors'
+metadata: a supported call puts the kernels' custom op into the graph, any other call SDPA, and
+dynamo's guards on what the decision read (settings included) re-trace when one of them changes.
+
 Malformed calls are never judged here: anything unusual falls back, so SDPA itself raises its own
 exception for it, and no kernel is ever launched on input SDPA would reject.
 """
@@ -60,10 +66,21 @@ class KernelCall(NamedTuple):
     backward: bool  # autograd needs the differentiable op
 
 
+class Route(NamedTuple):
+    """What becomes of every call of one signature that the kernels take."""
+
+    run_dtype: torch.dtype | None  # cast the inputs to this first; None: run them as given
+    out_dtype: torch.dtype  # what SDPA would have returned
+    backward: bool  # autograd needs the differentiable op
+
+
 # --- per-device verdicts, cached: devices do not change during a process ---------------------------
 
 _device_refusals: dict[tuple[torch.device, bool], str | None] = {}
 _selftest_refusals: dict[torch.device, str | None] = {}
+# Bumped whenever cached verdicts are dropped or changed: graphs compiled on the old ones read it, so
+# dynamo's guard on it makes them decide again.
+_verdict_generation = 0
 
 
 def _policy_refusal(info: _device.DeviceInfo) -> str | None:
@@ -97,14 +114,42 @@ def selftest_refusal(device: torch.device) -> str | None:
 
 
 def forget_devices() -> None:
-    """Drop the cached per-device verdicts (after a new self-test, or in tests)."""
+    """Drop the cached per-device verdicts and every decision made on them (after a new self-test,
+    or in tests)."""
+    global _verdict_generation
     _device_refusals.clear()
     _selftest_refusals.clear()
+    _routes.clear()
+    ops.forget_launches()
+    _verdict_generation += 1
 
 
 def _disable_device(device: torch.device, reason: str) -> None:
+    global _verdict_generation
     for force in (False, True):
         _device_refusals[(device, force)] = reason
+    _routes.clear()
+    _verdict_generation += 1
+
+
+def _constant_while_tracing(function):
+    """Marks `function` as torch.compiler.assume_constant_result does: while torch.compile traces,
+    a call runs for real and its result is a constant of the graph. Its arguments must be values the
+    traced code read (so dynamo guards on them). The marker is set here directly because the public
+    helper imports torch._dynamo, which would double this package's import time."""
+    function._dynamo_marked_constant = True
+    return function
+
+
+@_constant_while_tracing
+def _device_refusal_while_tracing(device: torch.device, force: bool, generation: int) -> str | None:
+    return device_refusal(device)
+
+
+@_constant_while_tracing
+def _selftest_refusal_while_tracing(device: torch.device, generation: int) -> str | None:
+    # Runs a device's first-use self-test eagerly, at trace time, outside the graph.
+    return selftest_refusal(device)
 
 
 # --- the decision -----------------------------------------------------------------------------------
@@ -127,10 +172,10 @@ def _kernel_dtypes(query, key, value) -> tuple[torch.dtype | None, torch.dtype] 
     return None, query.dtype  # as given: ops.forward_refusal judges the dtypes
 
 
-def plan(
-    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
-) -> KernelCall | str:
-    """The kernel call for these SDPA arguments, or the reason the call falls back to SDPA."""
+def _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> Route | str:
+    """The route for these SDPA arguments, or the reason the call falls back to SDPA. Reads only
+    metadata and settings, so torch.compile can trace it; the per-device verdicts come from cached
+    facts or, the first time, from a call run eagerly at trace time."""
     if settings.disable:
         return "disabled (RDNA_FA_DISABLE / settings.disable)"
     tensors = (query, key, value)
@@ -150,9 +195,13 @@ def plan(
         return "scale is not a Python number"
     if key.shape[2] != value.shape[2]:
         return "key and value have different lengths"
-    if _is_compiling():
-        return "traced by torch.compile"
-    refusal = device_refusal(query.device)
+    tracing = _is_compiling()
+    if tracing and not autograd.HAS_CUSTOM_OP:
+        return "traced by torch.compile, which needs torch >= 2.4 for the kernels' custom op"
+    if tracing:
+        refusal = _device_refusal_while_tracing(query.device, settings.force, _verdict_generation)
+    else:
+        refusal = device_refusal(query.device)
     if refusal:
         return refusal
     dtypes = _kernel_dtypes(query, key, value)
@@ -165,10 +214,68 @@ def plan(
     if run_dtype is not None:
         query, key, value = query.to(run_dtype), key.to(run_dtype), value.to(run_dtype)
     scale = None if scale is None else float(scale)
-    refusal = ops.forward_refusal(query, key, value, is_causal, scale) or selftest_refusal(query.device)
+    refusal = ops.forward_refusal(query, key, value, is_causal, scale)
     if refusal:
         return refusal
-    return KernelCall(query, key, value, is_causal, scale, out_dtype, backward)
+    if tracing:
+        refusal = _selftest_refusal_while_tracing(query.device, _verdict_generation)
+    else:
+        refusal = selftest_refusal(query.device)
+    return refusal or Route(run_dtype, out_dtype, backward)
+
+
+_routes: dict[tuple, Route | str] = {}
+_MAX_CACHED_SIGNATURES = 4096  # far above any model's count of attention shapes; a bound against leaks
+
+
+def _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> tuple | None:
+    """Everything _decide reads, as a dictionary key; None for calls it does not cache (masks,
+    tensor subclasses, odd argument types, tensors without strides or storage): _decide judges
+    those every time."""
+    if (attn_mask is not None or type(query) is not torch.Tensor or type(key) is not torch.Tensor
+            or type(value) is not torch.Tensor or type(is_causal) is not bool or type(enable_gqa) is not bool
+            or type(dropout_p) not in (float, int) or (scale is not None and type(scale) not in (float, int))):
+        return None
+    try:
+        device = query.device
+        return (settings.disable, settings.force, settings.training, settings.fp32_cast,
+                device, key.device, value.device, query.dtype, key.dtype, value.dtype,
+                query.layout, key.layout, value.layout, query.shape, key.shape, value.shape,
+                query.stride(), key.stride(), value.stride(),
+                query.data_ptr() & 15, key.data_ptr() & 15, value.data_ptr() & 15,
+                dropout_p, is_causal, scale, enable_gqa, _autocast_dtype(device.type),
+                torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _cached_route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> Route | str:
+    """_decide's answer, from the cache when this signature was decided before (eager calls only:
+    in a compiled graph, dynamo's guards do the caching)."""
+    signature = _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if signature is None:
+        return _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    route = _routes.get(signature)
+    if route is None:
+        route = _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        if len(_routes) >= _MAX_CACHED_SIGNATURES:
+            _routes.clear()
+        _routes[signature] = route
+    return route
+
+
+def plan(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+) -> KernelCall | str:
+    """The kernel call for these SDPA arguments, or the reason the call falls back to SDPA."""
+    decide = _decide if _is_compiling() else _cached_route
+    route = decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if isinstance(route, str):
+        return route
+    if route.run_dtype is not None:
+        query, key, value = query.to(route.run_dtype), key.to(route.run_dtype), value.to(route.run_dtype)
+    scale = None if scale is None else float(scale)
+    return KernelCall(query, key, value, is_causal, scale, route.out_dtype, route.backward)
 
 
 def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False) -> str:
@@ -212,12 +319,26 @@ def _note_fallback(reason: str) -> None:
 # --- the entry points ---------------------------------------------------------------------------------
 
 
-def _launch(call: KernelCall) -> torch.Tensor:
-    if call.backward:
-        out = autograd.flash_attention(call.query, call.key, call.value, call.is_causal, call.scale)
+def _run(route: Route, query, key, value, is_causal: bool, scale, tracing: bool = False) -> torch.Tensor:
+    if route.run_dtype is not None:
+        query, key, value = query.to(route.run_dtype), key.to(route.run_dtype), value.to(route.run_dtype)
+    scale = None if scale is None else float(scale)
+    if route.backward or tracing:  # the custom op: differentiable, and what a graph can hold
+        out = autograd.flash_attention(query, key, value, is_causal, scale)
     else:
-        out, _lse = ops.flash_attention_forward(call.query, call.key, call.value, call.is_causal, call.scale)
-    return out.to(call.out_dtype)
+        out, _lse = ops.flash_attention_forward(query, key, value, is_causal, scale)
+    return out if out.dtype == route.out_dtype else out.to(route.out_dtype)
+
+
+_traced_reasons: set[str] = set()
+
+
+@_constant_while_tracing
+def _note_traced_fallback(reason: str) -> None:
+    """Logs, once per reason, why calls in a graph being compiled go to SDPA; runs at trace time."""
+    if reason not in _traced_reasons and log.isEnabledFor(logging.INFO):
+        _traced_reasons.add(reason)
+        log.info("not using the kernels in a torch.compile graph: %s", reason)
 
 
 def attention_or_reason(
@@ -225,23 +346,30 @@ def attention_or_reason(
 ) -> torch.Tensor | str:
     """The kernels' result for a supported call, else the reason it is not (counted in stats() and
     logged once); the caller then runs its own fallback. For hosts whose fallback is their own
-    attention backend rather than PyTorch SDPA."""
+    attention backend rather than PyTorch SDPA. Calls inside compiled graphs are decided once per
+    graph and not counted."""
     global _kernel_calls
-    call = plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if not isinstance(call, str):
+    if _is_compiling():
+        route = _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        if isinstance(route, str):
+            _note_traced_fallback(route)
+            return route
+        return _run(route, query, key, value, is_causal, scale, tracing=True)
+    route = _cached_route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if not isinstance(route, str):
         try:
-            out = _launch(call)
+            out = _run(route, query, key, value, is_causal, scale)
         except ops.KernelUnavailable as exc:
-            call = str(exc)
+            route = str(exc)
         except Exception as exc:  # a kernel-side bug must cost speed, never the host's run
-            call = f"the kernels failed ({type(exc).__name__}: {exc}); off for {query.device}"
+            route = f"the kernels failed ({type(exc).__name__}: {exc}); off for {query.device}"
             log.exception("kernel call failed on %s; the kernels are now off for that device", query.device)
-            _disable_device(query.device, call)
+            _disable_device(query.device, route)
         else:
             _kernel_calls += 1
             return out
-    _note_fallback(call)
-    return call
+    _note_fallback(route)
+    return route
 
 
 def scaled_dot_product_attention(

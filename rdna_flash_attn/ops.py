@@ -24,6 +24,8 @@ _VECTOR_ELEMS = 8  # the kernels move 16-byte vectors of 16-bit values
 _MAX_GRID_YZ = 65535
 _MAX_SEQLEN = 2**31 - 1024
 _LOG2_E = 1.4426950408889634
+_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+KERNEL_DEVICE_TYPE = "cuda"  # ROCm and ZLUDA builds of torch name AMD GPUs "cuda" as well
 
 
 def forward_refusal(q, k, v, is_causal: bool = False, scale: float | None = None) -> str | None:
@@ -38,7 +40,7 @@ def forward_refusal(q, k, v, is_causal: bool = False, scale: float | None = None
         return f"dtype {q.dtype} is not supported (float16 or bfloat16)"
     if k.dtype != q.dtype or v.dtype != q.dtype:
         return "query, key and value have different dtypes"
-    on_kernel_device = q.device.type == "cuda" or runtime.explicit_library_for(q.device) is not None
+    on_kernel_device = q.device.type == KERNEL_DEVICE_TYPE or runtime.explicit_library_for(q.device) is not None
     if not on_kernel_device or k.device != q.device or v.device != q.device:
         return "query, key and value must be on one GPU"
     if q.shape[0] != k.shape[0] or q.shape[0] != v.shape[0]:
@@ -68,8 +70,11 @@ def forward_refusal(q, k, v, is_causal: bool = False, scale: float | None = None
 
 
 def _aligned(t: torch.Tensor) -> bool:
-    """16-byte aligned, or a tensor without storage (torch.compile's fake tensors): those are
-    checked again when the real call runs."""
+    """16-byte aligned, or a tensor without storage (torch.compile's fake tensors, and any tensor
+    while torch.compile traces): those are checked again when the real call runs, where the custom
+    op copies a misaligned input (autograd.py)."""
+    if _is_compiling():
+        return True
     try:
         return t.data_ptr() % 16 == 0
     except (RuntimeError, NotImplementedError):
@@ -110,12 +115,19 @@ def artifact_info(device: torch.device) -> dict:
             "runtime_version": library.runtime_version}
 
 
-def output_like(q: torch.Tensor) -> torch.Tensor:
-    """Output in q's memory order, so (B, S, H, D) callers can reshape it to (B, S, H*D) for free."""
+def _output_layout(q: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(size, strides) of an output in q's memory order: (B, S, H, D) callers can reshape it to
+    (B, S, H*D) for free."""
     batch, heads, seq, dim = q.shape
     if q.stride(2) > q.stride(1):
-        return torch.empty(batch, seq, heads, dim, dtype=q.dtype, device=q.device).transpose(1, 2)
-    return torch.empty(batch, heads, seq, dim, dtype=q.dtype, device=q.device)
+        return (batch, heads, seq, dim), (seq * heads * dim, dim, heads * dim, 1)
+    return (batch, heads, seq, dim), (heads * seq * dim, seq * dim, dim, 1)
+
+
+def output_like(q: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor of q's shape, dtype and device, in q's memory order."""
+    size, stride = _output_layout(q)
+    return torch.empty_strided(size, stride, dtype=q.dtype, device=q.device)
 
 
 def _output_refusal(q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None) -> str | None:
@@ -144,31 +156,91 @@ def _strides(*tensors: torch.Tensor) -> list[int]:
     return [stride for t in tensors for stride in t.stride()[:3]]
 
 
+class _ForwardLaunch:
+    """What a forward launch needs that depends only on the call's signature (device, library, dtype,
+    shapes, strides, causality, scale): the kernel, its grid, the output's layout and an argument
+    block with everything but the five pointers filled in. Built once per signature, after the full
+    checks passed."""
+
+    __slots__ = ("launcher", "args", "device", "dtype", "out_size", "out_stride", "lse_size")
+
+    def __init__(self, library: runtime.KernelLibrary, q, k, v, is_causal: bool, scale: float | None):
+        batch, heads, seq_q, head_dim = q.shape
+        variant = variants.fwd_variant(_DTYPES[q.dtype], head_dim)
+        q_blocks = -(-seq_q // variant.block_rows)
+        self.device, self.dtype = q.device, q.dtype
+        self.out_size, self.out_stride = _output_layout(q)
+        self.lse_size = (batch, heads, seq_q)  # contiguous: strides (heads * seq_q, seq_q, 1)
+        self.launcher = library.launcher(variant, (q_blocks * variant.d_chunks, heads, batch), q.device)
+        self.args = FwdArgs(0, 0, 0, 0, 0, *_strides(q, k, v), *self.out_stride[:3], heads * seq_q, seq_q,
+                            seq_q, k.shape[2], head_dim, int(bool(is_causal)),
+                            _softmax_scale(head_dim, scale) * _LOG2_E, q_blocks)
+
+    def __call__(self, q, k, v):
+        out = torch.empty_strided(self.out_size, self.out_stride, dtype=self.dtype, device=self.device)
+        lse = torch.empty(self.lse_size, dtype=torch.float32, device=self.device)
+        args = FwdArgs.from_buffer_copy(self.args)  # a copy per call: launches may run on several threads
+        args.q, args.k, args.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        args.o, args.lse = out.data_ptr(), lse.data_ptr()
+        self.launcher(args, (q, k, v, out, lse))
+        return out, lse
+
+
+_forward_launches: dict[tuple, _ForwardLaunch] = {}
+_MAX_CACHED_SIGNATURES = 4096  # far above any model's count of attention shapes; a bound against leaks
+
+
+def forget_launches() -> None:
+    """Drop the prepared launches (their libraries and devices are looked up again)."""
+    _forward_launches.clear()
+
+
 def flash_attention_forward(q, k, v, is_causal: bool = False, scale: float | None = None,
                             out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
     """(out, lse): out like q, lse (batch, heads, seq_q) float32 natural-log log-sum-exp.
 
-    `out` and `lse` may be given to be written in place."""
+    `out` and `lse` may be given to be written in place. A call whose signature passed the checks
+    before, with 16-byte aligned inputs, reuses that launch: no checks, lookups or packing again."""
+    if out is None and lse is None and type(q) is torch.Tensor and (scale is None or type(scale) is float):
+        signature = _launch_signature(q, k, v, is_causal, scale)
+        launch = _forward_launches.get(signature) if signature is not None else None
+        if launch is not None:
+            return launch(q, k, v)
     reason = forward_refusal(q, k, v, is_causal, scale) or _output_refusal(q, out, lse)
     if reason is not None:
         raise ValueError(reason)
-    library = runtime.library_for(q.device)
-    batch, heads, seq_q, head_dim = q.shape
-    seq_k = k.shape[2]
-    variant = variants.fwd_variant(_DTYPES[q.dtype], head_dim)
-    out = output_like(q) if out is None else out
-    lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device) if lse is None else lse
-    softmax_scale = _softmax_scale(head_dim, scale)
-    q_blocks = -(-seq_q // variant.block_rows)
-
-    args = FwdArgs(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                   *_strides(q, k, v, out),
-                   lse.stride(0), lse.stride(1),
-                   seq_q, seq_k, head_dim, int(bool(is_causal)), softmax_scale * _LOG2_E, q_blocks)
-    grid = (q_blocks * variant.d_chunks, heads, batch)
-    with _device_guard(q.device):
-        library.launch(variant, grid, args, (q, k, v, out, lse))
+    launch = _ForwardLaunch(runtime.library_for(q.device), q, k, v, is_causal, scale)
+    if out is None and lse is None:
+        signature = _launch_signature(q, k, v, is_causal, scale)
+        if signature is not None:
+            if len(_forward_launches) >= _MAX_CACHED_SIGNATURES:
+                _forward_launches.clear()
+            _forward_launches[signature] = launch
+        return launch(q, k, v)
+    args = FwdArgs.from_buffer_copy(launch.args)
+    args.q, args.k, args.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    args.o, args.lse = out.data_ptr(), lse.data_ptr()
+    args.o_stride_b, args.o_stride_h, args.o_stride_s = out.stride()[:3]
+    args.lse_stride_b, args.lse_stride_h = lse.stride(0), lse.stride(1)
+    launch.launcher(args, (q, k, v, out, lse))
     return out, lse
+
+
+def _launch_signature(q, k, v, is_causal, scale) -> tuple | None:
+    """Everything forward_refusal and the launch read, for tensors whose storage is 16-byte aligned
+    (alignment is per call, not per signature); None for anything else."""
+    if type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+        return None
+    try:
+        if q.device.type != KERNEL_DEVICE_TYPE:  # an explicit library's launches (the interpreter) are not kept
+            return None
+        if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+            return None
+        return (q.device, q.dtype, k.dtype, v.dtype, q.layout, k.layout, v.layout, q.shape, k.shape, v.shape,
+                q.stride(), k.stride(), v.stride(), k.device, v.device, bool(is_causal), scale,
+                runtime.emulated_layer())
+    except (RuntimeError, NotImplementedError):  # nested or storage-less tensors: the full checks judge
+        return None
 
 
 def flash_attention_backward(dout, q, k, v, lse, is_causal: bool = False, scale: float | None = None):

@@ -77,10 +77,36 @@ class KernelLibrary:
     def launch(self, variant, grid: tuple[int, int, int], args, buffers: tuple[torch.Tensor, ...]) -> None:
         """Runs `variant` on the current stream of the buffers' device; `buffers` are the tensors the
         argument block points into (an interpreted library checks every access against them)."""
+        self.launcher(variant, grid, buffers[0].device)(args, buffers)
+
+    def launcher(self, variant, grid: tuple[int, int, int], device: torch.device):
+        """launch(args, buffers): `variant` over `grid` on the current stream of `device`, with the
+        kernel, block and stream lookup resolved once, for a caller that launches the same grid often."""
         function = self.function(variant)
-        params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
-        native_stream = self.driver.native_stream(torch.cuda.current_stream(buffers[0].device).cuda_stream)
-        self.driver.launch(function, grid, (variant.threads, 1, 1), self._dynamic_lds(variant), native_stream, params)
+        block, lds, index, gpu_driver = (variant.threads, 1, 1), self._dynamic_lds(variant), device.index, self.driver
+
+        def launch(args, buffers: tuple[torch.Tensor, ...]) -> None:
+            params = _OneParam(ctypes.addressof(args))
+            if index == current_device():
+                gpu_driver.launch(function, grid, block, lds, gpu_driver.native_stream(current_stream(index)), params)
+                return
+            with torch.cuda.device(index):
+                gpu_driver.launch(function, grid, block, lds, gpu_driver.native_stream(current_stream(index)), params)
+
+        return launch
+
+
+def _current_stream_object_handle(index: int) -> int:
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+# torch's raw handle of a device's current stream (what its own compiled code asks for), without
+# building a Stream object per call; builds that lack the binding take the Stream's handle.
+current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _current_stream_object_handle)
+# The current device without torch.cuda's lazy-initialisation check: a library exists only on an
+# initialised device.
+current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+_OneParam = ctypes.c_void_p * 1  # the kernels take one argument: a pointer to their argument block
 
 
 _libraries: dict[tuple, KernelLibrary] = {}

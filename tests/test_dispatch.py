@@ -151,12 +151,6 @@ def test_disabled_by_setting(fake_gpu):
     assert "RDNA_FA_DISABLE" in only_reason() and not fake_gpu.launches
 
 
-def test_torch_compile_tracing_falls_back(fake_gpu, monkeypatch):
-    monkeypatch.setattr(dispatch, "_is_compiling", lambda: True)
-    rfa.scaled_dot_product_attention(*qkv())
-    assert "torch.compile" in only_reason()
-
-
 def test_cpu_tensors_fall_back_without_fakes():
     q, k, v = qkv(dtype=torch.float32)
     assert torch.equal(rfa.scaled_dot_product_attention(q, k, v), F.scaled_dot_product_attention(q, k, v))
@@ -367,3 +361,87 @@ def test_logs_go_through_the_package_logger_not_print(fake_gpu, log_records, cap
     rfa.scaled_dot_product_attention(*qkv(), dropout_p=0.5)
     assert capsys.readouterr() == ("", "")
     assert {r.name for r in log_records.records} == {"rdna_flash_attn"}
+
+
+# --- the per-signature decision cache never changes a decision ----------------------------------------
+
+
+def decide_each(calls) -> list[str]:
+    """The path of each call: 'kernel', or the fallback reason; calls run in order."""
+    outcomes = []
+    for call in calls:
+        before = rfa.stats()
+        call()
+        after = rfa.stats()
+        if after["kernel"] > before["kernel"]:
+            outcomes.append("kernel")
+        else:
+            grown = [r for r, n in after["fallback_reasons"].items() if n > before["fallback_reasons"].get(r, 0)]
+            outcomes.append(grown[0])
+    return outcomes
+
+
+def test_cached_decisions_follow_every_settings_change(fake_gpu):
+    q, k, v = qkv()
+    q32, k32, v32 = qkv(dtype=torch.float32)
+    sdpa = rfa.scaled_dot_product_attention
+
+    def with_setting(name, value, call):
+        def run():
+            setattr(settings, name, value)
+            call()
+        return run
+
+    outcomes = decide_each([
+        lambda: sdpa(q, k, v),
+        with_setting("disable", True, lambda: sdpa(q, k, v)),
+        with_setting("disable", False, lambda: sdpa(q, k, v)),
+        lambda: sdpa(q32, k32, v32),
+        with_setting("fp32_cast", "bf16", lambda: sdpa(q32, k32, v32)),
+        with_setting("fp32_cast", "off", lambda: sdpa(q32, k32, v32)),
+    ])
+    assert outcomes[0] == outcomes[2] == outcomes[4] == "kernel"
+    assert "RDNA_FA_DISABLE" in outcomes[1] and "float32" in outcomes[3] and outcomes[5] == outcomes[3]
+
+
+def test_cached_decisions_follow_grad_mode_autocast_and_alignment(fake_gpu):
+    q, k, v = qkv()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    shifted = torch.empty(q.numel() + 4, dtype=q.dtype)[4:].view(q.shape)  # same shape and strides, 8 bytes off
+    shifted.copy_(q)
+    sdpa = rfa.scaled_dot_product_attention
+
+    def autocast_call():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            sdpa(q, k, v)
+
+    def training_off():
+        settings.training = False
+        sdpa(*leaves)
+
+    outcomes = decide_each([
+        lambda: sdpa(q, k, v), lambda: sdpa(shifted, k, v), lambda: sdpa(q, k, v),
+        lambda: sdpa(*leaves), training_off, autocast_call,
+    ])
+    assert outcomes[0] == outcomes[2] == outcomes[3] == outcomes[5] == "kernel"
+    assert "16-byte" in outcomes[1] and "RDNA_FA_TRAINING" in outcomes[4]
+    assert fake_gpu.differentiable_launches == 1 and fake_gpu.launches[-1][0].dtype == torch.bfloat16
+
+
+def test_cached_decisions_tell_argument_types_apart(fake_gpu):
+    q, k, v = qkv()
+    kwargs = [{"is_causal": True}, {"is_causal": 1}, {"scale": 0.5}, {"scale": torch.tensor(0.5)},
+              {"dropout_p": 0}, {"dropout_p": False}]
+    outcomes = [rfa.attention_or_reason(q, k, v, **kw) for kw in kwargs]
+    assert all(isinstance(out, torch.Tensor) for out in outcomes[::2])
+    assert "bool" in outcomes[1] and "scale" in outcomes[3] and "dropout" in outcomes[5]
+
+
+def test_forgetting_devices_drops_cached_decisions(fake_gpu, monkeypatch):
+    q, k, v = qkv()
+    rfa.scaled_dot_product_attention(q, k, v)
+    monkeypatch.setattr(ops, "availability", lambda dev: "artifact removed")
+    rfa.scaled_dot_product_attention(q, k, v)  # the device verdict is cached: still the kernels
+    dispatch.forget_devices()
+    rfa.scaled_dot_product_attention(q, k, v)
+    assert rfa.stats()["kernel"] == 2 and rfa.stats()["fallback_reasons"] == {"artifact removed": 1}

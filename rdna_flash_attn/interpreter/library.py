@@ -65,6 +65,10 @@ class InterpretedLibrary:
                          symbol, len(kernel.unsupported), ", ".join(names))
         return kernel
 
+    def launcher(self, variant, grid: tuple[int, int, int], device: torch.device):
+        """launch(args, buffers) for one variant and grid, as runtime.KernelLibrary.launcher."""
+        return lambda args, buffers: self.launch(variant, grid, args, buffers)
+
     def launch(self, variant, grid: tuple[int, int, int], args, buffers: tuple[torch.Tensor, ...]) -> None:
         """Runs `variant` over `grid` workgroups of variant.threads threads, with the argument block
         `args` (a ctypes structure) as the explicit kernel arguments, as a real launch would."""

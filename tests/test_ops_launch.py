@@ -1,0 +1,92 @@
+"""ops.flash_attention_forward's prepared launches: every launch's argument block, grid and kernel,
+against ones built from scratch for that call, however the calls before it were cached. A CPU
+stand-in library records the launches; nothing runs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rdna_flash_attn import ops, runtime, variants
+from rdna_flash_attn.launch_args import FwdArgs
+
+
+class RecordingLibrary:
+    """What ops needs of a KernelLibrary: launchers, here recording (kernel, grid, argument bytes)."""
+
+    def __init__(self):
+        self.launches: list[tuple[str, tuple, bytes]] = []
+
+    def launcher(self, variant, grid, device):
+        def launch(args, buffers):
+            self.launches.append((variant.symbol, grid, bytes(args)))
+        return launch
+
+
+@pytest.fixture
+def library(monkeypatch) -> RecordingLibrary:
+    recording = RecordingLibrary()
+    monkeypatch.setattr(ops, "KERNEL_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(runtime, "library_for", lambda device: recording)
+    return recording
+
+
+def expected_launch(q, k, v, out, lse, is_causal=False, scale=None) -> tuple[str, tuple, bytes]:
+    batch, heads, seq_q, dim = q.shape
+    variant = variants.fwd_variant({torch.float16: "f16", torch.bfloat16: "bf16"}[q.dtype], dim)
+    blocks = -(-seq_q // variant.block_rows)
+    scale = 1 / math.sqrt(dim) if scale is None else scale
+    args = FwdArgs(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                   *(s for t in (q, k, v, out) for s in t.stride()[:3]), lse.stride(0), lse.stride(1),
+                   seq_q, k.shape[2], dim, int(is_causal), scale * 1.4426950408889634, blocks)
+    return variant.symbol, (blocks * variant.d_chunks, heads, batch), bytes(args)
+
+
+def tensors(shape=(2, 3, 40, 64), dtype=torch.float16, layout="bhsd", seq_k=None):
+    batch, heads, seq, dim = shape
+    lengths = (seq, seq_k or seq, seq_k or seq)
+    if layout == "bshd":
+        return [torch.randn(batch, n, heads, dim, dtype=dtype).transpose(1, 2) for n in lengths]
+    return [torch.randn(batch, heads, n, dim, dtype=dtype) for n in lengths]
+
+
+CALLS = [
+    (dict(), dict()),
+    (dict(layout="bshd"), dict()),
+    (dict(), dict(is_causal=True)),
+    (dict(), dict(scale=0.3)),
+    (dict(seq_k=77), dict(is_causal=True, scale=0.3)),
+    (dict(dtype=torch.bfloat16, shape=(1, 2, 33, 160)), dict()),
+]
+
+
+def test_every_launch_matches_one_built_from_scratch(library):
+    for _ in range(2):  # the second round is served from the prepared launches
+        for make, kwargs in CALLS:
+            q, k, v = tensors(**make)
+            out, lse = ops.flash_attention_forward(q, k, v, **kwargs)
+            assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:3]
+            assert (out.stride(2) > out.stride(1)) == (q.stride(2) > q.stride(1))  # q's memory order
+            assert library.launches[-1] == expected_launch(q, k, v, out, lse, **kwargs)
+    assert len(library.launches) == 2 * len(CALLS) and len(ops._forward_launches) == len(CALLS)
+
+
+def test_misaligned_input_is_refused_after_its_signature_was_prepared(library):
+    q, k, v = tensors()
+    ops.flash_attention_forward(q, k, v)
+    shifted = torch.empty(q.numel() + 4, dtype=q.dtype)[4:].view(q.shape)
+    with pytest.raises(ValueError, match="16-byte"):
+        ops.flash_attention_forward(shifted, k, v)
+    assert len(library.launches) == 1
+
+
+def test_given_out_and_lse_are_written_where_they_lie(library):
+    q, k, v = tensors(layout="bshd")
+    ops.flash_attention_forward(q, k, v)
+    out = torch.empty(2, 3, 40, 64, dtype=q.dtype)  # BHSD although q is BSHD
+    lse = torch.empty(2, 3, 48, dtype=torch.float32)[..., :40]
+    written = ops.flash_attention_forward(q, k, v, out=out, lse=lse)
+    assert written[0] is out and written[1] is lse
+    assert library.launches[-1] == expected_launch(q, k, v, out, lse)
