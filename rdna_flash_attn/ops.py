@@ -99,9 +99,10 @@ def kernel_layout(t: torch.Tensor) -> torch.Tensor:
 
 
 def availability(device: torch.device) -> str | None:
-    """None when the kernels can run on this device, otherwise why not."""
+    """None when the kernels can run on this device's own library, otherwise why not (an explicit
+    library such as the CPU interpreter does not count: this is the dispatcher's device verdict)."""
     try:
-        runtime.library_for(torch.device(device))
+        runtime.loaded_library_for(torch.device(device))
     except KernelUnavailable as error:
         return str(error)
     return None

@@ -166,7 +166,8 @@ _explicit = threading.local()
 def explicit_library(library):
     """Within the block, launches on `library.device_type` devices (the CPU, for
     interpreter.InterpretedLibrary) go to `library`: ops then accepts tensors of that device.
-    Per thread; the normal dispatch never sees it."""
+    Per thread. The dispatcher's verdicts come from loaded_library_for, so it never routes a call
+    to an explicit library."""
     previous = getattr(_explicit, "library", None)
     _explicit.library = library
     try:
@@ -182,10 +183,15 @@ def explicit_library_for(device: torch.device):
 
 
 def library_for(device: torch.device) -> KernelLibrary:
-    """The loaded library for a device; raises KernelUnavailable with the reason, remembered."""
+    """The library ops launches on for a device: an explicit one (explicit_library) first, else
+    the device's own (loaded_library_for)."""
     explicit = explicit_library_for(device)
-    if explicit is not None:
-        return explicit
+    return explicit if explicit is not None else loaded_library_for(device)
+
+
+def loaded_library_for(device: torch.device) -> KernelLibrary:
+    """The device's own loaded library, never an explicit one; raises KernelUnavailable with the
+    reason, remembered."""
     info = devices.describe(device)
     layer = emulated_layer() if info.backend == "cuda" else None
     key = (info.backend, info.index, layer)

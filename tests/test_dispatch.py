@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import rdna_flash_attn as rfa
-from rdna_flash_attn import dispatch, ops, selftest
+from rdna_flash_attn import dispatch, ops, runtime, selftest
 from rdna_flash_attn.config import settings
 
 
@@ -445,3 +445,27 @@ def test_forgetting_devices_drops_cached_decisions(fake_gpu, monkeypatch):
     dispatch.forget_devices()
     rfa.scaled_dot_product_attention(q, k, v)
     assert rfa.stats()["kernel"] == 2 and rfa.stats()["fallback_reasons"] == {"artifact removed": 1}
+
+
+def test_an_explicit_library_serves_ops_callers_not_the_dispatcher(caplog):
+    """The CPU interpreter's explicit library is for callers of ops: a forced dispatcher call inside
+    its block still falls back (nothing is launched on it), and leaves no verdict behind."""
+
+    class LaunchRefused:
+        device_type = "cpu"
+
+        def launcher(self, *args):
+            raise AssertionError("the dispatcher launched on an explicit library")
+
+        launch = launcher
+
+    settings.force = True
+    q, k, v = qkv()
+    expected = F.scaled_dot_product_attention(q, k, v)
+    with caplog.at_level(logging.INFO, logger="rdna_flash_attn"), runtime.explicit_library(LaunchRefused()):
+        inside = rfa.scaled_dot_product_attention(q, k, v)
+    after = rfa.scaled_dot_product_attention(q, k, v)
+    assert torch.equal(inside, expected) and torch.equal(after, expected)
+    assert rfa.stats()["kernel"] == 0 and rfa.stats()["fallback"] == 2
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not any("failed" in reason for reason in rfa.stats()["fallback_reasons"])
