@@ -27,13 +27,28 @@ def _free_op_namespace(base: str = "rdna_flash_attn") -> str:
 
 
 def _forward(q, k, v, is_causal, scale):
-    q, k, v = (ops.kernel_layout(t) for t in (q, k, v))
-    return ops.flash_attention_forward(q, k, v, is_causal, scale)
+    kernel_q, kernel_k, kernel_v = (ops.kernel_layout(t) for t in (q, k, v))
+    if kernel_q is q:
+        return ops.flash_attention_forward(kernel_q, kernel_k, kernel_v, is_causal, scale)
+    # A copied query may lie in another memory order than q: the output keeps q's, as the fake
+    # implementation promises a compiled graph.
+    out, lse = ops.output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return ops.flash_attention_forward(kernel_q, kernel_k, kernel_v, is_causal, scale, out=out, lse=lse)
 
 
 def _backward(dout, q, k, v, lse, is_causal, scale):
-    q, k, v = (ops.kernel_layout(t) for t in (q, k, v))
-    return ops.flash_attention_backward(ops.kernel_layout(dout), q, k, v, lse, is_causal, scale)
+    grads = ops.flash_attention_backward(ops.kernel_layout(dout), *(ops.kernel_layout(t) for t in (q, k, v)),
+                                         lse, is_causal, scale)
+    return tuple(_in_memory_order_of(grad, t) for grad, t in zip(grads, (q, k, v)))
+
+
+def _in_memory_order_of(grad: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """grad laid out as ops.output_like(t), the layout the fake implementation promises (a copied
+    input may have had another memory order)."""
+    size, stride = ops.output_layout(t)
+    if grad.stride() == stride:
+        return grad
+    return torch.empty_strided(size, stride, dtype=grad.dtype, device=grad.device).copy_(grad)
 
 
 if HAS_CUSTOM_OP:

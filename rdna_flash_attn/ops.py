@@ -116,7 +116,7 @@ def artifact_info(device: torch.device) -> dict:
             "runtime_version": library.runtime_version}
 
 
-def _output_layout(q: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def output_layout(q: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(size, strides) of an output in q's memory order: (B, S, H, D) callers can reshape it to
     (B, S, H*D) for free."""
     batch, heads, seq, dim = q.shape
@@ -127,7 +127,7 @@ def _output_layout(q: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 def output_like(q: torch.Tensor) -> torch.Tensor:
     """An uninitialised tensor of q's shape, dtype and device, in q's memory order."""
-    size, stride = _output_layout(q)
+    size, stride = output_layout(q)
     return torch.empty_strided(size, stride, dtype=q.dtype, device=q.device)
 
 
@@ -170,7 +170,7 @@ class _ForwardLaunch:
         variant = variants.fwd_variant(_DTYPES[q.dtype], head_dim)
         q_blocks = -(-seq_q // variant.block_rows)
         self.device, self.dtype = q.device, q.dtype
-        self.out_size, self.out_stride = _output_layout(q)
+        self.out_size, self.out_stride = output_layout(q)
         self.lse_size = (batch, heads, seq_q)  # contiguous: strides (heads * seq_q, seq_q, 1)
         self.launcher = library.launcher(variant, (q_blocks * variant.d_chunks, heads, batch), q.device)
         self.args = FwdArgs(0, 0, 0, 0, 0, *_strides(q, k, v), *self.out_stride[:3], heads * seq_q, seq_q,

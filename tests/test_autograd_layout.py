@@ -1,0 +1,50 @@
+"""The differentiable op's results lie in memory as its fake implementation (what a compiled graph
+plans with) says, also when an input had to be copied first (a misaligned view)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rdna_flash_attn import autograd, ops
+
+
+def _misaligned_bshd(batch=1, seq=16, heads=3, dim=64):
+    """A (B, H, S, D) view of (B, S, H, D) memory that starts 2 bytes past a 16-byte boundary."""
+    flat = torch.randn(batch * seq * heads * dim + 8, dtype=torch.float16)
+    return flat[1:1 + batch * seq * heads * dim].view(batch, seq, heads, dim).transpose(1, 2)
+
+
+@pytest.fixture
+def kernels_lay_out_like_ops(monkeypatch):
+    """ops' forward and backward as the real ones allocate: results in the memory order of the
+    (kernel-layout) tensors they are given, unless out/lse are given."""
+
+    def forward(q, k, v, is_causal=False, scale=None, out=None, lse=None):
+        assert ops.kernel_layout(q) is q, "the kernels were given a tensor they cannot address"
+        out = ops.output_like(q) if out is None else out
+        lse = q.new_zeros(q.shape[:3], dtype=torch.float32) if lse is None else lse
+        return out.copy_(q), lse
+
+    def backward(dout, q, k, v, lse, is_causal=False, scale=None):
+        return tuple(ops.output_like(t).copy_(t) for t in (q, k, v))
+
+    monkeypatch.setattr(ops, "flash_attention_forward", forward)
+    monkeypatch.setattr(ops, "flash_attention_backward", backward)
+
+
+def test_a_copied_query_still_gives_the_promised_output_layout(kernels_lay_out_like_ops):
+    q = _misaligned_bshd()
+    assert ops.kernel_layout(q) is not q
+    out, lse = autograd._forward(q, q, q, False, None)
+    assert out.stride() == ops.output_like(q).stride()
+    assert torch.equal(out, q) and lse.shape == q.shape[:3]
+
+
+def test_copied_inputs_still_give_the_promised_gradient_layouts(kernels_lay_out_like_ops):
+    q = _misaligned_bshd()
+    aligned = ops.output_like(q).copy_(q)
+    lse = torch.zeros(q.shape[:3])
+    for grad, t in zip(autograd._backward(aligned, q, aligned, q, lse, False, None), (q, aligned, q)):
+        assert grad.stride() == ops.output_like(t).stride()
+        assert torch.equal(grad, t)
