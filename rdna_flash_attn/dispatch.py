@@ -173,9 +173,10 @@ def _kernel_dtypes(query, key, value) -> tuple[torch.dtype | None, torch.dtype] 
 
 
 def _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> Route | str:
-    """The route for these SDPA arguments, or the reason the call falls back to SDPA. Reads only
-    metadata and settings, so torch.compile can trace it; the per-device verdicts come from cached
-    facts or, the first time, from a call run eagerly at trace time."""
+    """The route for these SDPA arguments, or the reason the call falls back to SDPA. Reads
+    metadata and settings (and casts the inputs where the route would, to judge the cast tensors),
+    so torch.compile can trace it; the per-device verdicts come from cached facts or, the first
+    time, from a call run eagerly at trace time."""
     if settings.disable:
         return "disabled (RDNA_FA_DISABLE / settings.disable)"
     tensors = (query, key, value)
@@ -257,10 +258,12 @@ def _cached_route(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         return _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     route = _routes.get(signature)
     if route is None:
+        generation = _verdict_generation
         route = _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        if len(_routes) >= _MAX_CACHED_SIGNATURES:
-            _routes.clear()
-        _routes[signature] = route
+        if generation == _verdict_generation:  # else verdicts changed meanwhile: decide again next call
+            if len(_routes) >= _MAX_CACHED_SIGNATURES:
+                _routes.clear()
+            _routes[signature] = route
     return route
 
 
