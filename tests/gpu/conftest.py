@@ -3,9 +3,11 @@
 import pytest
 import torch
 
-from rdna_flash_attn import artifacts, runtime
+from rdna_flash_attn import artifacts, device, dispatch, runtime
+from rdna_flash_attn.config import Settings, settings
 
 EMULATED_LAYERS = artifacts.EMULATED_LAYERS
+GPU = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
 def pytest_collection_modifyitems(config, items):
@@ -28,3 +30,22 @@ def emulated_layer(request, monkeypatch):
     monkeypatch.setenv("RDNA_FA_EMULATE", layer)
     assert runtime.emulated_layer() == layer
     return layer
+
+
+@pytest.fixture(scope="session")
+def selftest_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("selftest-cache"))
+
+
+@pytest.fixture
+def kernels_on(emulated_layer, selftest_cache):
+    """The dispatcher routes this GPU's calls to the kernels (forced on NVIDIA, which needs
+    RDNA_FA_FORCE=1 to run the emulation through the API), its self-test passed."""
+    if device.describe(GPU).backend == "cuda" and not Settings.from_env().force:
+        pytest.skip("NVIDIA GPU: set RDNA_FA_FORCE=1 to run the emulated kernels through the API")
+    settings.force = True
+    settings.cache_dir = selftest_cache
+    dispatch.forget_devices()
+    refusal = dispatch.device_refusal(GPU) or dispatch.selftest_refusal(GPU)  # the self-test, before counting
+    assert refusal is None, refusal
+    return GPU

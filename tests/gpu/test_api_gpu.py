@@ -15,36 +15,25 @@ import torch
 import torch.nn.functional as F
 
 import rdna_flash_attn as rfa
-from rdna_flash_attn import device, dispatch, ops, selftest
-from rdna_flash_attn.config import Settings, settings
+from rdna_flash_attn import ops, selftest
+from rdna_flash_attn.config import settings
 
 from ..test_api import BAD_CALLS, naive_flash_attn, outcome, random_call
+from .conftest import GPU
 from .reference import attention_fp64, grads_fp64, grads_sdpa_math, max_error, sdpa_math
 
-GPU = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 TORCH_SDPA = F.scaled_dot_product_attention
 
 
-@pytest.fixture(scope="module")
-def selftest_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("selftest-cache"))
-
-
 @pytest.fixture
-def launches(emulated_layer, selftest_cache, monkeypatch):
-    """Kernels on for this GPU (forced on NVIDIA), every forward launch recorded."""
-    if device.describe(GPU).backend == "cuda" and not Settings.from_env().force:
-        pytest.skip("NVIDIA GPU: set RDNA_FA_FORCE=1 to run the emulated kernels through the API")
-    settings.force = True
-    settings.cache_dir = selftest_cache
-    refusal = dispatch.device_refusal(GPU) or dispatch.selftest_refusal(GPU)
-    assert refusal is None, refusal
+def launches(kernels_on, monkeypatch):
+    """Kernels on for this GPU, every forward launch recorded."""
     recorded = []
     real = ops.flash_attention_forward
 
-    def recording(q, k, v, is_causal=False, scale=None):
+    def recording(q, k, v, is_causal=False, scale=None, **out_and_lse):
         recorded.append((q, k, v, is_causal, scale))
-        return real(q, k, v, is_causal, scale)
+        return real(q, k, v, is_causal, scale, **out_and_lse)
 
     monkeypatch.setattr(ops, "flash_attention_forward", recording)
     return recorded

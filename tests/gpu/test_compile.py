@@ -9,33 +9,19 @@ import torch
 import torch.nn.functional as F
 
 import rdna_flash_attn as rfa
-from rdna_flash_attn import autograd, device, dispatch, ops
-from rdna_flash_attn.config import Settings, settings
+from rdna_flash_attn import autograd, ops
 
+from .conftest import GPU
 from .reference import attention_fp64, max_error, sdpa_math
 
 pytestmark = pytest.mark.skipif(not autograd.HAS_CUSTOM_OP, reason="the kernels' custom op needs torch >= 2.4")
 
-GPU = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-
-
-@pytest.fixture(scope="module")
-def selftest_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("selftest-cache"))
-
 
 @pytest.fixture
-def kernel_runs(emulated_layer, selftest_cache, monkeypatch):
-    """Kernels on for this GPU (forced on NVIDIA), a fresh dynamo, every real forward launch counted."""
+def kernel_runs(kernels_on, monkeypatch):
+    """Kernels on for this GPU, a fresh dynamo, every real forward launch counted."""
     import torch._dynamo
 
-    if device.describe(GPU).backend == "cuda" and not Settings.from_env().force:
-        pytest.skip("NVIDIA GPU: set RDNA_FA_FORCE=1 to run the emulated kernels through the API")
-    settings.force = True
-    settings.cache_dir = selftest_cache
-    dispatch.forget_devices()
-    refusal = dispatch.device_refusal(GPU) or dispatch.selftest_refusal(GPU)  # the self-test, before counting
-    assert refusal is None, refusal
     torch._dynamo.reset()
     runs = []
     real = ops.flash_attention_forward
