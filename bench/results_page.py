@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: make the package and bench/ importable
     sys.path.insert(0, str(REPO))
 
+from bench.suite import static_summary  # noqa: E402
 from rdna_flash_attn import benchmark  # noqa: E402
 
 GIB = 1024.0
@@ -453,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for path in paths:
         data = json.loads(path.read_text(encoding="utf-8"))
+        # The static report and estimates recorded beside the run may be newer than the run's copy.
+        recorded = {k: v for k, v in static_summary(path.parent).items() if k != "missing"}
+        data["static"] = {**(data.get("static") or {}), **recorded}
         images = write_plots(data, path.parent, path.stem)
         relative = [_relative(p, args.out.parent) for p in images]
         runs.append((data, _relative(path, args.out.parent), relative))
