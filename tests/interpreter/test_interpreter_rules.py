@@ -4,6 +4,7 @@ the allocation, argument-block mismatch, unknown instruction, gfx11 WMMA half-wa
 
 from __future__ import annotations
 
+import importlib
 import re
 import shutil
 import subprocess
@@ -209,11 +210,15 @@ def test_round_toward_zero_to_f16():
     assert got.tolist() == [1.0, -(1 + 2**-10), 65504.0, -0.0, 65504.0]
 
 
+def _isa(target, module):
+    """tinygrad's instruction classes ("ins") or opcode enums ("enum") of a target's ISA."""
+    arch = "rdna3" if target.startswith("gfx11") else "rdna4"
+    return importlib.import_module(f"tinygrad.runtime.autogen.amd.{arch}.{module}")
+
+
 def _run_instructions(target, instructions, wave):
     """Runs hand-assembled instructions (then s_endpgm) on `wave` with the interpreter's rules for `target`."""
-    arch = "rdna3" if target.startswith("gfx11") else "rdna4"
-    sopp = __import__(f"tinygrad.runtime.autogen.amd.{arch}.ins", fromlist=["SOPP"]).SOPP
-    end = __import__(f"tinygrad.runtime.autogen.amd.{arch}.enum", fromlist=["SOPPOp"]).SOPPOp.S_ENDPGM
+    sopp, end = _isa(target, "ins").SOPP, _isa(target, "enum").SOPPOp.S_ENDPGM
     program = _image(target).program("rdna_fa_fwd_f16_d64")
     code = b"".join(inst.to_bytes() for inst in instructions) + sopp(end, 0).to_bytes()
     kernel = CompiledKernel(type(program)(program.name, program.target, code, 0, program.descriptor, program.metadata))
@@ -249,11 +254,9 @@ def _dot2_wave(dtype):
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("dtype", ("f16", "bf16"))
 def test_dot2_adds_exact_products_one_at_a_time(target, dtype):
-    arch = "rdna3" if target == "gfx1100" else "rdna4"
     from tinygrad.renderer.amd.dsl import v
-    ins = __import__(f"tinygrad.runtime.autogen.amd.{arch}.ins", fromlist=["VOP3P"])
-    op = getattr(__import__(f"tinygrad.runtime.autogen.amd.{arch}.enum", fromlist=["VOP3POp"]).VOP3POp,
-                 f"V_DOT2_F32_{dtype.upper()}")
+    ins = _isa(target, "ins")
+    op = getattr(_isa(target, "enum").VOP3POp, f"V_DOT2_F32_{dtype.upper()}")
     wave, expected = _dot2_wave(dtype)
     _run_instructions(target, [ins.VOP3P(op, v[3], v[0], v[1], v[2], opsel_hi=3, opsel_hi2=1)], wave)
     assert np.array_equal(wave.vgpr[3].view(np.float32), expected)
@@ -287,10 +290,8 @@ def test_dot2acc_accumulates_into_its_destination_in_both_encodings():
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_64_bit_signed_compares(target):
-    arch = "rdna3" if target == "gfx1100" else "rdna4"
     from tinygrad.renderer.amd.dsl import s, v
-    ins = __import__(f"tinygrad.runtime.autogen.amd.{arch}.ins", fromlist=["VOP3_SDST"])
-    ops_enum = __import__(f"tinygrad.runtime.autogen.amd.{arch}.enum", fromlist=["VOP3Op"]).VOP3Op
+    ins, ops_enum = _isa(target, "ins"), _isa(target, "enum").VOP3Op
     a = np.array([-(2**40), 5, -1, 2**40] * 8, np.int64)
     b = np.array([3, 2**33, -2, 2**40] * 8, np.int64)
     wave = Wave(8, 0)
