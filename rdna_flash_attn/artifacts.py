@@ -201,6 +201,15 @@ def amd_artifact(target: str) -> Artifact:
     return amd_artifacts(target)[0]
 
 
+def prebuilt_artifact(target: str, code_object_version: int = CODE_OBJECT_VERSION) -> Artifact:
+    """The shipped code object of `target` in `code_object_version`, never a local build: what the
+    CPU interpreter and its tests check. Raises ArtifactError when prebuilt/ has none."""
+    for artifact in _prebuilt_artifacts(target):
+        if artifact.code_object_version == code_object_version:
+            return artifact
+    raise ArtifactError(f"no prebuilt code object v{code_object_version} for {target}")
+
+
 def verify_prebuilt(directory: Path | None = None) -> tuple[list[str], list[str]]:
     """(targets whose code objects all match their sha256, one-line problems), for doctor."""
     directory = directory or prebuilt_dir()

@@ -24,7 +24,9 @@ implemented (an unknown one is an error naming it). Registers and LDS start as N
 Where it is not the hardware: instructions complete in program order, so s_waitcnt / s_wait_* and
 s_delay_alu are no-ops and a missing wait cannot show; v_exp_f32, v_log_f32, v_rcp_f32 and the
 other transcendentals are correctly rounded (the hardware is within about 1 ulp); WMMA sums its 16
-exact products in f64 and rounds once to f32 (the hardware's order is undocumented). Everything
+exact products in f64 and rounds once to f32 (the hardware's order is undocumented); v_dot2*_f32
+adds its two exact products to the f32 accumulator one at a time, each add rounded (the order of
+AMD's pseudocode; the hardware may round once). Everything
 else (f32 arithmetic, fused multiply-adds, f16/bf16 conversions) rounds to nearest even exactly as
 the descriptor's float mode says; a descriptor asking for another mode is refused.
 """

@@ -33,9 +33,10 @@ def tensor_region(index: int, t: torch.Tensor) -> Region:
 
 
 class InterpretedLibrary:
-    """One AMD code object, interpreted. `device` is where its launches run: the CPU."""
+    """One AMD code object, interpreted. `device_type` is where its launches run: the CPU."""
 
     device_type = "cpu"
+    runtime_version = None  # no HIP runtime loads it (runtime.KernelLibrary's attribute, for ops.artifact_info)
 
     def __init__(self, artifact: artifacts.Artifact):
         if artifact.emulated:
@@ -47,9 +48,12 @@ class InterpretedLibrary:
         self._lock = threading.Lock()
 
     @classmethod
-    def for_target(cls, target: str) -> "InterpretedLibrary":
-        """The code object a real launch on `target` would load."""
-        return cls(artifacts.amd_artifact(target))
+    def for_target(cls, target: str, code_object_version: int | None = None) -> "InterpretedLibrary":
+        """The shipped code object of `target`, sha256-verified: version 5 unless asked (a real launch
+        loads version 4 where the HIP runtime predates version 5, on the targets that ship both)."""
+        if code_object_version is None:
+            return cls(artifacts.prebuilt_artifact(target))
+        return cls(artifacts.prebuilt_artifact(target, code_object_version))
 
     @property
     def target(self) -> str:

@@ -50,10 +50,6 @@ class KernelDescriptor:
     def private_segment_enabled(self) -> bool:
         return bool(self.rsrc2 & 1)
 
-    @property
-    def workitem_id_dims(self) -> int:
-        return ((self.rsrc2 >> 11) & 3) + 1
-
     def property_enabled(self, bit: int) -> bool:
         return bool(self.code_properties >> bit & 1)
 
@@ -95,10 +91,6 @@ class KernelProgram:
     @property
     def kernarg_size(self) -> int:
         return self.metadata[".kernarg_segment_size"]
-
-    @property
-    def kernarg_align(self) -> int:
-        return self.metadata.get(".kernarg_segment_align", 8)
 
     @property
     def args(self) -> list[dict[str, Any]]:

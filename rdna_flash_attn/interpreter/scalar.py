@@ -6,6 +6,8 @@ results written by closures compiled once per instruction.
 
 from __future__ import annotations
 
+import struct
+
 from .errors import InterpreterError
 from .wave import EXEC_LO, NULL, VCC_LO, Wave, scalar_reader
 
@@ -16,6 +18,15 @@ M64 = (1 << 64) - 1
 def _s32(x: int) -> int:
     x &= M32
     return x - (1 << 32) if x & 0x80000000 else x
+
+
+def _f32(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", bits & M32))[0]
+
+
+def _f32_bits(value: float) -> int:
+    """A Python float rounded to f32 (nearest even), as its bits."""
+    return struct.unpack("<I", struct.pack("<f", value))[0]
 
 
 def _s64(x: int) -> int:
@@ -103,6 +114,15 @@ _COMPARE = {
     "ge": lambda a, b: a >= b, "lt": lambda a, b: a < b, "le": lambda a, b: a <= b,
 }
 
+# gfx12 float compares (s_cmp_nlt_f32): the N* forms are true on unordered inputs.
+_FLOAT_COMPARE = {
+    "lt": lambda a, b: a < b, "eq": lambda a, b: a == b, "le": lambda a, b: a <= b, "gt": lambda a, b: a > b,
+    "lg": lambda a, b: a < b or a > b, "ge": lambda a, b: a >= b, "o": lambda a, b: a == a and b == b,
+    "u": lambda a, b: a != a or b != b, "nge": lambda a, b: not a >= b, "nlg": lambda a, b: not (a < b or a > b),
+    "ngt": lambda a, b: not a > b, "nle": lambda a, b: not a <= b, "neq": lambda a, b: not a == b,
+    "nlt": lambda a, b: not a < b,
+}
+
 # SOP1: a -> (result, scc or None)
 _UNARY = {
     "s_mov_b32": lambda a: (a, None),
@@ -117,6 +137,7 @@ _UNARY = {
     "s_bcnt1_i32_b64": lambda a: (bin(a).count("1"), int(a != 0)),
     "s_ctz_i32_b32": lambda a: ((a & -a).bit_length() - 1 & M32 if a else M32, None),
     "s_clz_i32_u32": lambda a: (32 - a.bit_length() if a else M32, None),
+    "s_cvt_f32_u32": lambda a: (_f32_bits(float(a)), None),  # exact in a Python float, rounded once to f32
 }
 
 # Saveexec: exec, source -> new exec (the old exec goes to the destination; SCC = new exec != 0).
@@ -183,6 +204,14 @@ def compile_scalar(d, ctx):
         return run
     if encoding == "SOPC":
         parts = name.split("_")  # s_cmp_eq_u32
+        if len(parts) == 4 and parts[1] == "cmp" and parts[3] == "f32" and parts[2] in _FLOAT_COMPARE:
+            float_compare = _FLOAT_COMPARE[parts[2]]
+            read_a = scalar_reader(inst.ssrc0.offset, literal, 1, is_float=True)
+            read_b = scalar_reader(inst.ssrc1.offset, literal, 1, is_float=True)
+
+            def run_float(wave: Wave):
+                wave.scc = int(float_compare(_f32(read_a(wave)), _f32(read_b(wave))))
+            return run_float
         if len(parts) != 4 or parts[1] != "cmp" or parts[2] not in _COMPARE:
             return None
         compare, signed, wide = _COMPARE[parts[2]], parts[3][0] == "i", 2 if parts[3].endswith("64") else 1

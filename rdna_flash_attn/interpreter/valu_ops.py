@@ -47,6 +47,18 @@ def _perm(s0, s1, selector):
     return result
 
 
+def dot2(a_bits, b_bits, accumulator, halves):
+    """v_dot2*_f32_{f16,bf16}: accumulator + a.lo*b.lo + a.hi*b.hi, in the order of AMD's pseudocode
+    (tmp += lo product; tmp += hi product; tmp is f32). A product of two f16 or two bf16 values is
+    exact in f64 (and in f32 for f16), so each step is one correctly rounded f32 fused add: two
+    roundings in all. The hardware may keep more precision between the two adds; then results differ
+    in the last bit of f32."""
+    decode = floats.f16_from_bits if halves == "f16" else floats.bf16_from_bits
+    a_bits, b_bits = np.asarray(a_bits, dtype=np.uint32), np.asarray(b_bits, dtype=np.uint32)
+    low = floats.fma_f32(decode(a_bits), decode(b_bits), accumulator)
+    return floats.fma_f32(decode(a_bits >> np.uint32(16)), decode(b_bits >> np.uint32(16)), low)
+
+
 def _max3(a, b, c):
     return np.fmax(np.fmax(a, b), c)
 
@@ -198,6 +210,8 @@ def to_typed(raw: np.ndarray, kind: str) -> np.ndarray:
         return (raw.astype(np.int64) & 0xFFFF) - ((raw.astype(np.int64) & 0x8000) << 1)
     if kind == "u64":
         return raw.astype(np.uint64, copy=False)
+    if kind == "i64":
+        return raw.astype(np.uint64, copy=False).view(np.int64)
     if kind == "f64":
         return raw.astype(np.uint64, copy=False).view(np.float64)
     raise ValueError(kind)
@@ -218,4 +232,4 @@ def to_raw(value: np.ndarray, kind: str) -> np.ndarray:
     raise ValueError(kind)
 
 
-WIDTHS = {"f32": 32, "f16": 16, "bf16": 16, "i32": 32, "u32": 32, "i16": 16, "u16": 16, "u64": 64, "f64": 64}
+WIDTHS = {"f32": 32, "f16": 16, "bf16": 16, "i32": 32, "u32": 32, "i16": 16, "u16": 16, "u64": 64, "i64": 64, "f64": 64}

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import floats
 from .errors import InterpreterError
-from .valu_ops import COMPARES, OPS, WIDTHS, to_raw, to_typed
+from .valu_ops import COMPARES, OPS, WIDTHS, dot2, to_raw, to_typed
 from .wave import EXEC_LO, NULL, VCC_LO, VGPR_BASE, Wave, lanes_mask, mask_lanes, scalar_reader, vector_reader
 
 _SIGN = {16: 0x8000, 32: 0x80000000, 64: 1 << 63}
@@ -156,7 +156,38 @@ def compile_vector(d, ctx):
         return _compile_fma_mix(d, ctx)
     if encoding == "VOP3P" and d.name in _PACKED_F16:
         return _compile_packed_f16(d, ctx)
+    if encoding == "VOP3P" and d.name in ("v_dot2_f32_f16", "v_dot2_f32_bf16"):
+        return _compile_dot2(d, ctx)
     return None
+
+
+def _refuse_inline_float(d, ctx, offset: int):
+    """A dot2 source holding two packed halves: how an inline float constant (1.0, 0.5, ...) is
+    packed there is not modelled, so it is an error rather than a guess."""
+    if 240 <= offset <= 248:
+        raise InterpreterError("a dot2 source that is an inline float constant is not supported",
+                               ctx.kernel, d.offset, d.name)
+
+
+def _compile_dot2(d, ctx):
+    """v_dot2_f32_{f16,bf16} (VOP3P): D = S2 (f32) + S0.lo*S1.lo + S0.hi*S1.hi. Only the plain form
+    the kernels use: each half from its own half (opsel 0, opsel_hi all set), no neg, no clamp, no
+    inline float constant for the packed sources (its packing is not modelled)."""
+    inst = d.inst
+    opsel_hi = inst.opsel_hi | inst.opsel_hi2 << 2
+    if inst.clmp or inst.opsel or opsel_hi != 0b111 or inst.neg or inst.neg_hi:
+        raise InterpreterError("dot2 with opsel, neg or clamp modifiers is not supported", ctx.kernel, d.offset, d.name)
+    for field in ("src0", "src1"):
+        _refuse_inline_float(d, ctx, getattr(inst, field).offset)
+    halves = d.name.rsplit("_", 1)[1]
+    read_a, read_b = (vector_reader(getattr(inst, f).offset, d.literal, 32, False) for f in ("src0", "src1"))
+    read_accumulator = vector_reader(inst.src2.offset, d.literal, 32, True)
+    write = vector_writer(inst.vdst.offset, "f32", False, False)
+
+    def run(wave: Wave):
+        accumulator = to_typed(read_accumulator(wave), "f32")
+        write(wave, to_raw(dot2(read_a(wave), read_b(wave), accumulator, halves), "f32"))
+    return run
 
 
 # Packed f16 pairs (VOP3P): name -> (sources, function on f64 arrays, exact before one rounding).
@@ -227,7 +258,7 @@ def _compile_vop(d, ctx, encoding):
         return _compile_permlanex16(d, ctx)
     if name in ("cndmask_b32", "add_co_ci_u32", "sub_co_ci_u32", "subrev_co_ci_u32", "add_co_u32", "sub_co_u32",
                 "subrev_co_u32", "mad_u64_u32", "mad_co_u64_u32", "div_scale_f32", "div_fmas_f32", "fmac_f32",
-                "fmamk_f32", "fmaak_f32"):
+                "fmamk_f32", "fmaak_f32", "dot2acc_f32_f16"):
         return _compile_special(d, ctx, encoding, name, fields)
     if name not in OPS:
         return None
@@ -248,6 +279,18 @@ def _carry_bits(mask_value: int) -> np.ndarray:
 def _compile_special(d, ctx, encoding, name, fields):
     inst = d.inst
     short = encoding in ("VOP1", "VOP2")
+    if name == "dot2acc_f32_f16":  # D = D + S0.lo*S1.lo + S0.hi*S1.hi; the packed sources as raw bits
+        if getattr(inst, "opsel", 0) or getattr(inst, "neg", 0) or getattr(inst, "abs", 0):
+            raise InterpreterError("dot2acc with source modifiers is not supported", ctx.kernel, d.offset, d.name)
+        _refuse_inline_float(d, ctx, inst.src0.offset)
+        operands = _Operands(d, ctx, fields[:2], ("u32", "u32"))
+        read_accumulator = vector_reader(inst.vdst.offset, None, 32, True)
+        write = vector_writer(inst.vdst.offset, "f32", False, short)
+
+        def run_dot2acc(wave: Wave):
+            a, b = operands.read(wave)
+            write(wave, to_raw(dot2(a, b, to_typed(read_accumulator(wave), "f32"), "f16"), "f32"))
+        return run_dot2acc
     if name in ("fmac_f32", "fmamk_f32", "fmaak_f32"):
         operands = _Operands(d, ctx, fields[:2], ("f32", "f32"))
         destination = inst.vdst.offset
@@ -424,6 +467,8 @@ def _compile_vopd(d, ctx):
         read0 = vector_reader(getattr(inst, src0_field).offset, d.literal, 32, True)
         read1 = vector_reader(getattr(inst, src1_field).offset, d.literal, 32, True)
         write = vector_writer(destination, "u32", False, False)
+        if name == "dot2acc_f32_f16":
+            _refuse_inline_float(d, ctx, getattr(inst, src0_field).offset)
         halves.append((_vopd_function(name, destination, d, ctx), read0, read1, write))
 
     def run(wave: Wave):
@@ -447,7 +492,9 @@ def _vopd_function(name, destination, d, ctx):
         return lambda wave, a, b: to_raw(floats.fma_f32(f32(a), literal, f32(b)), "f32")
     if name == "fmaak_f32":
         return lambda wave, a, b: to_raw(floats.fma_f32(f32(a), f32(b), literal), "f32")
-    if name == "dot2acc_f32_f16" or name not in OPS:
+    if name == "dot2acc_f32_f16":
+        return lambda wave, a, b: to_raw(dot2(a, b, f32(wave.vgpr[index]), "f16"), "f32")
+    if name not in OPS:
         raise InterpreterError(f"unknown VOPD operation v_dual_{name}", ctx.kernel, d.offset, d.name)
     types, out_kind, function = OPS[name]
     if len(types) == 1:

@@ -4,6 +4,7 @@ the allocation, argument-block mismatch, unknown instruction, gfx11 WMMA half-wa
 
 from __future__ import annotations
 
+import importlib
 import re
 import shutil
 import subprocess
@@ -207,3 +208,160 @@ def test_round_toward_zero_to_f16():
     values = np.array([1 + 2**-11 + 2**-13, -(1 + 3 * 2**-11), 70000.0, -1e-9, 65504.0], np.float32)
     got = floats.f16_from_bits(floats.f16_bits_toward_zero(values))
     assert got.tolist() == [1.0, -(1 + 2**-10), 65504.0, -0.0, 65504.0]
+
+
+def _isa(target, module):
+    """tinygrad's instruction classes ("ins") or opcode enums ("enum") of a target's ISA."""
+    arch = "rdna3" if target.startswith("gfx11") else "rdna4"
+    return importlib.import_module(f"tinygrad.runtime.autogen.amd.{arch}.{module}")
+
+
+def _run_instructions(target, instructions, wave):
+    """Runs hand-assembled instructions (then s_endpgm) on `wave` with the interpreter's rules for `target`."""
+    sopp, end = _isa(target, "ins").SOPP, _isa(target, "enum").SOPPOp.S_ENDPGM
+    program = _image(target).program("rdna_fa_fwd_f16_d64")
+    code = b"".join(inst.to_bytes() for inst in instructions) + sopp(end, 0).to_bytes()
+    kernel = CompiledKernel(type(program)(program.name, program.target, code, 0, program.descriptor, program.metadata))
+    assert not kernel.unsupported, [d.name for d in kernel.unsupported]
+    wave.sgpr[126] = 0xFFFFFFFF
+    kernel.run_wave(wave, {})
+
+
+def _pairs(low, high, dtype):
+    """Two columns of per-lane values packed as (high << 16 | low) 16-bit patterns."""
+    bits = lambda x: (np.asarray(x, np.float32).view(np.uint32) >> 16 if dtype == "bf16"  # noqa: E731
+                      else np.asarray(x, np.float16).view(np.uint16)).astype(np.uint32)
+    return bits(low) | bits(high) << 16
+
+
+# Per lane (a.lo, a.hi, b.lo, b.hi, accumulator) and the f32 result by hand. Row 1: each product
+# is 2^-24, half an ulp of 1.0: adding them one at a time (AMD's pseudocode) rounds to even twice
+# and leaves 1.0, where one rounding of the exact sum would give 1 + 2^-23.
+DOT2_CASES = ((1.5, -0.5, 2.0, 4.0, 0.25, 1.25),
+              (2.0**-12, 2.0**-12, 2.0**-12, 2.0**-12, 1.0, 1.0),
+              (3.0, 0.5, -1.0, 0.5, -8.0, -10.75))
+
+
+def _dot2_wave(dtype):
+    cases = np.array([DOT2_CASES[lane % len(DOT2_CASES)] for lane in range(32)], np.float64)
+    wave = Wave(8, 0)
+    wave.vgpr[0] = _pairs(cases[:, 0], cases[:, 1], dtype)
+    wave.vgpr[1] = _pairs(cases[:, 2], cases[:, 3], dtype)
+    wave.vgpr[2] = cases[:, 4].astype(np.float32).view(np.uint32)
+    return wave, cases[:, 5].astype(np.float32)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("dtype", ("f16", "bf16"))
+def test_dot2_adds_exact_products_one_at_a_time(target, dtype):
+    from tinygrad.renderer.amd.dsl import v
+    ins = _isa(target, "ins")
+    op = getattr(_isa(target, "enum").VOP3POp, f"V_DOT2_F32_{dtype.upper()}")
+    wave, expected = _dot2_wave(dtype)
+    _run_instructions(target, [ins.VOP3P(op, v[3], v[0], v[1], v[2], opsel_hi=3, opsel_hi2=1)], wave)
+    assert np.array_equal(wave.vgpr[3].view(np.float32), expected)
+    # The kernels' form: the row sum of a packed pair, the literal (1.0, 1.0) as the second source.
+    one_one = 0x3C003C00 if dtype == "f16" else 0x3F803F80
+    _run_instructions(target, [ins.VOP3P(op, v[4], v[0], one_one, v[2], opsel_hi=3, opsel_hi2=1)], wave)
+    cases = np.array([DOT2_CASES[lane % len(DOT2_CASES)] for lane in range(32)], np.float64)
+    sums = [np.float32(np.float32(c[4] + c[0]) + c[1]) for c in cases]  # exact here: small sums
+    assert np.array_equal(wave.vgpr[4].view(np.float32), np.array(sums, np.float32))
+
+
+def test_dot2acc_accumulates_into_its_destination_in_both_encodings():
+    from tinygrad.renderer.amd.dsl import v
+    from tinygrad.runtime.autogen.amd.rdna3.enum import VOP2Op, VOPDOp
+    from tinygrad.runtime.autogen.amd.rdna3.ins import VOP2, VOPD
+
+    wave, expected = _dot2_wave("f16")
+    wave.vgpr[3] = wave.vgpr[2]
+    wave.vgpr[4] = wave.vgpr[2]
+    accumulator = wave.vgpr[2].copy()
+    _run_instructions("gfx1100", [
+        VOP2(VOP2Op.V_DOT2ACC_F32_F16_E32, v[3], v[0], v[1]),
+        # The dual form reads its sources before either half writes: v[7] gets v[4]'s old value.
+        VOPD(VOPDOp.V_DUAL_DOT2ACC_F32_F16, VOPDOp.V_DUAL_MOV_B32, vdstx=v[4], vdsty=v[7], srcx0=v[0], vsrcx1=v[1],
+             srcy0=v[4], vsrcy1=v[5]),
+    ], wave)
+    assert np.array_equal(wave.vgpr[3].view(np.float32), expected)
+    assert np.array_equal(wave.vgpr[4].view(np.float32), expected)
+    assert np.array_equal(wave.vgpr[7], accumulator)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_64_bit_signed_compares(target):
+    from tinygrad.renderer.amd.dsl import s, v
+    ins, ops_enum = _isa(target, "ins"), _isa(target, "enum").VOP3Op
+    a = np.array([-(2**40), 5, -1, 2**40] * 8, np.int64)
+    b = np.array([3, 2**33, -2, 2**40] * 8, np.int64)
+    wave = Wave(8, 0)
+    for register, values in ((0, a), (2, b)):
+        raw = values.view(np.uint64)
+        wave.vgpr[register], wave.vgpr[register + 1] = (raw & 0xFFFFFFFF).astype(np.uint32), (raw >> 32).astype(np.uint32)
+    _run_instructions(target, [ins.VOP3_SDST(ops_enum.V_CMP_GT_I64_E64, s[4], v[0:1], v[2:3]),
+                               ins.VOP3_SDST(ops_enum.V_CMP_LT_I64_E64, s[5], v[0:1], v[2:3])], wave)
+    lanes = np.arange(32)
+    assert wave.sgpr[4] == int(sum(1 << int(i) for i in lanes[a > b]))  # unsigned order would differ
+    assert wave.sgpr[5] == int(sum(1 << int(i) for i in lanes[a < b]))
+
+
+def test_scalar_float_compare_and_unsigned_conversion():
+    from tinygrad.renderer.amd.dsl import s
+    from tinygrad.runtime.autogen.amd.rdna4.enum import SOP1Op, SOPCOp
+    from tinygrad.runtime.autogen.amd.rdna4.ins import SOP1, SOPC
+
+    f32_bits = lambda x: int(np.float32(x).view(np.uint32))  # noqa: E731
+    for a, b, nlt in ((1.0, 2.0, 0), (2.0, 1.0, 1), (1.0, 1.0, 1), (float("nan"), 1.0, 1), (-0.0, 0.0, 1)):
+        wave = Wave(8, 0)
+        wave.sgpr[0], wave.sgpr[1] = f32_bits(a), f32_bits(b)
+        _run_instructions("gfx1201", [SOPC(SOPCOp.S_CMP_NLT_F32, s[0], s[1])], wave)
+        assert wave.scc == nlt, (a, b)
+    # 2^24 + 1 is a tie between 2^24 and 2^24 + 2: nearest even is 2^24; 2^32 - 1 rounds up to 2^32.
+    for value, expected in ((7, 7.0), (2**24 + 1, 2.0**24), (2**24 + 3, 2.0**24 + 4), (2**32 - 1, 2.0**32)):
+        wave = Wave(8, 0)
+        wave.sgpr[0] = value
+        _run_instructions("gfx1201", [SOP1(SOP1Op.S_CVT_F32_U32, s[2], s[0])], wave)
+        assert wave.sgpr[2] == f32_bits(expected), value
+
+
+def test_code_object_v4_runs_like_v5():
+    """gfx1100 ships code object v4 beside v5 (HIP before 6.0 loads v4): same kernels, another ELF
+    ABI version; the interpreter reads both and they compute the same bits."""
+    try:
+        legacy = InterpretedLibrary(artifacts.prebuilt_artifact("gfx1100", 4))
+    except artifacts.ArtifactError as error:
+        pytest.skip(str(error))
+    library, variant, args, buffers = _forward_launch("gfx1100")
+    library.launch(variant, (1, 1, 1), args, buffers)
+    first = [t.clone() for t in buffers[3:]]
+    for t in buffers[3:]:
+        t.fill_(float("nan"))
+    legacy.launch(variant, (1, 1, 1), args, buffers)
+    assert all(torch.equal(a, b) for a, b in zip(first, buffers[3:]))
+    assert torch.isfinite(buffers[3]).all()
+
+
+def test_selftest_interpret_reports_an_interpreter_error_in_one_line(capsys, monkeypatch):
+    from rdna_flash_attn import cli, selftest
+
+    def refuse(target):
+        raise InterpreterError("v_sin_f32_e32 is not implemented", "rdna_fa_fwd_f16_d64", 0x40)
+    monkeypatch.setattr(selftest, "run_interpreted", refuse)
+    assert cli.main(["selftest", "--interpret", "--target", "gfx1100"]) == 1
+    printed = capsys.readouterr().out
+    assert printed.count("\n") == 1 and "rdna_fa_fwd_f16_d64 pc 0x40" in printed and "Traceback" not in printed
+
+
+def test_selftest_target_without_interpret_is_a_usage_error(capsys):
+    from rdna_flash_attn import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["selftest", "--target", "gfx1201"])
+    assert exit_info.value.code == 2 and "--target needs --interpret" in capsys.readouterr().err
+
+
+def test_artifact_info_describes_the_interpreted_code_object():
+    with runtime.explicit_library(InterpretedLibrary.for_target("gfx1100")):
+        info = ops.artifact_info(torch.device("cpu"))
+    assert info["runtime_version"] is None and info["code_object_version"] == 5 and not info["emulated"]
+    assert info["path"].endswith("rdna_fa_gfx1100.hsaco")
