@@ -180,7 +180,7 @@ INTERPRET_CASE = (1, 2, 64, 77, 64, True)
 
 def run_interpreted(target: str) -> tuple[list[Check], float, str]:
     """The forward and backward checks of INTERPRET_CASE run by the CPU interpreter on the code
-    object a `target` GPU would load: (checks, seconds, code object path). Raises
+    object shipped for `target` (code object v5): (checks, seconds, code object path). Raises
     interpreter.MissingDecoder without tinygrad, artifacts.ArtifactError without a code object."""
     from .interpreter import InterpretedLibrary
 

@@ -37,7 +37,8 @@ RDNA_DEV u16 probability_bits(f16 dt, float rounded) { return to_bits(dt, rounde
 // Two probabilities rounded to bf16, packed (lo first): to nearest, ties away from zero (one add
 // each; round_probability's ties-to-even costs two more ops per value). The forward sums these same
 // packed values for its normaliser, so the rule does not bias the output, and exp2's results are
-// exact ties about once in 2^16 values. A NaN stays a NaN.
+// exact ties about once in 2^16 values. exp2's NaN (0x7fc00000) stays a NaN; only payloads from
+// 0x7fff8000 up would carry into the sign.
 RDNA_DEV u32 pack_rounded(bf16, float lo, float hi) {
   return pack_high_halves(as_u32(lo) + 0x8000u, as_u32(hi) + 0x8000u);
 }
