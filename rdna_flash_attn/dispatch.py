@@ -275,9 +275,7 @@ def plan(
     route = decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if isinstance(route, str):
         return route
-    if route.run_dtype is not None:
-        query, key, value = query.to(route.run_dtype), key.to(route.run_dtype), value.to(route.run_dtype)
-    scale = None if scale is None else float(scale)
+    query, key, value, scale = _kernel_inputs(route, query, key, value, scale)
     return KernelCall(query, key, value, is_causal, scale, route.out_dtype, route.backward)
 
 
@@ -322,10 +320,15 @@ def _note_fallback(reason: str) -> None:
 # --- the entry points ---------------------------------------------------------------------------------
 
 
-def _run(route: Route, query, key, value, is_causal: bool, scale, tracing: bool = False) -> torch.Tensor:
+def _kernel_inputs(route: Route, query, key, value, scale):
+    """(query, key, value, scale) as the kernels take them on this route: cast where it says."""
     if route.run_dtype is not None:
         query, key, value = query.to(route.run_dtype), key.to(route.run_dtype), value.to(route.run_dtype)
-    scale = None if scale is None else float(scale)
+    return query, key, value, None if scale is None else float(scale)
+
+
+def _run(route: Route, query, key, value, is_causal: bool, scale, tracing: bool = False) -> torch.Tensor:
+    query, key, value, scale = _kernel_inputs(route, query, key, value, scale)
     if route.backward or tracing:  # the custom op: differentiable, and what a graph can hold
         out = autograd.flash_attention(query, key, value, is_causal, scale)
     else:

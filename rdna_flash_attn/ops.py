@@ -202,6 +202,7 @@ def flash_attention_forward(q, k, v, is_causal: bool = False, scale: float | Non
 
     `out` and `lse` may be given to be written in place. A call whose signature passed the checks
     before, with 16-byte aligned inputs, reuses that launch: no checks, lookups or packing again."""
+    signature = None
     if out is None and lse is None and type(q) is torch.Tensor and (scale is None or type(scale) is float):
         signature = _launch_signature(q, k, v, is_causal, scale)
         launch = _forward_launches.get(signature) if signature is not None else None
@@ -212,7 +213,6 @@ def flash_attention_forward(q, k, v, is_causal: bool = False, scale: float | Non
         raise ValueError(reason)
     launch = _ForwardLaunch(runtime.library_for(q.device), q, k, v, is_causal, scale)
     if out is None and lse is None:
-        signature = _launch_signature(q, k, v, is_causal, scale)
         if signature is not None:
             if len(_forward_launches) >= _MAX_CACHED_SIGNATURES:
                 _forward_launches.clear()
