@@ -7,7 +7,9 @@
 The shapes are so small that the GPU work is a few microseconds, so the time is the host's. Each
 sample is a batch of calls timed up to the moment the last one returns (`host_us`: the Python and
 launch cost, the launches queued but not waited for), then synchronised (`wall_us`: as host_us unless
-the GPU is the slower side). Medians over the samples. Writes host_path.json and host_path.png under
+the GPU is the slower side). Medians over the samples; the parts take turns within every sample, and
+each part's ratio to torch's SDPA is the median of its per-sample ratios, so a host whose speed drifts
+during the run does not skew the comparison. Writes host_path.json and host_path.png under
 --out, with a progress line per measurement; --profile also writes cProfile tables of the drop-in.
 """
 
@@ -54,23 +56,31 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_calls(fn, device: torch.device, calls: int, samples: int) -> dict:
-    """Microseconds per call: median and min of `samples` batches of `calls` calls."""
-    for _ in range(calls):  # warm-up: first-use work, allocator growth
-        fn()
-    _sync(device)
-    host, wall = [], []
-    for _ in range(samples):
-        start = time.perf_counter()
+def time_parts(parts: dict, device: torch.device, calls: int, samples: int) -> dict[str, dict]:
+    """Microseconds per call of each part: median and min of `samples` batches of `calls` calls. The
+    parts take turns within every sample (in rotating order), so a host that speeds up or slows down
+    during the run shifts them alike; `vs_first` is the median over samples of the part's time over
+    the first part's in the same sample."""
+    for fn in parts.values():  # warm-up: first-use work, allocator growth
         for _ in range(calls):
             fn()
-        issued = time.perf_counter()
-        _sync(device)
-        done = time.perf_counter()
-        host.append((issued - start) / calls * 1e6)
-        wall.append((done - start) / calls * 1e6)
-    return {"host_us": statistics.median(host), "host_us_min": min(host), "wall_us": statistics.median(wall),
-            "calls_per_sample": calls, "samples": samples}
+    _sync(device)
+    names = list(parts)
+    host, wall = {n: [] for n in names}, {n: [] for n in names}
+    for sample in range(samples):
+        for name in names[sample % len(names):] + names[:sample % len(names)]:
+            fn = parts[name]
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            issued = time.perf_counter()
+            _sync(device)
+            done = time.perf_counter()
+            host[name].append((issued - start) / calls * 1e6)
+            wall[name].append((done - start) / calls * 1e6)
+    return {n: {"host_us": statistics.median(host[n]), "host_us_min": min(host[n]),
+                "wall_us": statistics.median(wall[n]), "calls_per_sample": calls, "samples": samples,
+                "vs_first": statistics.median(h / f for h, f in zip(host[n], host[names[0]]))} for n in names}
 
 
 def parts(q, k, v) -> dict:
@@ -142,15 +152,15 @@ def main(argv: list[str] | None = None) -> int:
             verdict = rfa.explain(q, k, v)
             print(f"{name}: {verdict}", file=sys.stderr, flush=True)
             on_kernels = verdict.startswith("runs on the kernels")
-            for part, fn in parts(q, k, v).items():
-                if part == "ops forward" and not on_kernels:
-                    continue  # the kernels cannot run here: nothing to time
-                result = time_calls(fn, device, args.calls, args.samples)
+            timed = parts(q, k, v)
+            if not on_kernels:
+                del timed["ops forward"]  # the kernels cannot run here: nothing to time
+            for part, result in time_parts(timed, device, args.calls, args.samples).items():
                 rows.append({"shape": name, "part": part, "batch": batch, "heads": heads, "tokens": tokens,
                              "head_dim": dim, "layout": layout, "on_kernels": on_kernels, **result})
                 print(f"[{len(rows):>2}] {name:<10} {part:<18} host {result['host_us']:7.2f} us "
-                      f"(min {result['host_us_min']:.2f}), wall {result['wall_us']:7.2f} us", file=sys.stderr,
-                      flush=True)
+                      f"(min {result['host_us_min']:.2f}), wall {result['wall_us']:7.2f} us, "
+                      f"{result['vs_first']:.2f}x torch sdpa", file=sys.stderr, flush=True)
             if args.profile:
                 profiles[name] = profile_text(parts(q, k, v)["rdna_fa drop-in"], args.calls * 10)
 
@@ -165,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, text in profiles.items():
         (args.out / f"host_path_profile_{name}.txt").write_text(text)
     for row in rows:
-        print(f"{row['shape']:<10} {row['part']:<18} {row['host_us']:7.2f} us")
+        print(f"{row['shape']:<10} {row['part']:<18} {row['host_us']:7.2f} us  {row['vs_first']:.2f}x torch sdpa")
     try:
         plot(rows, args.out / "host_path.png", f"host cost per call, {info.name}, {args.dtype}")
         print(f"wrote {args.out / 'host_path.png'}", file=sys.stderr)

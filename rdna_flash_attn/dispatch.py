@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -72,6 +72,9 @@ class Route(NamedTuple):
     run_dtype: torch.dtype | None  # cast the inputs to this first; None: run them as given
     out_dtype: torch.dtype  # what SDPA would have returned
     backward: bool  # autograd needs the differentiable op
+    # A forward-only route's prepared kernel launch (ops.forward_launch), kept in the route cache
+    # after its first eager call, so later calls of the signature pay one lookup in all.
+    launch: Callable | None = None
 
 
 # --- per-device verdicts, cached: devices do not change during a process ---------------------------
@@ -250,29 +253,36 @@ def _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         return None
 
 
-def _cached_route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> Route | str:
-    """_decide's answer, from the cache when this signature was decided before (eager calls only:
-    in a compiled graph, dynamo's guards do the caching)."""
+def _signed_route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """(signature, route): _decide's answer, from the cache when this signature was decided before
+    (eager calls only: in a compiled graph, dynamo's guards do the caching); signature None when the
+    call is not cached."""
     signature = _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if signature is None:
-        return _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        return None, _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     route = _routes.get(signature)
     if route is None:
         generation = _verdict_generation
         route = _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        if generation == _verdict_generation:  # else verdicts changed meanwhile: decide again next call
-            if len(_routes) >= _MAX_CACHED_SIGNATURES:
-                _routes.clear()
-            _routes[signature] = route
-    return route
+        _remember(signature, route, generation)
+    return signature, route
+
+
+def _remember(signature: tuple, route: Route | str, generation: int) -> None:
+    if generation == _verdict_generation:  # else verdicts changed meanwhile: decide again next call
+        if len(_routes) >= _MAX_CACHED_SIGNATURES:
+            _routes.clear()
+        _routes[signature] = route
 
 
 def plan(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ) -> KernelCall | str:
     """The kernel call for these SDPA arguments, or the reason the call falls back to SDPA."""
-    decide = _decide if _is_compiling() else _cached_route
-    route = decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if _is_compiling():
+        route = _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    else:
+        route = _signed_route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)[1]
     if isinstance(route, str):
         return route
     query, key, value, scale = _kernel_inputs(route, query, key, value, scale)
@@ -327,10 +337,20 @@ def _kernel_inputs(route: Route, query, key, value, scale):
     return query, key, value, None if scale is None else float(scale)
 
 
-def _run(route: Route, query, key, value, is_causal: bool, scale, tracing: bool = False) -> torch.Tensor:
+def _run(route: Route, query, key, value, is_causal: bool, scale, signature: tuple | None = None,
+         tracing: bool = False) -> torch.Tensor:
+    """The kernels' result on `route`. An eager forward-only call of a cached signature runs the
+    route's prepared launch, preparing it (and caching the route with it) the first time."""
     query, key, value, scale = _kernel_inputs(route, query, key, value, scale)
     if route.backward or tracing:  # the custom op: differentiable, and what a graph can hold
         out = autograd.flash_attention(query, key, value, is_causal, scale)
+    elif route.launch is not None:
+        out, _lse = route.launch(query, key, value)
+    elif signature is not None:
+        generation = _verdict_generation
+        launch = ops.forward_launch(query, key, value, is_causal, scale)
+        _remember(signature, route._replace(launch=launch), generation)
+        out, _lse = launch(query, key, value)
     else:
         out, _lse = ops.flash_attention_forward(query, key, value, is_causal, scale)
     return out if out.dtype == route.out_dtype else out.to(route.out_dtype)
@@ -361,10 +381,10 @@ def attention_or_reason(
             _note_traced_fallback(route)
             return route
         return _run(route, query, key, value, is_causal, scale, tracing=True)
-    route = _cached_route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    signature, route = _signed_route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if not isinstance(route, str):
         try:
-            out = _run(route, query, key, value, is_causal, scale)
+            out = _run(route, query, key, value, is_causal, scale, signature)
         except ops.KernelUnavailable as exc:
             route = str(exc)
         except Exception as exc:  # a kernel-side bug must cost speed, never the host's run

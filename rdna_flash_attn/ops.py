@@ -15,8 +15,8 @@ from . import artifacts, device as devices, runtime, variants
 from .launch_args import BwdArgs, FwdArgs
 from .runtime import KernelUnavailable
 
-__all__ = ["KernelUnavailable", "forward_refusal", "availability", "artifact_info", "flash_attention_forward",
-           "flash_attention_backward", "kernel_layout"]
+__all__ = ["KernelUnavailable", "forward_refusal", "availability", "artifact_info", "forward_launch",
+           "flash_attention_forward", "flash_attention_backward", "kernel_layout"]
 
 _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 _SUPPORTED_HEAD_DIMS = frozenset(variants.SUPPORTED_HEAD_DIMS)
@@ -196,6 +196,16 @@ def forget_launches() -> None:
     _forward_launches.clear()
 
 
+def forward_launch(q, k, v, is_causal: bool = False, scale: float | None = None) -> _ForwardLaunch:
+    """A prepared forward launch: launch(q, k, v) -> (out, lse) on tensors of this call's signature
+    (device, dtypes, shapes, strides, 16-byte aligned storage) skips every check and lookup. The
+    dispatcher keeps one per cached route. Raises ValueError for input the kernels refuse."""
+    reason = forward_refusal(q, k, v, is_causal, scale)
+    if reason is not None:
+        raise ValueError(reason)
+    return _ForwardLaunch(runtime.library_for(q.device), q, k, v, is_causal, scale)
+
+
 def flash_attention_forward(q, k, v, is_causal: bool = False, scale: float | None = None,
                             out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
     """(out, lse): out like q, lse (batch, heads, seq_q) float32 natural-log log-sum-exp.
@@ -208,10 +218,10 @@ def flash_attention_forward(q, k, v, is_causal: bool = False, scale: float | Non
         launch = _forward_launches.get(signature) if signature is not None else None
         if launch is not None:
             return launch(q, k, v)
-    reason = forward_refusal(q, k, v, is_causal, scale) or _output_refusal(q, out, lse)
+    launch = forward_launch(q, k, v, is_causal, scale)
+    reason = _output_refusal(q, out, lse)
     if reason is not None:
         raise ValueError(reason)
-    launch = _ForwardLaunch(runtime.library_for(q.device), q, k, v, is_causal, scale)
     if out is None and lse is None:
         if signature is not None:
             if len(_forward_launches) >= _MAX_CACHED_SIGNATURES:

@@ -74,6 +74,7 @@ class FakeKernels:
         self.devices = FakeDevices()
         self.launches = []  # (q, k, v, is_causal, scale) of each plain forward launch
         self.differentiable_launches = 0
+        self.prepared_launches = 0  # forward_launch calls: one per cached forward-only signature
         self.error = 0.0  # added to every output: a broken kernel
         self.raises: Exception | None = None
 
@@ -87,6 +88,12 @@ class FakeKernels:
         self.launches.append((q, k, v, is_causal, scale))
         out, lse = _math_attention(q, k, v, is_causal, scale)
         return out + self.error, lse
+
+    def forward_launch(self, q, k, v, is_causal=False, scale=None):
+        """A prepared launch, as ops.forward_launch returns one: runs flash_attention_forward."""
+        assert self.forward_refusal(q, k, v, is_causal, scale) is None, "prepared on refused input"
+        self.prepared_launches += 1
+        return lambda q, k, v: self.flash_attention_forward(q, k, v, is_causal, scale)
 
     def flash_attention(self, q, k, v, is_causal=False, scale=None):
         assert self.forward_refusal(q, k, v, is_causal, scale) is None, "launched on refused input"
@@ -104,6 +111,7 @@ def untested_fake_gpu(monkeypatch) -> FakeKernels:
     monkeypatch.setattr(ops, "artifact_info", lambda dev: dict(FAKE_ARTIFACT))
     monkeypatch.setattr(ops, "forward_refusal", kernels.forward_refusal)
     monkeypatch.setattr(ops, "flash_attention_forward", kernels.flash_attention_forward)
+    monkeypatch.setattr(ops, "forward_launch", kernels.forward_launch)
     monkeypatch.setattr(autograd, "flash_attention", kernels.flash_attention)
     return kernels
 

@@ -306,6 +306,30 @@ def test_kernel_unavailable_at_launch_falls_back(fake_gpu):
     assert only_reason() == "variant d64 missing from the artifact"
 
 
+def test_kernel_unavailable_while_preparing_a_launch_falls_back(fake_gpu, monkeypatch):
+    def refused(*args):
+        raise ops.KernelUnavailable("code object refused by the HIP runtime")
+
+    monkeypatch.setattr(ops, "forward_launch", refused)
+    q, k, v = qkv()
+    for _ in range(2):
+        assert torch.equal(rfa.scaled_dot_product_attention(q, k, v), F.scaled_dot_product_attention(q, k, v))
+    assert only_reason() == "code object refused by the HIP runtime" and rfa.stats()["fallback"] == 2
+
+
+def test_a_forward_signature_prepares_its_launch_once(fake_gpu):
+    """The cached route keeps its prepared launch: later calls of the signature, on other storage
+    too, go straight to it; another signature prepares its own."""
+    q, k, v = qkv()
+    same_signature = [t.clone() for t in (q, k, v)]
+    for args in ((q, k, v), same_signature, (q, k, v)):
+        assert_close_to_sdpa(rfa.scaled_dot_product_attention(*args), *args)
+    assert_close_to_sdpa(rfa.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v, is_causal=True)
+    assert fake_gpu.prepared_launches == 2 and rfa.stats()["kernel"] == 4
+    assert all(launch[0] is query for launch, query in zip(fake_gpu.launches, (q, same_signature[0], q)))
+    assert [launch[3] for launch in fake_gpu.launches] == [False, False, False, True]
+
+
 def test_kernel_error_disables_the_device_and_falls_back(fake_gpu, log_records):
     fake_gpu.raises = OSError("hipModuleLaunchKernel failed")
     q, k, v = qkv()

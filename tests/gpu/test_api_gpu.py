@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import rdna_flash_attn as rfa
-from rdna_flash_attn import ops, selftest
+from rdna_flash_attn import ops, runtime, selftest, variants
 from rdna_flash_attn.config import settings
 
 from ..test_api import BAD_CALLS, naive_flash_attn, outcome, random_call
@@ -27,15 +27,24 @@ TORCH_SDPA = F.scaled_dot_product_attention
 
 @pytest.fixture
 def launches(kernels_on, monkeypatch):
-    """Kernels on for this GPU, every forward launch recorded."""
+    """Kernels on for this GPU, the buffers (q, k, v, out, lse) of every forward kernel launch recorded
+    where the launch happens, so prepared launches (the dispatcher's and ops') count too."""
     recorded = []
-    real = ops.flash_attention_forward
+    real = runtime.KernelLibrary.launcher
 
-    def recording(q, k, v, is_causal=False, scale=None, **out_and_lse):
-        recorded.append((q, k, v, is_causal, scale))
-        return real(q, k, v, is_causal, scale, **out_and_lse)
+    def recording_launcher(library, variant, grid, device):
+        launch = real(library, variant, grid, device)
+        if not isinstance(variant, variants.FwdVariant):
+            return launch
 
-    monkeypatch.setattr(ops, "flash_attention_forward", recording)
+        def recording_launch(args, buffers):
+            recorded.append(buffers)
+            launch(args, buffers)
+
+        return recording_launch
+
+    monkeypatch.setattr(runtime.KernelLibrary, "launcher", recording_launcher)
+    ops.forget_launches()  # launches prepared before (the self-test's) would go unrecorded
     return recorded
 
 
