@@ -221,6 +221,8 @@ def paths(v) -> dict[str, tuple[int, int]]:
     frags = tile // FRAG
     k_loads = 0 if v.d_pad <= variants.BWD_RESIDENT_K_MAX_D else 2 * dim
     v_loads = 0 if v.d_pad <= variants.BWD_RESIDENT_V_MAX_D else 2 * dim
+    if v.fused:  # S and dP once, then dV and dK: Q, dO rows and both transposed chunks
+        return {"dK+dV": (frags * (2 * dim + 4 * out), 2 * rows + 2 * trans + 2 + frags * (k_loads + v_loads))}
     return {"dV": (frags * (dim + 2 * out), rows + trans + 2 + frags * k_loads),
             "dK": (frags * (2 * dim + 2 * out), 2 * rows + trans + 2 + frags * (k_loads + v_loads))}
 
@@ -307,11 +309,12 @@ def kernel_time(v, hw, waves_per_simd: int, counts: dict, which: str) -> dict:
     """Seconds for one launch at SEQ x SEQ, BATCH_HEADS, from per-path cycles per wave-iteration.
 
     Every wave runs SEQ / block_tile iterations of each of its paths (dQ: both sweeps; dK/dV: half the
-    workgroups take dV, half dK), and each SIMD works through its share of the waves."""
+    workgroups take dV, half dK, unless one workgroup makes both), and each SIMD works through its share
+    of the waves."""
     groups = SEQ // v.block_rows * v.jobs_per_block * BATCH_HEADS
     per_path = {name: model(c, hw, v, waves_per_simd, flops=8192 * c.wmma, groups=groups)
                 for name, c in counts.items() if c is not None}
-    share = 1 if v.kind == "dq" else 0.5  # dQ waves run both paths; dK/dV waves one of the two
+    share = 1 if v.kind == "dq" or v.fused else 0.5  # dQ waves run both paths; split dK/dV waves one of the two
     wave_iters = groups * v.waves * share * SEQ // v.block_tile
     simd_clk = hw.cus * SIMDS_PER_CU * hw.clock_hz
     cycles = sum(m[f"cycles_{which}"] for m in per_path.values())
@@ -335,7 +338,8 @@ def changes(v, head_dim_loop: dict):
     acc = (v.d_chunk // FRAG) * (v.block_tile // FRAG)  # WMMAs of one part of the split product
 
     def no_split(kind, name, c):  # dS / P enter dQ, dV, dK as one 16-bit part
-        return replace(c, wmma=c.wmma - acc) if name in ("sweep 1 (dQ)", "dV", "dK") else c
+        parts = {"sweep 1 (dQ)": 1, "dV": 1, "dK": 1, "dK+dV": 2}.get(name, 0)
+        return replace(c, wmma=c.wmma - parts * acc)
 
     def one_sweep(kind, name, c):  # delta from a separate rowsum(dO * O_fp32) pass: no sweep 0
         return None if name == "sweep 0 (delta)" else c

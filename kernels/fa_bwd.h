@@ -6,12 +6,14 @@
 // Precision: P and dS enter their products as two 16-bit parts (value and rounding remainder), and
 // delta is the exact fp32 rowsum(P * dP) rather than rowsum(dO * O) of a 16-bit O, so no gradient
 // carries more than one 16-bit rounding of its own. Counting one matrix product over the whole head
-// dim as 1: dQ 4 + 2, dV 1 + 2, dK 2 + 2, so 13 against FA2's 5 (which rounds P and dS once, takes
-// delta from the rounded O and sums dQ with atomics).
+// dim as 1: dQ 4 + 2, dV 1 + 2, dK 2 + 2, so 13 (12 where one workgroup makes dK and dV from one
+// S) against FA2's 5 (which rounds P and dS once, takes delta from the rounded O and sums dQ with
+// atomics).
 //
 // dK/dV: each wave owns 16 keys, so S = Q K^T and dP = dO V^T come out with one key per lane and P,
-// dS turn into B operands in registers for dV^T += dO^T P and dK^T += Q^T dS. A workgroup makes
-// either dV or dK of its keys, so S is computed twice per key block.
+// dS turn into B operands in registers for dV^T += dO^T P and dK^T += Q^T dS. Up to padded head dim
+// 64 a workgroup makes both from one S (1 + 1 + 2 + 2 units); past it both accumulator sets do not
+// fit beside the operands, so a workgroup makes either dV or dK and S is computed twice per key block.
 // dQ: each wave owns 16 queries, like the forward pass: S^T, dP^T with one query per lane; a first
 // sweep over the keys sums delta, a second one makes dS^T and dQ^T += K^T dS^T.
 // K and V (dK/dV) or Q and dO (dQ) are private to a wave and read straight from global memory: K and
@@ -54,6 +56,10 @@ template <int D_PAD>
 constexpr bool kResidentK = D_PAD <= 128;
 template <int D_PAD>
 constexpr bool kResidentV = D_PAD <= 96;
+// Up to this padded head dim one dK/dV workgroup makes both gradients (mirrored by
+// variants.BWD_FUSED_MAX_D).
+template <int D_PAD>
+constexpr bool kFusedDkdv = D_PAD <= 64;
 
 // acc[f] += A_f (x_high + x_rest), A_f the f-th 16-row fragment of an LDS tile: a product whose B
 // operand keeps 16 more bits than one 16-bit value can.
@@ -100,12 +106,14 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
   const int tid = thread_id();
   const int lane = lane_id();
   const int wave = tid >> 5;
-  // Each workgroup makes one gradient, dV or dK, for one column chunk: one accumulator set in
-  // registers, and the dV workgroups skip dP altogether.
-  const int job = block_id_x() % (2 * kChunks);
-  const bool make_dk = job >= kChunks;
+  // A fused workgroup makes dK and dV of one column chunk. Otherwise each makes one of them: one
+  // accumulator set in registers, and the dV workgroups skip dP altogether.
+  constexpr bool kBoth = kFusedDkdv<D_PAD>;
+  constexpr int kJobs = kBoth ? kChunks : 2 * kChunks;
+  const int job = block_id_x() % kJobs;
+  const bool make_dk = kBoth || job >= kChunks;
   const int chunk = job % kChunks;
-  const int k0 = block_id_x() / (2 * kChunks) * Shape::kBlockN;  // block 0 sees the most queries when causal: first
+  const int k0 = block_id_x() / kJobs * Shape::kBlockN;  // block 0 sees the most queries when causal: first
   const int col0 = chunk * D_CHUNK;
   const i64 head = block_id_y(), batch = block_id_z();
   const u16* q = a.q + batch * a.q_stride_b + head * a.q_stride_h;
@@ -124,9 +132,12 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
   const int wave_key0 = k0 + wave * kFrag;
   const int key = wave_key0 + (lane & 15);
 
-  v8f acc[kOutFrags];
+  v8f acc[kOutFrags];  // dK, or dV when the workgroup makes dV only
+  v8f dv_acc[kBoth ? kOutFrags : 1];
   #pragma unroll
   for (int f = 0; f < kOutFrags; ++f) acc[f] = zero_v8f();
+  #pragma unroll
+  for (int f = 0; f < (kBoth ? kOutFrags : 1); ++f) dv_acc[f] = zero_v8f();
 
   // This wave's K (and for dK its V) operands, loaded once where they stay in registers.
   constexpr bool kHoldK = kResidentK<D_PAD>, kHoldV = kResidentV<D_PAD>;
@@ -134,9 +145,10 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
   Isa::Operand k_ops[kHoldK ? kDimFrags : 1], v_ops[kHoldV ? kDimFrags : 1];
   #pragma unroll
   for (int d = 0; d < kDimFrags; ++d) {
-    if (kHoldK) k_ops[kHoldK ? d : 0] = load_operand_global(k, a.k_stride_s, wave_key0, a.seqlen_k, d * kFrag, a.head_dim, lane);
-    if (kHoldV && make_dk)
-      v_ops[kHoldV ? d : 0] = load_operand_global(v, a.v_stride_s, wave_key0, a.seqlen_k, d * kFrag, a.head_dim, lane);
+    if constexpr (kHoldK) k_ops[d] = load_operand_global(k, a.k_stride_s, wave_key0, a.seqlen_k, d * kFrag, a.head_dim, lane);
+    if constexpr (kHoldV) {
+      if (make_dk) v_ops[d] = load_operand_global(v, a.v_stride_s, wave_key0, a.seqlen_k, d * kFrag, a.head_dim, lane);
+    }
   }
 
   // Top-left causal: query i sees keys 0..i, so queries before this key block contribute nothing.
@@ -149,7 +161,8 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
                                                               tid);
       load_transposed<BLOCK_M, D_CHUNK, Shape::kTRow, Shape::kThreads>(qt_lds, q, a.q_stride_s, q0, a.seqlen_q, col0,
                                                                        a.head_dim, tid);
-    } else {
+    }
+    if (!make_dk || kBoth) {
       load_transposed<BLOCK_M, D_CHUNK, Shape::kTRow, Shape::kThreads>(dot_lds, dout, a.do_stride_s, q0, a.seqlen_q,
                                                                        col0, a.head_dim, tid);
     }
@@ -177,17 +190,36 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
           Isa::mma(dt, dp_acc, load_operand<Shape::kRow>(do_lds + qf * kFrag * Shape::kRow, d * kFrag, lane), v_op);
         }
       }
-      v8f rest;  // what 16 bits lose of P (for dV) or dS (for dK)
-      #pragma unroll
-      for (int s = 0; s < 8; ++s) {
+      const auto probability = [&](int s) {
         const int row = qf * kFrag + Isa::acc_row(lane, s);
         const bool visible = key < a.seqlen_k && (!a.causal || key <= q0 + row);
-        const float p = visible ? exp2_approx(s_acc[s] * a.scale_log2 - lse_lds[row]) : 0.f;
-        const float x = make_dk ? p * (dp_acc[s] - delta_lds[row]) : p;
-        s_acc[s] = x;
-        rest[s] = x - round_to(dt, x);
-      }
+        return visible ? exp2_approx(s_acc[s] * a.scale_log2 - lse_lds[row]) : 0.f;
+      };
+      const auto dS = [&](int s, float p) { return p * (dp_acc[s] - delta_lds[qf * kFrag + Isa::acc_row(lane, s)]); };
       const auto bits = [dt](float x) { return to_bits(dt, x); };
+      v8f rest;  // what 16 bits lose of P (for dV) or dS (for dK)
+      if constexpr (kBoth) {  // dV^T += dO^T P, then P turns into dS
+        #pragma unroll
+        for (int s = 0; s < 8; ++s) {
+          s_acc[s] = probability(s);
+          rest[s] = s_acc[s] - round_to(dt, s_acc[s]);
+        }
+        accumulate_split<kOutFrags, Shape::kTRow>(dt, dv_acc, dot_lds, qf * kFrag, Isa::acc_to_operand(s_acc, lane, bits),
+                                                  Isa::acc_to_operand(rest, lane, bits), lane);
+        #pragma unroll
+        for (int s = 0; s < 8; ++s) {
+          s_acc[s] = dS(s, s_acc[s]);
+          rest[s] = s_acc[s] - round_to(dt, s_acc[s]);
+        }
+      } else {
+        #pragma unroll
+        for (int s = 0; s < 8; ++s) {
+          const float p = probability(s);
+          const float x = make_dk ? dS(s, p) : p;
+          s_acc[s] = x;
+          rest[s] = x - round_to(dt, x);
+        }
+      }
       accumulate_split<kOutFrags, Shape::kTRow>(dt, acc, make_dk ? qt_lds : dot_lds, qf * kFrag,
                                                 Isa::acc_to_operand(s_acc, lane, bits),
                                                 Isa::acc_to_operand(rest, lane, bits), lane);
@@ -202,6 +234,13 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
                       : a.dv + batch * a.dv_stride_b + head * a.dv_stride_h;
   store_rows<Shape::kBlockN, D_CHUNK, Shape::kStageRow, Shape::kThreads>(
       grad, make_dk ? a.dk_stride_s : a.dv_stride_s, lds, k0, a.seqlen_k, col0, a.head_dim, tid);
+  if constexpr (kBoth) {
+    block_barrier();
+    stage_transposed<DT, kOutFrags, Shape::kStageRow>(dt, lds + wave * kFrag * Shape::kStageRow, dv_acc, 1.f, lane);
+    block_barrier();
+    store_rows<Shape::kBlockN, D_CHUNK, Shape::kStageRow, Shape::kThreads>(
+        a.dv + batch * a.dv_stride_b + head * a.dv_stride_h, a.dv_stride_s, lds, k0, a.seqlen_k, col0, a.head_dim, tid);
+  }
 }
 
 // LDS of the dQ kernel; rdna_flash_attn/variants.py computes the same size.

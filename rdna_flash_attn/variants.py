@@ -23,6 +23,9 @@ BWD_WAVES = 4
 # kernel instead of re-reading them per query fragment; mirrors kResidentK / kResidentV in fa_bwd.h.
 BWD_RESIDENT_K_MAX_D = 128
 BWD_RESIDENT_V_MAX_D = 96
+# Padded head dims up to which one dK/dV workgroup makes both gradients from one S (kFusedDkdv in
+# fa_bwd.h); past it the two accumulator sets do not fit in registers beside the operands.
+BWD_FUSED_MAX_D = 64
 
 SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8)) + (320, 384, 512)
 
@@ -137,9 +140,14 @@ class BwdVariant(_WaveTiled):
         return f"rdna_fa_bwd_{self.kind}_{self.dtype}_d{self.d_pad}"
 
     @property
+    def fused(self) -> bool:
+        """A dK/dV workgroup makes both gradients (else half the workgroups make dV, half dK)."""
+        return self.kind == "dkdv" and self.d_pad <= BWD_FUSED_MAX_D
+
+    @property
     def jobs_per_block(self) -> int:
-        """Workgroups per row block along grid x: one per column chunk, and dK/dV apart."""
-        return self.d_chunks * (2 if self.kind == "dkdv" else 1)
+        """Workgroups per row block along grid x: one per column chunk, and dK/dV apart unless fused."""
+        return self.d_chunks * (2 if self.kind == "dkdv" and not self.fused else 1)
 
     @property
     def lds_bytes(self) -> int:
