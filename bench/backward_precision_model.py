@@ -14,6 +14,8 @@ Schemes:
   o16-delta-split    delta = rowsum(dO O), O the forward's 16-bit output; P and dS in two parts
   o16-delta-single   the same delta, P and dS rounded once to 16 bits (FlashAttention-2)
   o32-delta-split    delta = rowsum(dO O) with the forward's fp32 O; P and dS in two parts
+  oexact-delta-split delta = rowsum(dO O) with an fp32 O whose P V took P unrounded (what a training
+                     forward with two-part P, saving O's remainder, would give); P and dS in two parts
 Results: bench/results/backward_estimate_gfx1100.md.
 """
 
@@ -26,7 +28,7 @@ import random
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-SCHEMES = ("exact-delta-split", "o16-delta-split", "o16-delta-single", "o32-delta-split")
+SCHEMES = ("exact-delta-split", "o16-delta-split", "o16-delta-single", "o32-delta-split", "oexact-delta-split")
 SEQ_LENGTHS = (1, 2, 7, 16, 17, 33, 64, 65, 77, 100, 128)
 HEAD_DIMS = (8, 16, 40, 64, 80, 128, 160)
 
@@ -40,7 +42,8 @@ def causal_mask(scores: torch.Tensor) -> torch.Tensor:
 
 
 def kernel_forward(q, k, v, causal, scale):
-    """(16-bit output, fp32 output, lse) as the forward kernel makes them: rounded probabilities in P V."""
+    """(16-bit output, fp32 output, fp32 output of unrounded P, lse) as the forward kernel makes the
+    first two (rounded probabilities in P V)."""
     scores = q.float() @ k.float().transpose(-1, -2) * scale
     if causal:
         scores = scores.masked_fill(~causal_mask(scores), float("-inf"))
@@ -48,10 +51,11 @@ def kernel_forward(q, k, v, causal, scale):
     exact = torch.exp(scores - row_max)
     p = rounded(exact, q.dtype)
     out = (p @ v.float()) / p.sum(-1, keepdim=True)
-    return out.to(q.dtype), out, row_max + torch.log(exact.sum(-1, keepdim=True))
+    out_exact_p = (exact @ v.float()) / exact.sum(-1, keepdim=True)
+    return out.to(q.dtype), out, out_exact_p, row_max + torch.log(exact.sum(-1, keepdim=True))
 
 
-def kernel_backward(scheme, q, k, v, dout, out16, out32, lse, causal, scale):
+def kernel_backward(scheme, q, k, v, dout, outputs, lse, causal, scale):
     qf, kf, vf, df = q.float(), k.float(), v.float(), dout.float()
     p = torch.exp(qf @ kf.transpose(-1, -2) * scale - lse)
     if causal:
@@ -61,7 +65,7 @@ def kernel_backward(scheme, q, k, v, dout, out16, out32, lse, causal, scale):
     if scheme == "exact-delta-split":
         delta = (p * dp).sum(-1, keepdim=True) / p.sum(-1, keepdim=True)
     else:
-        o = out32 if scheme == "o32-delta-split" else out16.float()
+        o = outputs[scheme.split("-")[0]]
         delta = (df.double() * o.double()).sum(-1, keepdim=True).float()
     ds = p * (dp - delta)
     if scheme == "o16-delta-single":
@@ -107,10 +111,11 @@ def run(cases: int, seed: int, large_inputs: bool) -> dict:
         dout = torch.randn(1, 2, seq_q, d).to(dtype)
         reference = grads_fp64(q, k, v, dout, causal, scale)
         baseline = grads_sdpa_math(q, k, v, dout, causal, scale)
-        out16, out32, lse = kernel_forward(q, k, v, causal, scale)
+        out16, out32, out_exact_p, lse = kernel_forward(q, k, v, causal, scale)
+        outputs = {"o16": out16.float(), "o32": out32, "oexact": out_exact_p}
         case = (index, str(dtype), d, seq_q, seq_k, causal, round(scale, 3), magnitude)
         for scheme in SCHEMES:
-            grads = kernel_backward(scheme, q, k, v, dout, out16, out32, lse, causal, scale)
+            grads = kernel_backward(scheme, q, k, v, dout, outputs, lse, causal, scale)
             failed = False
             for name, grad, ref, base in zip(("dq", "dk", "dv"), grads, reference, baseline):
                 ratio = max_error(grad, ref) / max(2 * max_error(base, ref), 1e-6)
