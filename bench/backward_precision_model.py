@@ -11,6 +11,8 @@ tests/gpu/test_backward.py (math SDPA upcasts fp16/bf16 to fp32, so its error is
 
 Schemes:
   exact-delta-split  delta = rowsum(P dP) / rowsum(P) in fp32, P and dS as two 16-bit parts (the kernels)
+  exact-delta-p-single   the same delta, P rounded once to 16 bits for dV, dS in two parts
+  exact-delta-ds-single  the same delta, P in two parts, dS rounded once to 16 bits for dQ and dK
   o16-delta-split    delta = rowsum(dO O), O the forward's 16-bit output; P and dS in two parts
   o16-delta-single   the same delta, P and dS rounded once to 16 bits (FlashAttention-2)
   o32-delta-split    delta = rowsum(dO O) with the forward's fp32 O; P and dS in two parts
@@ -28,7 +30,8 @@ import random
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-SCHEMES = ("exact-delta-split", "o16-delta-split", "o16-delta-single", "o32-delta-split", "oexact-delta-split")
+SCHEMES = ("exact-delta-split", "exact-delta-p-single", "exact-delta-ds-single", "o16-delta-split", "o16-delta-single",
+           "o32-delta-split", "oexact-delta-split")
 SEQ_LENGTHS = (1, 2, 7, 16, 17, 33, 64, 65, 77, 100, 128)
 HEAD_DIMS = (8, 16, 40, 64, 80, 128, 160)
 
@@ -62,14 +65,16 @@ def kernel_backward(scheme, q, k, v, dout, outputs, lse, causal, scale):
         p = p.masked_fill(~causal_mask(p), 0.0)
     # Sums of exact 16-bit products: in double, rounded once, so equal inputs give equal sums (WMMA).
     dp = (df.double() @ vf.double().transpose(-1, -2)).float()
-    if scheme == "exact-delta-split":
+    if scheme.startswith("exact-delta"):
         delta = (p * dp).sum(-1, keepdim=True) / p.sum(-1, keepdim=True)
     else:
         o = outputs[scheme.split("-")[0]]
         delta = (df.double() * o.double()).sum(-1, keepdim=True).float()
     ds = p * (dp - delta)
-    if scheme == "o16-delta-single":
-        p, ds = rounded(p, q.dtype), rounded(ds, q.dtype)
+    if scheme in ("o16-delta-single", "exact-delta-p-single"):
+        p = rounded(p, q.dtype)
+    if scheme in ("o16-delta-single", "exact-delta-ds-single"):
+        ds = rounded(ds, q.dtype)
     dq = scale * ds @ kf
     dk = scale * ds.transpose(-1, -2) @ qf
     dv = p.transpose(-1, -2) @ df
