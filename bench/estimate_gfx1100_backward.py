@@ -33,6 +33,7 @@ HEAD_DIMS = (64, 128)
 
 TARGET_TFLOPS, PUBLISHED_TFLOPS = 35.0, 25.0  # DESIGN.md section 5; best published 7900 XTX backward
 FRAG, THREADS_PER_WAVE = 16, 32
+COPY_BATCH = 2  # global loads per trip of the LDS copy loops: kCopyBatch in kernels/tiles.h
 
 
 # --- Control-flow graph ----------------------------------------------------------------------------
@@ -133,8 +134,9 @@ def loop_trips(cfg: Cfg, main: int, v) -> dict[int, int]:
         elif any(op.startswith("ds_store") and op != "ds_store_b128" for op in ops):
             # load_transposed (32-bit or 16-bit stores): (rows / 2) key pairs x (cols / 8) per thread
             trips[h] = v.block_tile // 2 * chunk_frags * 2 // v.threads
-        elif "ds_store_b128" in ops:  # load_rows: rows x d/8 16-byte chunks per thread
-            trips[h] = v.block_tile * dim_frags * 2 // v.threads
+        elif "ds_store_b128" in ops:  # load_rows: rows x d/8 16-byte chunks per thread, COPY_BATCH a trip
+            loads = v.block_tile * dim_frags * 2 // v.threads
+            trips[h] = -(-loads // min(loads, COPY_BATCH))
         else:
             raise RuntimeError(f"{v.symbol}: unrecognised loop at {h:#x}: {Counter(ops).most_common(5)}")
         if trips[h] < 1:
@@ -143,8 +145,9 @@ def loop_trips(cfg: Cfg, main: int, v) -> dict[int, int]:
 
 
 def flag_of(block: list[Insn]) -> str | None:
-    """The SGPR the block's closing uniform branch tests ('!' if negated), from the last write of what it
-    tests: 's_and[_not1]_b32 vcc_lo, exec_lo, sN' (vcc branches) or 's_and_saveexec_b32 sM, sN' (exec)."""
+    """The register the block's closing uniform branch tests ('!' if negated), from the last write of what
+    it tests: 's_and[_not1]_b32 vcc_lo, exec_lo, sN' (vcc branches), 's_and_saveexec_b32 sM, sN' (exec),
+    or a 0/1 flag the compiler keeps in a VGPR: 'v_cmp_{eq,ne}_u32_e32 vcc_lo, 1, vN'."""
     tests = "vcc_lo" if "vcc" in block[-1].op else "exec_lo"
     for i in reversed(block[:-1]):
         args = [a.strip() for a in i.args.split(",")]
@@ -153,6 +156,8 @@ def flag_of(block: list[Insn]) -> str | None:
         if args[0] == tests:
             if i.op in ("s_and_b32", "s_and_not1_b32") and args[1] == "exec_lo":
                 return ("!" if i.op == "s_and_not1_b32" else "") + args[2]
+            if i.op in ("v_cmp_eq_u32_e32", "v_cmp_ne_u32_e32") and args[1] == "1" and args[2].startswith("v"):
+                return ("!" if i.op == "v_cmp_ne_u32_e32" else "") + args[2]
             return None
     return None
 

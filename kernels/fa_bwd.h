@@ -74,6 +74,21 @@ RDNA_DEV void accumulate_split(DT dt, v8f (&acc)[FRAGS], const u16* tile, int co
   }
 }
 
+// x, an accumulator tile whose rows are keys (or queries) in Isa::acc_key order, as the two B
+// operands of a product over them: its 16-bit values and what 16 bits lose of them.
+template <class DT>
+RDNA_DEV void split_operands(DT dt, const v8f& x, int lane, Isa::Operand& high, Isa::Operand& rest) {
+  u32 high_bits[4], rest_bits[4];
+  #pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const float a = x[2 * w], b = x[2 * w + 1];
+    high_bits[w] = pack_u16x2(to_bits(dt, a), to_bits(dt, b));
+    rest_bits[w] = pack_u16x2(to_bits(dt, a - round_to(dt, a)), to_bits(dt, b - round_to(dt, b)));
+  }
+  high = Isa::keys_to_operand(high_bits, lane);
+  rest = Isa::keys_to_operand(rest_bits, lane);
+}
+
 // LDS of the dK/dV kernel; rdna_flash_attn/variants.py computes the same size.
 template <int D_PAD, int WAVES, int BLOCK_M, int D_CHUNK>
 struct DkdvShape {
@@ -155,10 +170,11 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
   const int q_begin = a.causal ? k0 / BLOCK_M * BLOCK_M : 0;
   for (int q0 = q_begin; q0 < a.seqlen_q; q0 += BLOCK_M) {
     block_barrier();
-    load_rows<BLOCK_M, D_PAD, Shape::kRow, Shape::kThreads>(q_lds, q, a.q_stride_s, q0, a.seqlen_q, a.head_dim, tid);
+    load_rows<BLOCK_M, D_PAD, Shape::kRow, Shape::kThreads, true>(q_lds, q, a.q_stride_s, q0, a.seqlen_q, a.head_dim,
+                                                                  tid);
     if (make_dk) {
-      load_rows<BLOCK_M, D_PAD, Shape::kRow, Shape::kThreads>(do_lds, dout, a.do_stride_s, q0, a.seqlen_q, a.head_dim,
-                                                              tid);
+      load_rows<BLOCK_M, D_PAD, Shape::kRow, Shape::kThreads, true>(do_lds, dout, a.do_stride_s, q0, a.seqlen_q,
+                                                                    a.head_dim, tid);
       load_transposed<BLOCK_M, D_CHUNK, Shape::kTRow, Shape::kThreads>(qt_lds, q, a.q_stride_s, q0, a.seqlen_q, col0,
                                                                        a.head_dim, tid);
     }
@@ -190,39 +206,30 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
           Isa::mma(dt, dp_acc, load_operand<Shape::kRow>(do_lds + qf * kFrag * Shape::kRow, d * kFrag, lane), v_op);
         }
       }
+      // Q and dO rows lie in key_slot order, so accumulator value s is query acc_key(lane, s).
       const auto probability = [&](int s) {
-        const int row = qf * kFrag + Isa::acc_row(lane, s);
+        const int row = qf * kFrag + Isa::acc_key(lane, s);
         const bool visible = key < a.seqlen_k && (!a.causal || key <= q0 + row);
         return visible ? exp2_approx(s_acc[s] * a.scale_log2 - lse_lds[row]) : 0.f;
       };
-      const auto dS = [&](int s, float p) { return p * (dp_acc[s] - delta_lds[qf * kFrag + Isa::acc_row(lane, s)]); };
-      const auto bits = [dt](float x) { return to_bits(dt, x); };
-      v8f rest;  // what 16 bits lose of P (for dV) or dS (for dK)
+      const auto dS = [&](int s, float p) { return p * (dp_acc[s] - delta_lds[qf * kFrag + Isa::acc_key(lane, s)]); };
+      Isa::Operand high, rest;  // P (for dV) or dS (for dK) as a 16-bit value and what 16 bits lose
       if constexpr (kBoth) {  // dV^T += dO^T P, then P turns into dS
         #pragma unroll
-        for (int s = 0; s < 8; ++s) {
-          s_acc[s] = probability(s);
-          rest[s] = s_acc[s] - round_to(dt, s_acc[s]);
-        }
-        accumulate_split<kOutFrags, Shape::kTRow>(dt, dv_acc, dot_lds, qf * kFrag, Isa::acc_to_operand(s_acc, lane, bits),
-                                                  Isa::acc_to_operand(rest, lane, bits), lane);
+        for (int s = 0; s < 8; ++s) s_acc[s] = probability(s);
+        split_operands(dt, s_acc, lane, high, rest);
+        accumulate_split<kOutFrags, Shape::kTRow>(dt, dv_acc, dot_lds, qf * kFrag, high, rest, lane);
         #pragma unroll
-        for (int s = 0; s < 8; ++s) {
-          s_acc[s] = dS(s, s_acc[s]);
-          rest[s] = s_acc[s] - round_to(dt, s_acc[s]);
-        }
+        for (int s = 0; s < 8; ++s) s_acc[s] = dS(s, s_acc[s]);
       } else {
         #pragma unroll
         for (int s = 0; s < 8; ++s) {
           const float p = probability(s);
-          const float x = make_dk ? dS(s, p) : p;
-          s_acc[s] = x;
-          rest[s] = x - round_to(dt, x);
+          s_acc[s] = make_dk ? dS(s, p) : p;
         }
       }
-      accumulate_split<kOutFrags, Shape::kTRow>(dt, acc, make_dk ? qt_lds : dot_lds, qf * kFrag,
-                                                Isa::acc_to_operand(s_acc, lane, bits),
-                                                Isa::acc_to_operand(rest, lane, bits), lane);
+      split_operands(dt, s_acc, lane, high, rest);
+      accumulate_split<kOutFrags, Shape::kTRow>(dt, acc, make_dk ? qt_lds : dot_lds, qf * kFrag, high, rest, lane);
     }
   }
 
@@ -314,8 +321,10 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
     }
     for (int key0 = 0; key0 < key_end; key0 += BLOCK_N) {
       block_barrier();
-      load_rows<BLOCK_N, D_PAD, Shape::kRow, Shape::kThreads>(k_lds, k, a.k_stride_s, key0, a.seqlen_k, a.head_dim, tid);
-      load_rows<BLOCK_N, D_PAD, Shape::kRow, Shape::kThreads>(v_lds, v, a.v_stride_s, key0, a.seqlen_k, a.head_dim, tid);
+      load_rows<BLOCK_N, D_PAD, Shape::kRow, Shape::kThreads, true>(k_lds, k, a.k_stride_s, key0, a.seqlen_k,
+                                                                    a.head_dim, tid);
+      load_rows<BLOCK_N, D_PAD, Shape::kRow, Shape::kThreads, true>(v_lds, v, a.v_stride_s, key0, a.seqlen_k,
+                                                                    a.head_dim, tid);
       if (sweep == 1)
         load_transposed<BLOCK_N, D_CHUNK, Shape::kTRow, Shape::kThreads>(kt_lds, k, a.k_stride_s, key0, a.seqlen_k,
                                                                          col0, a.head_dim, tid);
@@ -335,22 +344,26 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
           Isa::mma(dt, dp_acc[j], load_operand<Shape::kRow>(v_lds + j * kFrag * Shape::kRow, d * kFrag, lane), do_op);
         }
       }
+      // K and V rows lie in key_slot order, so accumulator value s is key acc_key(lane, s).
       #pragma unroll
       for (int j = 0; j < kKeyFrags; ++j) {
         #pragma unroll
         for (int s = 0; s < 8; ++s) {
-          const int key = key0 + j * kFrag + Isa::acc_row(lane, s);
-          const float p = key < key_limit ? exp2_approx(s_acc[j][s] * a.scale_log2 - lse_log2) : 0.f;
-          delta_share += p * dp_acc[j][s];
-          p_share += p;
-          dp_acc[j][s] = p * (dp_acc[j][s] - delta);                // dS^T (used in sweep 1)
-          s_acc[j][s] = dp_acc[j][s] - round_to(dt, dp_acc[j][s]);  // what 16 bits lose of it
+          const int key = key0 + j * kFrag + Isa::acc_key(lane, s);
+          s_acc[j][s] = key < key_limit ? exp2_approx(s_acc[j][s] * a.scale_log2 - lse_log2) : 0.f;  // P^T
         }
-        if (sweep == 1) {
-          const auto bits = [dt](float x) { return to_bits(dt, x); };
-          accumulate_split<kOutFrags, Shape::kTRow>(dt, dq_acc, kt_lds, j * kFrag,
-                                                    Isa::acc_to_operand(dp_acc[j], lane, bits),
-                                                    Isa::acc_to_operand(s_acc[j], lane, bits), lane);
+        if (sweep == 0) {
+          #pragma unroll
+          for (int s = 0; s < 8; ++s) {
+            delta_share += s_acc[j][s] * dp_acc[j][s];
+            p_share += s_acc[j][s];
+          }
+        } else {
+          #pragma unroll
+          for (int s = 0; s < 8; ++s) dp_acc[j][s] = s_acc[j][s] * (dp_acc[j][s] - delta);  // dS^T
+          Isa::Operand high, rest;
+          split_operands(dt, dp_acc[j], lane, high, rest);
+          accumulate_split<kOutFrags, Shape::kTRow>(dt, dq_acc, kt_lds, j * kFrag, high, rest, lane);
         }
       }
     }

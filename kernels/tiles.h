@@ -16,16 +16,37 @@ RDNA_DEV void store16(u16* p, const u32x4& v) { *reinterpret_cast<u32x4*>(p) = v
 
 // Copies rows [row0, row0 + ROWS) x columns [0, COLS) of a (seq, dim) matrix into LDS, zero where
 // the row is past seqlen or the column past head_dim: padding never reaches the arithmetic.
-template <int ROWS, int COLS, int LDS_ROW, int THREADS>
+// KEY_ORDER: row r of each 16-row fragment goes to LDS row Isa::key_slot(r) (see the ISA headers),
+// so that a product with these rows as A puts them in the accumulator in Isa::acc_key order.
+// Loads are issued kCopyBatch at a time before their stores: one memory round trip per batch. More
+// in flight spill registers in the backward kernels' dQ (d128) on gfx1100.
+constexpr int kCopyBatch = 2;
+
+template <int ROWS, int COLS, int LDS_ROW, int THREADS, bool KEY_ORDER = false>
 RDNA_DEV void load_rows(u16* dst, const u16* src, i64 stride, int row0, int seqlen, int head_dim, int tid) {
   constexpr int kChunks = COLS / 8;
-  for (int i = tid; i < ROWS * kChunks; i += THREADS) {
-    const int r = i / kChunks;
-    const int c = (i % kChunks) * 8;
-    const int row = row0 + r;
-    u32x4 val = zero_u32x4();
-    if (row < seqlen && c < head_dim) val = load16(src + row * stride + c);
-    store16(dst + r * LDS_ROW + c, val);
+  constexpr int kTotal = ROWS * kChunks;
+  constexpr int kLoads = (kTotal + THREADS - 1) / THREADS;
+  constexpr int kBatch = kLoads < kCopyBatch ? kLoads : kCopyBatch;
+  #pragma unroll 1
+  for (int b = 0; b < kLoads; b += kBatch) {
+    u32x4 val[kBatch];
+    #pragma unroll
+    for (int n = 0; n < kBatch; ++n) {
+      const int i = tid + (b + n) * THREADS;
+      const int row = row0 + i / kChunks;
+      const int c = (i % kChunks) * 8;
+      val[n] = zero_u32x4();
+      if (b + n < kLoads && (kTotal % THREADS == 0 || i < kTotal) && row < seqlen && c < head_dim)
+        val[n] = load16(src + row * stride + c);
+    }
+    #pragma unroll
+    for (int n = 0; n < kBatch; ++n) {
+      const int i = tid + (b + n) * THREADS;
+      const int r = i / kChunks;
+      const int slot = KEY_ORDER ? (r & ~15) + Isa::key_slot(r & 15) : r;
+      if (b + n < kLoads && (kTotal % THREADS == 0 || i < kTotal)) store16(dst + slot * LDS_ROW + (i % kChunks) * 8, val[n]);
+    }
   }
 }
 

@@ -17,29 +17,11 @@ struct Isa {
   template <class DT>
   static RDNA_DEV void mma(DT dt, v8f& c, const Operand& a, const Operand& b) { c = wmma_gfx11(dt, a.w, b.w, c); }
 
-  // Turns an accumulator tile X (rows k, columns n) into the B operand X of the next product,
-  // each value converted to 16 bits by `convert`. Row 2s + h lives in half h, so each lane takes the
-  // odd or even rows from its partner lane.
-  template <class Convert>
-  static RDNA_DEV Operand acc_to_operand(const v8f& c, int lane, Convert convert) {
-    Operand out;
-    const bool upper = lane >= 16;
-    #pragma unroll
-    for (int j = 0; j < 8; j += 2) {
-      const u32 mine = pack_u16x2(convert(c[j]), convert(c[j + 1]));
-      const u32 theirs = other_half(mine);
-      const u32 even_rows = upper ? theirs : mine;
-      const u32 odd_rows = upper ? mine : theirs;
-      out.w[j] = (even_rows & 0xffffu) | (odd_rows << 16);
-      out.w[j + 1] = (even_rows >> 16) | (odd_rows & 0xffff0000u);
-    }
-    return out;
-  }
-
-  // The forward's S^T = K Q^T stores key k of a 16-key fragment in LDS row key_slot(k). Then
-  // accumulator row 2s + l / 16 holds key 8 * (l / 16) + s: each half-wave holds 8 consecutive keys
-  // (as on gfx12), and P^T needs one permlanex16 and two selects per packed pair of probabilities
-  // instead of selects, masks and shifts per 16-bit value.
+  // The kernels store key (or query) k of a 16-row A operand fragment in LDS row key_slot(k) when the
+  // product's accumulator rows become the k of the next product (the forward's P^T, the backward's
+  // P and dS). Then accumulator row 2s + l / 16 holds key 8 * (l / 16) + s: each half-wave holds 8
+  // consecutive keys (as on gfx12), and the B operand needs one permlanex16 and two selects per
+  // packed pair instead of selects, masks and shifts per 16-bit value.
   static RDNA_DEV int key_slot(int key) { return ((key & 7) << 1) | (key >> 3); }
   static RDNA_DEV int acc_key(int lane, int s) { return 8 * (lane >> 4) + s; }
 

@@ -15,16 +15,8 @@ struct Isa {
   template <class DT>
   static RDNA_DEV void mma(DT dt, v8f& c, const Operand& a, const Operand& b) { c = wmma_gfx12(dt, a.w, b.w, c); }
 
-  // The accumulator's rows in a lane are exactly the k values its B operand needs: no exchange.
-  template <class Convert>
-  static RDNA_DEV Operand acc_to_operand(const v8f& c, int, Convert convert) {
-    Operand out;
-    #pragma unroll
-    for (int j = 0; j < 4; ++j) out.w[j] = pack_u16x2(convert(c[2 * j]), convert(c[2 * j + 1]));
-    return out;
-  }
-
-  // The forward's key order (see gfx11.h): the natural one here.
+  // The key order of gfx11.h's key_slot: the natural one here, where the accumulator's rows in a
+  // lane are exactly the k values its B operand needs.
   static RDNA_DEV int key_slot(int key) { return key; }
   static RDNA_DEV int acc_key(int lane, int s) { return acc_row(lane, s); }
   static RDNA_DEV Operand keys_to_operand(const u32 (&packed)[4], int) {
