@@ -218,10 +218,10 @@ def flash_attention_forward(q, k, v, is_causal: bool = False, scale: float | Non
         launch = _forward_launches.get(signature) if signature is not None else None
         if launch is not None:
             return launch(q, k, v)
-    launch = forward_launch(q, k, v, is_causal, scale)
-    reason = _output_refusal(q, out, lse)
-    if reason is not None:
+    reason = forward_refusal(q, k, v, is_causal, scale) or _output_refusal(q, out, lse)
+    if reason is not None:  # before the library loads: bad arguments are named whatever the device
         raise ValueError(reason)
+    launch = _ForwardLaunch(runtime.library_for(q.device), q, k, v, is_causal, scale)
     if out is None and lse is None:
         if signature is not None:
             if len(_forward_launches) >= _MAX_CACHED_SIGNATURES:

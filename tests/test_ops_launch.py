@@ -90,3 +90,14 @@ def test_given_out_and_lse_are_written_where_they_lie(library):
     written = ops.flash_attention_forward(q, k, v, out=out, lse=lse)
     assert written[0] is out and written[1] is lse
     assert library.launches[-1] == expected_launch(q, k, v, out, lse)
+
+
+def test_a_bad_out_is_named_before_any_library_is_loaded(monkeypatch):
+    def unavailable(device):
+        raise ops.KernelUnavailable("no code object for this GPU")
+
+    monkeypatch.setattr(ops, "KERNEL_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(runtime, "library_for", unavailable)
+    q, k, v = tensors()
+    with pytest.raises(ValueError, match="out must"):
+        ops.flash_attention_forward(q, k, v, out=torch.empty(1, dtype=q.dtype), lse=torch.empty(2, 3, 40))
