@@ -2,9 +2,10 @@
 start, each in a subprocess of the host's Python.
 
 It checks every prebuilt code object against the sha256 in prebuilt/manifest.json and prints one
-status line. It imports nothing but the standard library (no torch, no GPU query: under ZLUDA the GPU
-is not even reachable from here), installs nothing, and takes a few tens of milliseconds, so it runs
-in full every time rather than caching a verdict.
+status line. It imports nothing but the standard library and the facts the build and the loader share
+(rdna_flash_attn/runtime/build_facts.py, loaded by its path, so neither the package nor torch is
+imported: under ZLUDA the GPU is not even reachable from here), installs nothing, and takes a few tens
+of milliseconds, so it runs in full every time rather than caching a verdict.
 
 It exits 0 whatever it finds, so the host always starts: a damaged code object is refused anyway when
 the runtime loads it (the kernels stay off for that GPU target and attention runs on PyTorch SDPA),
@@ -14,23 +15,36 @@ and this line tells the user why and how to repair it. `--strict` exits 1 on any
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import sys
 import time
 from pathlib import Path
 
-PREBUILT = Path(__file__).resolve().parent / "prebuilt"
+ROOT = Path(__file__).resolve().parent
+PREBUILT = ROOT / "prebuilt"
+BUILD_FACTS = ROOT / "rdna_flash_attn" / "runtime" / "build_facts.py"
 PREFIX = "[RDNA Flash Attention]"
 REPAIR = "reinstall the extension (or git checkout prebuilt/) to repair"
 
 
+def load_build_facts():
+    """The package's runtime/build_facts.py as a module of its own (standard library only)."""
+    spec = importlib.util.spec_from_file_location("rdna_flash_attn_build_facts", BUILD_FACTS)
+    facts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(facts)
+    return facts
+
+
 def check(prebuilt: Path) -> tuple[list[str], list[str]]:
     """(targets whose code objects all match their sha256, problems in a few words each)."""
+    facts = load_build_facts()
     try:
-        manifest = json.loads((prebuilt / "manifest.json").read_text(encoding="utf-8"))
-        # "targets": code object v5; "targets_cov4": the v4 ones beside them (older HIP runtimes)
-        tables = [manifest["targets"], manifest.get("targets_cov4", {})]
-        entries = [(target, table[target]["file"], table[target]["sha256"]) for table in tables for target in table]
+        manifest = json.loads((prebuilt / facts.MANIFEST_FILE).read_text(encoding="utf-8"))
+        if not isinstance(manifest.get("targets"), dict):
+            raise KeyError("targets")
+        entries = [(target, entry["file"], entry["sha256"])
+                   for target, _version, entry in facts.listed_code_objects(manifest)]
     except FileNotFoundError:
         return [], ["prebuilt/manifest.json is missing"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):

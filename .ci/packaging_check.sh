@@ -33,23 +33,26 @@ python3 -m pip wheel --no-deps -q -w "$work/dist" .
 wheel=$(ls "$work"/dist/rdna_flash_attn-*-py3-none-any.whl)
 echo "$wheel"
 python3 - "$wheel" <<'EOF'
-import json, sys, zipfile
+import json, pathlib, sys, zipfile
+from rdna_flash_attn.runtime import build_facts as facts
 names = set(zipfile.ZipFile(sys.argv[1]).namelist())
-manifest = json.loads(zipfile.ZipFile(sys.argv[1]).read("rdna_flash_attn/prebuilt/manifest.json"))
-required = {"rdna_flash_attn_autoload.pth", "rdna_flash_attn/__init__.py", "rdna_flash_attn/rebuild.py",
-            "rdna_flash_attn/prebuilt/manifest.json", "rdna_flash_attn/kernels/attention.hip",
-            "rdna_flash_attn/kernels/isa/gfx11.h", "rdna_flash_attn/kernels/isa/gfx12.h",
-            "rdna_flash_attn/kernels/platform/amdgcn.h"}
-required |= {f"rdna_flash_attn/prebuilt/{entry['file']}" for entry in manifest["targets"].values()}
-required |= {f"rdna_flash_attn/prebuilt/{entry['file']}" for entry in manifest["targets_cov4"].values()}
+manifest = json.loads(zipfile.ZipFile(sys.argv[1]).read(f"rdna_flash_attn/prebuilt/{facts.MANIFEST_FILE}"))
+sources = {path.as_posix() for path in pathlib.Path("rdna_flash_attn").rglob("*.py")}
+required = {"rdna_flash_attn_autoload.pth", f"rdna_flash_attn/prebuilt/{facts.MANIFEST_FILE}",
+            f"rdna_flash_attn/kernels/{facts.MAIN_SOURCE}", "rdna_flash_attn/kernels/isa/gfx11.h",
+            "rdna_flash_attn/kernels/isa/gfx12.h", "rdna_flash_attn/kernels/platform/amdgcn.h"}
+required |= sources
+required |= {f"rdna_flash_attn/prebuilt/{entry['file']}" for _, _, entry in facts.listed_code_objects(manifest)}
 missing = sorted(required - names)
 stray = sorted(n for n in names if n.startswith(("prebuilt/", "kernels/", "tests/", "build/")) or "__pycache__" in n
                or n.endswith("/kernels/build.py"))
-assert len(manifest["targets"]) == 8, manifest["targets"].keys()
-assert sorted(manifest["targets_cov4"]) == ["gfx1100", "gfx1101", "gfx1102", "gfx1103"], manifest["targets_cov4"].keys()
+listed = facts.listed_code_objects(manifest)
+assert sorted(t for t, v, _ in listed if v == facts.CODE_OBJECT_VERSION) == sorted(facts.PREBUILT_TARGETS), listed
+assert sorted(t for t, v, _ in listed if v == facts.LEGACY_CODE_OBJECT_VERSION) == sorted(facts.LEGACY_TARGETS), listed
 assert not missing, f"missing from the wheel: {missing}"
 assert not stray, f"should not be in the wheel: {stray}"
-print(f"wheel: {len(names)} files; 8 v5 and 4 v4 code objects, manifest, kernel sources, .pth at the root")
+print(f"wheel: {len(names)} files; every package module, {len(listed)} code objects (v5 and v4), manifest, "
+      "kernel sources, .pth at the root")
 EOF
 
 step "fresh virtual environment: CPU torch, then pip install . (the source tree)"
@@ -76,16 +79,18 @@ built=$(ls "$work"/cache/kernels/*/rdna_fa_gfx1100.hsaco)
 cmp "$built" "$repo/prebuilt/rdna_fa_gfx1100.hsaco"
 cmp "$(dirname "$built")/rdna_fa_gfx1100.cov4.hsaco" "$repo/prebuilt/rdna_fa_gfx1100.cov4.hsaco"
 echo "gfx1100 rebuilt from the wheel's sources is identical to prebuilt/rdna_fa_gfx1100.hsaco and .cov4.hsaco"
-python3 - "$(dirname "$built")/manifest.json" "$repo/prebuilt/manifest.json" <<'EOF'
+"$py" - "$(dirname "$built")/manifest.json" "$repo/prebuilt/manifest.json" <<'EOF'
 import json, sys
+from rdna_flash_attn.runtime import build_facts as facts
 local, committed = (json.load(open(path)) for path in sys.argv[1:])
 assert local["source_hash"] == committed["source_hash"], "kernel sources changed since prebuilt/ was built: run python kernels/build.py"
-assert local["targets"]["gfx1100"]["sha256"] == committed["targets"]["gfx1100"]["sha256"]
-assert local["targets_cov4"]["gfx1100"]["sha256"] == committed["targets_cov4"]["gfx1100"]["sha256"]
+for version in facts.code_object_versions("gfx1100"):
+    table = facts.manifest_table(version)
+    assert local[table]["gfx1100"]["sha256"] == committed[table]["gfx1100"]["sha256"], table
 print(f"manifest source hash {committed['source_hash'][:12]} matches the sources")
 EOF
 RDNA_FA_CACHE_DIR="$work/cache" "$py" -c "
-from rdna_flash_attn import artifacts
+from rdna_flash_attn.runtime import artifacts
 for artifact in artifacts.amd_artifacts('gfx1100'):
     assert artifact.local and artifact.read_verified(), artifact
     print(f'runtime picks the local build (code object v{artifact.code_object_version}):', artifact.path)"

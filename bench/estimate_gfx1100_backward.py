@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from estimate_gfx1100 import (BATCH_HEADS, DTYPES, HARDWARE, SEQ, SIMDS_PER_CU, Insn,  # noqa: E402
                               disassemble, model, tally, variants)
 
-from rdna_flash_attn.codeobject import load_code_object  # noqa: E402
-from rdna_flash_attn.report import find_objdump, occupancy  # noqa: E402
+from rdna_flash_attn.runtime.codeobject import load_code_object  # noqa: E402
+from rdna_flash_attn.tools.report import find_objdump, occupancy  # noqa: E402
 
 # The backward's targets (issue 13) are at d64 and d128; the forward estimate covers more head dims.
 HEAD_DIMS = (64, 128)

@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 import torch
 
 import rdna_flash_attn
-from rdna_flash_attn.benchmark import ModelProvider
+from rdna_flash_attn.tools.benchmark import ModelProvider
 
 GUIDANCE = 7.0
 TEXT_TOKENS = 77

@@ -34,8 +34,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import rdna_flash_attn as rfa  # noqa: E402
-from rdna_flash_attn import dispatch, ops  # noqa: E402
-from rdna_flash_attn import device as _device  # noqa: E402
+from rdna_flash_attn.dispatch import router as dispatch  # noqa: E402
+from rdna_flash_attn.ops import attention as ops  # noqa: E402
+from rdna_flash_attn.runtime import device as _device  # noqa: E402
 
 TARGET_US = 30.0  # issue 13: the drop-in within 30 us per call, about 1.2x torch's SDPA
 # (name, batch, heads, tokens, head dim, layout): BHSD as allocated; BSHD a transposed view, as

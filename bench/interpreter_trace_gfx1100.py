@@ -25,9 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import estimate_gfx1100 as estimator  # noqa: E402
 
-from rdna_flash_attn import artifacts, ops, runtime, variants  # noqa: E402
+from rdna_flash_attn.runtime import artifacts, loader as runtime, variants  # noqa: E402
+from rdna_flash_attn.ops import attention as ops  # noqa: E402
 from rdna_flash_attn.interpreter import InterpretedLibrary  # noqa: E402
-from rdna_flash_attn.report import find_objdump  # noqa: E402
+from rdna_flash_attn.tools.report import find_objdump  # noqa: E402
 
 KINDS = ("wmma", "valu", "trans", "salu", "branch", "barrier", "waitcnt", "hint", "lds_read", "lds_write",
          "global_load", "global_store", "smem")

@@ -33,7 +33,7 @@ if __name__ == "__main__":  # run as a script: this checkout's package (imported
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import rdna_flash_attn  # noqa: E402
-from rdna_flash_attn.diffusers_attention import install_attention_processor  # noqa: E402
+from rdna_flash_attn.integrations.diffusers_attention import install_attention_processor  # noqa: E402
 
 BACKENDS = ("kernels", "math", "flash")
 RUN_ORDER = ("math", "flash", "kernels")  # the slowest (kernels, emulated) last: it gets what the budget has left

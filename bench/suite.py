@@ -1,6 +1,6 @@
 """The end-to-end benchmark suite, one command:
 
-    python bench/suite.py --out DIR                   # or: python -m rdna_flash_attn bench --suite full --out DIR
+    python bench/suite.py --out DIR                   # from a clone of the repository, in the host's Python
 
 1. kernels: forward and backward on the attention shapes of DESIGN.md section 4, the kernels against
    every SDPA backend the device offers (time, TFLOP/s, peak extra memory);
@@ -34,7 +34,7 @@ if str(REPO) not in sys.path:  # run as a script: make the package and bench/ im
 
 import torch  # noqa: E402
 
-from rdna_flash_attn import benchmark  # noqa: E402
+from rdna_flash_attn.tools import benchmark  # noqa: E402
 
 SCHEMA_VERSION = 1
 PARTS = ("kernels", "memory", "generation", "vae", "static")

@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 import torch
 
 import rdna_flash_attn
-from rdna_flash_attn.benchmark import ModelProvider
+from rdna_flash_attn.tools.benchmark import ModelProvider
 
 from .generation import default_dtype, is_out_of_memory, mib, out_of_memory_note, release, start_measurement, sync
 

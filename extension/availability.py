@@ -11,9 +11,10 @@ import logging
 
 import torch
 
-from rdna_flash_attn import artifacts, dispatch, settings
-from rdna_flash_attn import device as devices
+from rdna_flash_attn import settings
 from rdna_flash_attn.config import LOGGER_NAME
+from rdna_flash_attn.dispatch import router
+from rdna_flash_attn.runtime import artifacts, device as devices
 
 log = logging.getLogger(LOGGER_NAME)
 PREFIX = "RDNA Flash Attention"
@@ -27,7 +28,7 @@ def reason(device: torch.device) -> str | None:
         return "disabled (RDNA_FA_DISABLE=1)"
     try:
         artifacts.load_manifest()
-        refusal = dispatch.device_refusal(device)
+        refusal = router.device_refusal(device)
         if refusal:
             return refusal
         info = devices.describe(device)

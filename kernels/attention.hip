@@ -1,6 +1,6 @@
 // The translation unit of every kernel, for every target: the matrix ISA comes from isa/gfx11.h or
 // isa/gfx12.h, the hardware from platform/ (real AMD, or its NVIDIA emulation). The variant lists
-// are generated from rdna_flash_attn/variants.py by kernels/build.py.
+// are generated from rdna_flash_attn/runtime/variants.py by kernels/build.py.
 #include "fa_fwd.h"
 #include "fa_bwd.h"
 

@@ -7,9 +7,10 @@
     python kernels/build.py --check              # manifest matches the sources and the files
 
 AMD code objects come from clang >= 19 with builtins only (no ROCm headers or device libraries), so
-Debian's clang-19 reproduces them byte for byte. The flags, the source hash, the compiler search and
-the manifest live in rdna_flash_attn/rebuild.py, which a user's local rebuild runs too; here ninja
-runs the compiles in parallel and shows progress.
+Debian's clang-19 reproduces them byte for byte. The flags, file names and manifest tables live in
+rdna_flash_attn/runtime/build_facts.py (which the loader reads too), the compiler search and the manifest
+writer in rdna_flash_attn/tools/rebuild.py (which a user's local rebuild runs too); here ninja runs the
+compiles in parallel and shows progress.
 """
 
 from __future__ import annotations
@@ -29,22 +30,18 @@ EMU_DIR = BUILD / "emu"
 GENERATED = BUILD / "gen"
 sys.path.insert(0, str(ROOT))
 
-from rdna_flash_attn import variants  # noqa: E402  (needs ROOT on the path)
-from rdna_flash_attn.rebuild import (  # noqa: E402
+from rdna_flash_attn.runtime import variants  # noqa: E402  (needs ROOT on the path)
+from rdna_flash_attn.runtime.artifacts import source_hash  # noqa: E402
+from rdna_flash_attn.runtime.build_facts import (  # noqa: E402
     MAIN_SOURCE,
     PREBUILT_TARGETS as AMD_TARGETS,
-    BuildError,
     artifact_name,
     clang_flags,
     code_object_versions,
-    find_clang,
     manifest_table,
-    sha256_file,
     source_files,
-    source_hash,
-    write_instances,
-    write_manifest,
 )
+from rdna_flash_attn.tools.rebuild import BuildError, find_clang, sha256_file, write_instances, write_manifest  # noqa: E402
 
 EMULATED_LAYERS = ("gfx11", "gfx12")
 CUDA_ARCHS = ("80", "90")
@@ -95,7 +92,7 @@ def check(out_dir: Path) -> int:
     if manifest.get("source_hash") != source_hash(KERNELS):
         problems.append("kernel sources changed since prebuilt/ was built: run python kernels/build.py")
     if manifest.get("abi_version") != variants.ABI_VERSION:
-        problems.append("manifest ABI version differs from rdna_flash_attn/variants.py")
+        problems.append("manifest ABI version differs from rdna_flash_attn/runtime/variants.py")
     for target in AMD_TARGETS:
         for version in code_object_versions(target):
             entry = manifest.get(manifest_table(version), {}).get(target)

@@ -24,7 +24,7 @@
 
 namespace rdna {
 
-// Kernel argument block for both kernels; mirrored by rdna_flash_attn/launch_args.py.
+// Kernel argument block for both kernels; mirrored by rdna_flash_attn/ops/launch_args.py.
 struct BwdArgs {
   const u16* q;
   const u16* k;
@@ -89,7 +89,7 @@ RDNA_DEV void split_operands(DT dt, const v8f& x, int lane, Isa::Operand& high, 
   rest = Isa::keys_to_operand(rest_bits, lane);
 }
 
-// LDS of the dK/dV kernel; rdna_flash_attn/variants.py computes the same size.
+// LDS of the dK/dV kernel; rdna_flash_attn/runtime/variants.py computes the same size.
 template <int D_PAD, int WAVES, int BLOCK_M, int D_CHUNK>
 struct DkdvShape {
   static constexpr int kBlockN = kFrag * WAVES;
@@ -250,7 +250,7 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
   }
 }
 
-// LDS of the dQ kernel; rdna_flash_attn/variants.py computes the same size.
+// LDS of the dQ kernel; rdna_flash_attn/runtime/variants.py computes the same size.
 template <int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK>
 struct DqShape {
   static constexpr int kBlockM = kFrag * WAVES;

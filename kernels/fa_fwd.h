@@ -9,7 +9,7 @@
 
 namespace rdna {
 
-// Kernel argument block; mirrored by rdna_flash_attn/launch_args.py (ABI version 1).
+// Kernel argument block; mirrored by rdna_flash_attn/ops/launch_args.py (ABI version 1).
 struct FwdArgs {
   const u16* q;
   const u16* k;
@@ -26,7 +26,7 @@ struct FwdArgs {
   int q_blocks;
 };
 
-// The LDS layout; rdna_flash_attn/variants.py computes the same size for the launcher.
+// The LDS layout; rdna_flash_attn/runtime/variants.py computes the same size for the launcher.
 template <int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK>
 struct FwdShape {
   static constexpr int kBlockM = kFrag * WAVES;

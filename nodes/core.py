@@ -54,7 +54,7 @@ def load_core() -> ModuleType:
         return current
     # An old ComfyUI loader registered this repository's entry point under the core's name: the
     # loader keeps its own reference to that module, so the name can go to the core. Submodules
-    # already imported (rdna_flash_attn.dispatch, ...) are reused, not executed again.
+    # already imported (rdna_flash_attn.dispatch.router, ...) are reused, not executed again.
     displaced = sys.modules.pop(CORE_NAME, None)
     try:
         if (CORE_FOLDER / "__init__.py").is_file():

@@ -7,14 +7,26 @@ the kernels do not support.
     print(rfa.explain(q, k, v), rfa.stats())            # why, and how often
 
 Importing touches no GPU: devices are probed on their first attention call.
+
+The package is built in layers, each a subpackage whose modules import only their own layer and
+those below it (tests/test_layers.py checks it):
+
+    tools         the CLI (doctor, selftest, bench, rebuild, report)
+    integrations  the trainer launcher and .pth hook, the diffusers processor, flash-attn's API
+    dispatch      per call: the kernels or SDPA, and why; the first-use self-test; the SDPA override
+    ops           the kernels as torch ops: argument checks, launches, autograd and custom ops
+    runtime       the code objects: kernel table, manifest, files, devices, loading and launching
+    interpreter   the shipped code objects run on the CPU, instruction by instruction (beside ops)
+
+config (settings, logger) and version sit below them all; this module is the public API on top.
 """
 
-__version__ = "0.1.0"
-
 from .config import Settings, settings
-from .dispatch import attention_or_reason, explain, reset_stats, scaled_dot_product_attention, stats
-from .flash_attn_interface import flash_attn_func
-from .sdpa_patch import disable_sdpa_patch, enable_sdpa_patch, patch_sdpa, sdpa_patch_enabled
+from .dispatch.router import attention_or_reason, explain, reset_stats, scaled_dot_product_attention, stats
+from .dispatch.sdpa_patch import disable_sdpa_patch, enable_sdpa_patch, patch_sdpa, sdpa_patch_enabled
+from .integrations.diffusers_attention import install_attention_processor, restore_attention_processors
+from .integrations.flash_attn_interface import flash_attn_func
+from .version import __version__
 
 __all__ = [
     "Settings",
@@ -24,8 +36,10 @@ __all__ = [
     "enable_sdpa_patch",
     "explain",
     "flash_attn_func",
+    "install_attention_processor",
     "patch_sdpa",
     "reset_stats",
+    "restore_attention_processors",
     "scaled_dot_product_attention",
     "sdpa_patch_enabled",
     "settings",

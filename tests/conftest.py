@@ -8,8 +8,13 @@ import logging
 import pytest
 import torch
 
-from rdna_flash_attn import autograd, device, dispatch, ops, sdpa_patch, selftest
+from pathlib import Path
+from types import SimpleNamespace
+
 from rdna_flash_attn.config import LOGGER_NAME, Settings, settings
+from rdna_flash_attn.dispatch import router as dispatch, sdpa_patch, selftest
+from rdna_flash_attn.ops import autograd, attention as ops
+from rdna_flash_attn.runtime import artifacts, device, loader
 
 ZLUDA_NAME = "AMD Radeon RX 7900 XTX [ZLUDA]"
 FAKE_ARTIFACT = {"target": "gfx1100", "path": "/fake/prebuilt/gfx1100.hsaco", "sha256": "ab" * 32, "emulated": False}
@@ -58,10 +63,19 @@ class FakeDevices:
     def __init__(self):
         self.info = dict(backend="zluda", name=ZLUDA_NAME, gfx_target="gfx1100", runtime_version="6.2.41512")
         self.calls = 0
+        self.loads = 0  # loaded_library calls
+        self.sha256 = FAKE_ARTIFACT["sha256"]  # of the code object loaded_library gives
 
     def describe(self, dev):
         self.calls += 1
         return device.DeviceInfo(index=torch.device(dev).index, **self.info)
+
+    def loaded_library(self, info: device.DeviceInfo):
+        """loader.loaded_library's double: the code object and device description a library carries."""
+        self.loads += 1
+        artifact = artifacts.Artifact(FAKE_ARTIFACT["target"], Path(FAKE_ARTIFACT["path"]), self.sha256,
+                                      emulated=False)
+        return SimpleNamespace(artifact=artifact, device_info=info, runtime_version=info.runtime_version)
 
 
 _real_forward_refusal = ops.forward_refusal
@@ -107,7 +121,7 @@ def untested_fake_gpu(monkeypatch) -> FakeKernels:
     its self-test has not run yet."""
     kernels = FakeKernels()
     monkeypatch.setattr(device, "describe", kernels.devices.describe)
-    monkeypatch.setattr(ops, "availability", lambda dev: None)
+    monkeypatch.setattr(loader, "loaded_library", kernels.devices.loaded_library)
     monkeypatch.setattr(ops, "artifact_info", lambda dev: dict(FAKE_ARTIFACT))
     monkeypatch.setattr(ops, "forward_refusal", kernels.forward_refusal)
     monkeypatch.setattr(ops, "flash_attention_forward", kernels.flash_attention_forward)
@@ -121,7 +135,8 @@ def fake_gpu(untested_fake_gpu, monkeypatch) -> FakeKernels:
     """untested_fake_gpu with a passed self-test already cached, so no test launch is counted."""
     with monkeypatch.context() as patch:
         patch.setattr(selftest, "run_checks", lambda dev: [])
-        selftest.run(torch.device("cpu"))
+        gpu = torch.device("cuda", 0)
+        selftest.run(gpu, loader.loaded_library(device.describe(gpu)))
     return untested_fake_gpu
 
 

@@ -27,7 +27,7 @@ def test_import_is_cheap_and_touches_no_gpu():
     code = (
         "import sys, torch, rdna_flash_attn\n"
         "assert not torch.cuda.is_initialized()\n"
-        "heavy = {'matplotlib', 'rdna_flash_attn.benchmark', 'rdna_flash_attn.cli'} & set(sys.modules)\n"
+        "heavy = {'matplotlib', 'rdna_flash_attn.tools.benchmark', 'rdna_flash_attn.tools.cli'} & set(sys.modules)\n"
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

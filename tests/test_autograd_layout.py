@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rdna_flash_attn import autograd, ops
+from rdna_flash_attn.ops import autograd, attention as ops
 
 
 def _misaligned_bshd(batch=1, seq=16, heads=3, dim=64):

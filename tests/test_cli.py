@@ -7,11 +7,15 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from rdna_flash_attn import benchmark, cli, device, dispatch, driver, ops, report, selftest
+from rdna_flash_attn.dispatch import router as dispatch, selftest
+from rdna_flash_attn.runtime import artifacts, device, driver, loader
+from rdna_flash_attn.tools import benchmark, cli, report
 
 ZLUDA_NAME = "AMD Radeon RX 7900 XTX [ZLUDA]"
 GPU = torch.device("cuda", 0)
@@ -58,6 +62,18 @@ def test_the_same_gpu_without_the_suffix_is_an_nvidia_device_to_policy(fake_cuda
     assert "RDNA_FA_FORCE" in dispatch._policy_refusal(info)
 
 
+def fake_code_object(monkeypatch, path="/p/gfx1100.hsaco", sha256="ef" * 32, refusal=None):
+    """loader.loaded_library gives a library of this code object, or raises `refusal`."""
+
+    def loaded_library(info):
+        if refusal:
+            raise loader.KernelUnavailable(refusal)
+        artifact = artifacts.Artifact("gfx1100", Path(path), sha256, emulated=False)
+        return SimpleNamespace(artifact=artifact, device_info=info, runtime_version=info.runtime_version)
+
+    monkeypatch.setattr(loader, "loaded_library", loaded_library)
+
+
 # --- doctor -------------------------------------------------------------------------------------------
 
 
@@ -77,35 +93,26 @@ def test_doctor_on_a_cpu_machine(capsys):
 
 
 def test_doctor_with_a_zluda_gpu(fake_cuda, monkeypatch, capsys):
-    monkeypatch.setattr(ops, "availability", lambda d: None)
-    monkeypatch.setattr(ops, "artifact_info", lambda d: {"target": "gfx1100", "path": "/p/gfx1100.hsaco",
-                                                         "sha256": "ef" * 32, "emulated": False})
+    fake_code_object(monkeypatch)
     monkeypatch.setattr(selftest, "run_checks", lambda d: [selftest.Check("forward out", 1e-4, 2e-3)])
     code, out, _ = run_cli(capsys, "doctor")
     assert code == 0
     for text in ("cuda:0:", ZLUDA_NAME, "zluda", "gfx1100", "6.2.41512", "/p/gfx1100.hsaco", "ef" * 32,
-                 "loadable yes (sha256 verified)", "self-test passed (run now)", "kernels ON"):
+                 "code object v5 loaded by HIP runtime 6.2.41512 (order tried: v5, v4)", "loadable yes (sha256 verified)", "self-test passed (run now)", "kernels ON"):
         assert text in out, text
     _, again, _ = run_cli(capsys, "doctor")
     assert "passed (cached)" in again
 
 
 def test_doctor_says_why_the_kernels_are_off(fake_cuda, monkeypatch, capsys):
-    monkeypatch.setattr(ops, "availability", lambda d: "no code object for gfx1100 in prebuilt/")
-
-    def missing(d):
-        raise ops.KernelUnavailable("no code object for gfx1100 in prebuilt/")
-
-    monkeypatch.setattr(ops, "artifact_info", missing)
+    fake_code_object(monkeypatch, refusal="no code object for gfx1100 in prebuilt/")
     _, out, _ = run_cli(capsys, "doctor")
     assert "artifact none: no code object" in out
     assert "kernels OFF: no code object for gfx1100 in prebuilt/" in out
 
 
 def test_doctor_reports_a_failed_self_test_and_the_disable_switch(fake_cuda, monkeypatch, capsys):
-    monkeypatch.setattr(ops, "availability", lambda d: None)
-    artifact = {"target": "gfx1100", "path": "p", "sha256": "0" * 64, "emulated": False}
-    monkeypatch.setattr(ops, "artifact_info", lambda d: artifact)
+    fake_code_object(monkeypatch, path="p", sha256="0" * 64)
     monkeypatch.setattr(selftest, "run_checks", lambda d: [selftest.Check("forward out x", 0.5, 2e-3)])
     _, out, _ = run_cli(capsys, "doctor")
     assert "kernels OFF: self-test failed: forward out x" in out
@@ -132,7 +139,7 @@ def test_selftest_reruns_and_prints_every_check(untested_fake_gpu, capsys):
 
 
 def test_selftest_without_kernels(untested_fake_gpu, monkeypatch, capsys):
-    monkeypatch.setattr(ops, "availability", lambda d: "no artifact")
+    fake_code_object(monkeypatch, refusal="no artifact")
     code, out, _ = run_cli(capsys, "selftest", "--device", "cpu")
     assert code == 2 and "no kernels to test: no artifact" in out
 

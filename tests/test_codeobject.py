@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from rdna_flash_attn.codeobject import (
+from rdna_flash_attn.runtime.codeobject import (
     CodeObjectError,
     load_code_object,
     parse_code_object,

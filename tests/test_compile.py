@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import rdna_flash_attn as rfa
-from rdna_flash_attn import autograd, dispatch, ops, selftest
+from rdna_flash_attn.ops import autograd, attention as ops
+from rdna_flash_attn.dispatch import router as dispatch, selftest
 from rdna_flash_attn.config import settings
 
 from .conftest import _math_attention, _real_forward_refusal

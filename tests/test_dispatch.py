@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import rdna_flash_attn as rfa
-from rdna_flash_attn import dispatch, ops, runtime, selftest
+from rdna_flash_attn.dispatch import router as dispatch, selftest
+from rdna_flash_attn.ops import attention as ops
+from rdna_flash_attn.runtime import loader as runtime
 from rdna_flash_attn.config import settings
 
 
@@ -185,21 +187,28 @@ def test_rdna3_and_rdna4_targets_are_on(fake_gpu, target):
     assert rfa.stats()["kernel"] == 1
 
 
+def refuse_code_object(monkeypatch, reason: str) -> None:
+    """The runtime refuses to load the device's code object, with `reason`."""
+
+    def refused(info):
+        raise runtime.KernelUnavailable(reason)
+
+    monkeypatch.setattr(runtime, "loaded_library", refused)
+
+
 def test_missing_artifact_falls_back_with_its_reason(fake_gpu, monkeypatch):
-    monkeypatch.setattr(ops, "availability", lambda dev: "no code object for gfx1100")
+    refuse_code_object(monkeypatch, "no code object for gfx1100")
     settings.force = True  # force cannot conjure an artifact
     rfa.scaled_dot_product_attention(*qkv())
     assert only_reason() == "no code object for gfx1100"
 
 
-def test_device_verdict_is_cached(fake_gpu, monkeypatch):
-    asked = []
-    monkeypatch.setattr(ops, "availability", lambda dev: asked.append(dev))
+def test_device_verdict_is_cached(fake_gpu):
     rfa.scaled_dot_product_attention(*qkv())
-    described = fake_gpu.devices.calls
+    described, loaded = fake_gpu.devices.calls, fake_gpu.devices.loads
     for _ in range(5):
         rfa.scaled_dot_product_attention(*qkv())
-    assert len(asked) == 1 and fake_gpu.devices.calls == described
+    assert fake_gpu.devices.loads == loaded and fake_gpu.devices.calls == described
     assert rfa.stats()["kernel"] == 6
 
 
@@ -464,11 +473,21 @@ def test_cached_decisions_tell_argument_types_apart(fake_gpu):
 def test_forgetting_devices_drops_cached_decisions(fake_gpu, monkeypatch):
     q, k, v = qkv()
     rfa.scaled_dot_product_attention(q, k, v)
-    monkeypatch.setattr(ops, "availability", lambda dev: "artifact removed")
+    refuse_code_object(monkeypatch, "artifact removed")
     rfa.scaled_dot_product_attention(q, k, v)  # the device verdict is cached: still the kernels
     dispatch.forget_devices()
     rfa.scaled_dot_product_attention(q, k, v)
     assert rfa.stats()["kernel"] == 2 and rfa.stats()["fallback_reasons"] == {"artifact removed": 1}
+
+
+def test_the_runtime_dropping_its_libraries_drops_the_decisions_made_on_them(fake_gpu, monkeypatch):
+    # A local rebuild drops the loaded code objects; the dispatcher hears it through loader.on_forget.
+    q, k, v = qkv()
+    rfa.scaled_dot_product_attention(q, k, v)
+    refuse_code_object(monkeypatch, "rebuilt code object refused")
+    runtime.forget_libraries()
+    rfa.scaled_dot_product_attention(q, k, v)
+    assert rfa.stats()["fallback_reasons"] == {"rebuilt code object refused": 1}
 
 
 def test_an_explicit_library_serves_ops_callers_not_the_dispatcher(caplog):

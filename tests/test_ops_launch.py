@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
-from rdna_flash_attn import ops, runtime, variants
-from rdna_flash_attn.launch_args import FwdArgs
+from rdna_flash_attn.ops import attention as ops
+from rdna_flash_attn.runtime import loader as runtime, variants
+from rdna_flash_attn.ops.launch_args import FwdArgs
 
 
 class RecordingLibrary:

@@ -8,8 +8,9 @@ import subprocess
 
 import pytest
 
-from rdna_flash_attn import report, variants
-from rdna_flash_attn.codeobject import KernelResources, load_code_object
+from rdna_flash_attn.tools import report
+from rdna_flash_attn.runtime import variants
+from rdna_flash_attn.runtime.codeobject import KernelResources, load_code_object
 
 CLANG = shutil.which("clang-19")
 OBJDUMP = report.find_objdump()

@@ -10,14 +10,21 @@ import pytest
 import torch
 
 import rdna_flash_attn as rfa
-from rdna_flash_attn import artifacts, autograd, dispatch, ops, selftest
 from rdna_flash_attn.config import settings
+from rdna_flash_attn.dispatch import router as dispatch, selftest
+from rdna_flash_attn.ops import autograd
+from rdna_flash_attn.runtime import artifacts, device, loader
 
 CPU = torch.device("cpu")
 
 
+def _library():
+    """The fake GPU's loaded library, described once, as the dispatcher hands both to the self-test."""
+    return loader.loaded_library(device.describe(CPU))
+
+
 def test_correct_kernels_pass_forward_and_backward(untested_fake_gpu):
-    record = selftest.run(CPU)
+    record = selftest.run(CPU, _library())
     assert record["passed"] and record["reason"] is None
     runs = len(selftest.CASES) * len(selftest.DTYPES)
     assert len(untested_fake_gpu.launches) == untested_fake_gpu.differentiable_launches == runs
@@ -30,7 +37,7 @@ def test_correct_kernels_pass_forward_and_backward(untested_fake_gpu):
 @pytest.mark.parametrize("error", [0.05, float("nan")])
 def test_wrong_kernels_fail(untested_fake_gpu, error):
     untested_fake_gpu.error = error
-    record = selftest.run(CPU)
+    record = selftest.run(CPU, _library())
     assert not record["passed"] and record["reason"].startswith("self-test failed: forward out")
 
 
@@ -42,22 +49,22 @@ def test_a_wrong_backward_fails(untested_fake_gpu, monkeypatch):
         return out.detach() + 1.1 * (out - out.detach())  # right values, gradients 10% off
 
     monkeypatch.setattr(autograd, "flash_attention", wrong_gradients)
-    record = selftest.run(CPU)
+    record = selftest.run(CPU, _library())
     assert not record["passed"] and "backward" in record["reason"]
 
 
 def test_a_kernel_that_raises_fails_without_crashing(untested_fake_gpu):
     untested_fake_gpu.raises = OSError("hipErrorNoBinaryForGpu")
-    record = selftest.run(CPU)
+    record = selftest.run(CPU, _library())
     assert not record["passed"] and "hipErrorNoBinaryForGpu" in record["reason"]
 
 
 def test_the_verdict_is_cached_on_disk(untested_fake_gpu):
-    assert selftest.verdict(CPU) is None
+    assert selftest.verdict(CPU, _library()) is None
     runs = len(untested_fake_gpu.launches)
-    assert selftest.verdict(CPU) is None
+    assert selftest.verdict(CPU, _library()) is None
     dispatch.forget_devices()  # as a new process would start
-    assert selftest.verdict(CPU) is None
+    assert selftest.verdict(CPU, _library()) is None
     assert len(untested_fake_gpu.launches) == runs
     (entry,) = json.loads((Path(settings.cache_dir) / "selftest.json").read_text()).values()
     assert entry["key"] == {
@@ -72,7 +79,7 @@ def test_the_verdict_is_cached_on_disk(untested_fake_gpu):
 @pytest.mark.parametrize(
     "change",
     [
-        lambda gpu, mp: mp.setattr(ops, "artifact_info", lambda d: {"sha256": "cd" * 32}),
+        lambda gpu, mp: mp.setattr(gpu.devices, "sha256", "cd" * 32),
         lambda gpu, mp: mp.setattr(torch, "__version__", "2.99.0"),
         lambda gpu, mp: gpu.devices.info.update(runtime_version="7.0.0"),
         lambda gpu, mp: gpu.devices.info.update(name="AMD Radeon RX 7800 XT [ZLUDA]"),
@@ -81,19 +88,19 @@ def test_the_verdict_is_cached_on_disk(untested_fake_gpu):
     ids=["artifact", "torch", "runtime", "device", "revision"],
 )
 def test_a_new_setup_is_tested_again(untested_fake_gpu, monkeypatch, change):
-    selftest.verdict(CPU)
+    selftest.verdict(CPU, _library())
     runs = len(untested_fake_gpu.launches)
     change(untested_fake_gpu, monkeypatch)
-    selftest.verdict(CPU)
+    selftest.verdict(CPU, _library())
     assert len(untested_fake_gpu.launches) == 2 * runs
     assert len(json.loads((Path(settings.cache_dir) / "selftest.json").read_text())) == 2
 
 
 def test_a_cached_failure_stays_a_failure_and_is_said_once_per_process(untested_fake_gpu, log_records):
     untested_fake_gpu.error = 1.0
-    reason = selftest.verdict(CPU)
+    reason = selftest.verdict(CPU, _library())
     untested_fake_gpu.error = 0.0  # the cache, not a new run, answers next
-    assert selftest.verdict(CPU) == reason
+    assert selftest.verdict(CPU, _library()) == reason
     warnings = [r for r in log_records.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2  # one per verdict; the dispatcher asks once per device and process
     q = torch.randn(1, 2, 8, 64, dtype=torch.float16)
@@ -107,7 +114,7 @@ def test_a_corrupt_cache_is_ignored(untested_fake_gpu):
     cache = Path(settings.cache_dir)
     cache.mkdir(parents=True)
     (cache / "selftest.json").write_text("{not json")
-    assert selftest.verdict(CPU) is None
+    assert selftest.verdict(CPU, _library()) is None
     assert json.loads((cache / "selftest.json").read_text())
 
 
@@ -115,16 +122,27 @@ def test_an_unwritable_cache_still_gives_a_verdict(untested_fake_gpu, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     settings.cache_dir = str(blocker / "cache")  # a folder inside a file cannot be made
-    assert selftest.verdict(CPU) is None
+    assert selftest.verdict(CPU, _library()) is None
 
 
-def test_no_artifact_is_a_verdict_not_an_error(untested_fake_gpu, monkeypatch):
-    def missing(device):
-        raise ops.KernelUnavailable("no code object for gfx1100")
+def test_no_code_object_is_a_verdict_not_an_error(untested_fake_gpu, monkeypatch):
+    def missing(info):
+        raise loader.KernelUnavailable("no code object for gfx1100")
 
-    monkeypatch.setattr(ops, "artifact_info", missing)
-    assert selftest.verdict(CPU) == "no code object for gfx1100"
-    assert selftest.cached(CPU) is None
+    monkeypatch.setattr(loader, "loaded_library", missing)
+    assert dispatch.selftest_refusal(CPU) == "no code object for gfx1100"
+    assert untested_fake_gpu.launches == []  # no self-test ran
+    assert not (Path(settings.cache_dir) / selftest.CACHE_FILE_NAME).exists()
+
+
+def test_a_first_call_describes_the_device_and_loads_its_code_object_once(untested_fake_gpu):
+    # The description travels with the loaded library down to the self-test's cache key.
+    q = torch.randn(1, 2, 8, 64, dtype=torch.float16)
+    rfa.scaled_dot_product_attention(q, q, q)
+    assert untested_fake_gpu.devices.loads == 1
+    described = untested_fake_gpu.devices.calls
+    rfa.scaled_dot_product_attention(q, q, q)
+    assert untested_fake_gpu.devices.calls == described and untested_fake_gpu.devices.loads == 1
 
 
 @pytest.mark.parametrize(

@@ -1,12 +1,13 @@
 """A CPU interpreter of the RDNA3 (gfx11) and RDNA4 (gfx12) instruction sets that runs the shipped
 code objects themselves, so the exact bytes users get are executed and checked without AMD hardware.
 
-    from rdna_flash_attn import ops, runtime
     from rdna_flash_attn.interpreter import InterpretedLibrary
+    from rdna_flash_attn.ops import attention
+    from rdna_flash_attn.runtime import loader
 
     library = InterpretedLibrary.for_target("gfx1100")
-    with runtime.explicit_library(library):
-        out, lse = ops.flash_attention_forward(q, k, v)   # CPU tensors
+    with loader.explicit_library(library):
+        out, lse = attention.flash_attention_forward(q, k, v)   # CPU tensors
 
 Modules: program (kernel code and descriptor from the ELF), decode (tinygrad's encodings), wave
 (register state, operand access), scalar / vector / valu_ops / matrix / memory (instruction

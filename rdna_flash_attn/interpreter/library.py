@@ -1,6 +1,6 @@
-"""InterpretedLibrary: the launch interface of runtime.KernelLibrary, running the AMD code object
-on the CPU. ops.flash_attention_forward/backward use it unchanged on CPU tensors inside
-runtime.explicit_library(library)."""
+"""InterpretedLibrary: the launch interface of runtime.loader.KernelLibrary, running the AMD code
+object on the CPU. ops.attention.flash_attention_forward/backward use it unchanged on CPU tensors
+inside runtime.loader.explicit_library(library)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import threading
 
 import torch
 
-from .. import artifacts
+from ..runtime import artifacts
 from .dispatch import Dispatch, kernarg_segment
 from .errors import InterpreterError
 from .executor import CompiledKernel
@@ -36,7 +36,7 @@ class InterpretedLibrary:
     """One AMD code object, interpreted. `device_type` is where its launches run: the CPU."""
 
     device_type = "cpu"
-    runtime_version = None  # no HIP runtime loads it (runtime.KernelLibrary's attribute, for ops.artifact_info)
+    runtime_version = None  # no HIP runtime loads it (KernelLibrary's attribute, for ops.attention.artifact_info)
 
     def __init__(self, artifact: artifacts.Artifact):
         if artifact.emulated:
@@ -70,7 +70,7 @@ class InterpretedLibrary:
         return kernel
 
     def launcher(self, variant, grid: tuple[int, int, int], device: torch.device):
-        """launch(args, buffers) for one variant and grid, as runtime.KernelLibrary.launcher."""
+        """launch(args, buffers) for one variant and grid, as KernelLibrary.launcher."""
         return lambda args, buffers: self.launch(variant, grid, args, buffers)
 
     def launch(self, variant, grid: tuple[int, int, int], args, buffers: tuple[torch.Tensor, ...]) -> None:
@@ -83,7 +83,7 @@ class InterpretedLibrary:
             explicit = ctypes.string_at(ctypes.addressof(args), ctypes.sizeof(args))
             segment = kernarg_segment(program, explicit, grid, block)
             # AMD LDS is static: the launch allocates the descriptor's group segment and no more
-            # (runtime.KernelLibrary passes 0 dynamic bytes for a code object).
+            # (KernelLibrary passes 0 dynamic bytes for a code object).
             lds_bytes = program.descriptor.group_segment_fixed_size
             regions = [tensor_region(i, t) for i, t in enumerate(buffers)]
             trace = self.traces.setdefault(variant.symbol, KernelTrace(variant.symbol))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rdna_flash_attn.benchmark import Shape, memory_growth
+from rdna_flash_attn.tools.benchmark import Shape, memory_growth
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # `bench` (the repository's folder) is imported as a namespace package

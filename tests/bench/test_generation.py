@@ -13,7 +13,8 @@ pytest.importorskip("diffusers")
 
 import rdna_flash_attn  # noqa: E402
 from bench import generation, vae_decode  # noqa: E402
-from rdna_flash_attn import benchmark, settings  # noqa: E402
+from rdna_flash_attn import settings  # noqa: E402
+from rdna_flash_attn.tools import benchmark
 
 CPU = torch.device("cpu")
 TORCH_SDPA = F.scaled_dot_product_attention

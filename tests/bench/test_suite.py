@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import suite
-from rdna_flash_attn import cli, settings
+from rdna_flash_attn import settings
 
 TORCH_SDPA = F.scaled_dot_product_attention
 ROW_KEYS = {
@@ -27,11 +27,11 @@ ROW_KEYS = {
 }
 
 
-def test_the_full_suite_through_the_cli_at_tiny_size(fake_gpu, tmp_path, capsys):
+def test_the_full_suite_at_tiny_size(fake_gpu, tmp_path, capsys):
     pytest.importorskip("diffusers")
     settings.fp32_cast = "bf16"  # float32 CPU models; their attention runs on the (fake) kernels in bf16
     out_dir = tmp_path / "out"
-    code = cli.main(["bench", "--suite", "full", "--quick", "--budget", "0", "--out", str(out_dir)])
+    code = suite.main(["--size", "tiny", "--budget", "0", "--out", str(out_dir)])
     out, err = capsys.readouterr()
     assert code == 0
     (json_path,) = out_dir.glob("suite-*.json")

@@ -15,7 +15,7 @@ from .comfy_env import REPO_ROOT
 from .conftest import COMFYUI, load_custom_node
 
 CORE_FILE = REPO_ROOT / "rdna_flash_attn" / "__init__.py"
-DISPATCH_FILE = REPO_ROOT / "rdna_flash_attn" / "dispatch.py"
+DISPATCH_FILE = REPO_ROOT / "rdna_flash_attn" / "dispatch" / "router.py"
 
 CHECK_CORE = f"""
 import sys, torch

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from rdna_flash_attn import artifacts, device, dispatch, runtime
+from rdna_flash_attn.runtime import artifacts, device, loader as runtime
+from rdna_flash_attn.dispatch import router as dispatch
 from rdna_flash_attn.config import Settings, settings
 
 EMULATED_LAYERS = artifacts.EMULATED_LAYERS

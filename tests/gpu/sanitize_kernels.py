@@ -11,7 +11,7 @@ import torch
 
 os.environ["RDNA_FA_EMULATE"] = sys.argv[1] if len(sys.argv) > 1 else "gfx11"
 
-from rdna_flash_attn.autograd import flash_attention  # noqa: E402  (the layer is chosen before the first load)
+from rdna_flash_attn.ops.autograd import flash_attention  # noqa: E402  (the layer is chosen before the first load)
 
 
 def main() -> int:

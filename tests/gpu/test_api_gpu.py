@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 
 import rdna_flash_attn as rfa
-from rdna_flash_attn import ops, runtime, selftest, variants
+from rdna_flash_attn.ops import attention as ops
+from rdna_flash_attn.runtime import loader as runtime, variants
+from rdna_flash_attn.dispatch import selftest
 from rdna_flash_attn.config import settings
 
 from ..test_api import BAD_CALLS, naive_flash_attn, outcome, random_call
@@ -62,7 +64,7 @@ def assert_flash_accuracy(out, q, k, v, is_causal=False, scale=None):
 
 
 def test_selftest_passes_on_this_gpu(launches):
-    record = selftest.run(GPU)
+    record = selftest.run(GPU, runtime.loaded_library_for(GPU))
     assert record["passed"], [c for c in record["checks"] if not c["passed"]]
 
 

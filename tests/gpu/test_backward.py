@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from rdna_flash_attn import variants
-from rdna_flash_attn.autograd import flash_attention
+from rdna_flash_attn.runtime import variants
+from rdna_flash_attn.ops.autograd import flash_attention
 
 from .reference import grads_fp64, grads_sdpa_math, max_error
 from .test_forward import make_inputs

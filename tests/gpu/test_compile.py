@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import rdna_flash_attn as rfa
-from rdna_flash_attn import autograd, ops
+from rdna_flash_attn.ops import autograd, attention as ops
 
 from .conftest import GPU
 from .reference import attention_fp64, max_error, sdpa_math

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rdna_flash_attn import autograd
+from rdna_flash_attn.ops import autograd
 
 pytestmark = pytest.mark.skipif(not autograd.HAS_CUSTOM_OP, reason="torch.library.custom_op needs torch >= 2.4")
 

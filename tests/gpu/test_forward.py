@@ -14,7 +14,8 @@ import time
 import pytest
 import torch
 
-from rdna_flash_attn import ops, variants
+from rdna_flash_attn.ops import attention as ops
+from rdna_flash_attn.runtime import variants
 
 from .reference import attention_fp64, max_error, sdpa_math
 

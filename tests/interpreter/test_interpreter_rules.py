@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from rdna_flash_attn import artifacts, ops, runtime, variants
-from rdna_flash_attn.launch_args import FwdArgs
+from rdna_flash_attn.runtime import artifacts, loader as runtime, variants
+from rdna_flash_attn.ops import attention as ops
+from rdna_flash_attn.ops.launch_args import FwdArgs
 
 pytest.importorskip("tinygrad", reason="the interpreter decodes with tinygrad==0.14.0 (requirements-dev.txt)")
 
@@ -173,7 +174,7 @@ def test_ops_accept_cpu_tensors_only_with_an_explicit_library():
 
 
 def test_selftest_interpret_command_runs_the_code_object(capsys):
-    from rdna_flash_attn import cli
+    from rdna_flash_attn.tools import cli
 
     assert cli.main(["selftest", "--interpret", "--target", "gfx1201"]) == 0
     printed = capsys.readouterr().out
@@ -342,18 +343,18 @@ def test_code_object_v4_runs_like_v5():
 
 
 def test_selftest_interpret_reports_an_interpreter_error_in_one_line(capsys, monkeypatch):
-    from rdna_flash_attn import cli, selftest
+    from rdna_flash_attn.tools import cli, selftest_cli
 
     def refuse(target):
         raise InterpreterError("v_sin_f32_e32 is not implemented", "rdna_fa_fwd_f16_d64", 0x40)
-    monkeypatch.setattr(selftest, "run_interpreted", refuse)
+    monkeypatch.setattr(selftest_cli, "run_interpreted", refuse)
     assert cli.main(["selftest", "--interpret", "--target", "gfx1100"]) == 1
     printed = capsys.readouterr().out
     assert printed.count("\n") == 1 and "rdna_fa_fwd_f16_d64 pc 0x40" in printed and "Traceback" not in printed
 
 
 def test_selftest_target_without_interpret_is_a_usage_error(capsys):
-    from rdna_flash_attn import cli
+    from rdna_flash_attn.tools import cli
 
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["selftest", "--target", "gfx1201"])

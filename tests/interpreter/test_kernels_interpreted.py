@@ -20,7 +20,8 @@ import os
 import pytest
 import torch
 
-from rdna_flash_attn import artifacts, ops, runtime
+from rdna_flash_attn.runtime import artifacts, loader as runtime
+from rdna_flash_attn.ops import attention as ops
 
 from ..gpu.reference import attention_fp64, grads_fp64, grads_sdpa_math, max_error, sdpa_math
 

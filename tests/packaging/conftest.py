@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import rdna_flash_attn
-from rdna_flash_attn import artifacts, device, dispatch, driver, runtime
+from rdna_flash_attn.runtime import artifacts, device, driver, loader as runtime
+from rdna_flash_attn.dispatch import router as dispatch
 from rdna_flash_attn.config import settings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -38,6 +39,9 @@ def prebuilt_copy(tmp_path, monkeypatch) -> Path:
     root = tmp_path / "node"
     shutil.copytree(REPO_PREBUILT, root / "prebuilt")
     shutil.copy2(REPO_ROOT / "install.py", root / "install.py")
+    facts = root / "rdna_flash_attn" / "runtime" / "build_facts.py"  # what install.py reads the manifest with
+    facts.parent.mkdir(parents=True)
+    shutil.copy2(REPO_ROOT / "rdna_flash_attn" / "runtime" / "build_facts.py", facts)
     monkeypatch.setattr(artifacts, "prebuilt_dir", lambda: root / "prebuilt")
     artifacts.load_manifest.cache_clear()
     yield root / "prebuilt"

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import rdna_flash_attn
-from rdna_flash_attn import artifacts, ops, rebuild
+from rdna_flash_attn.runtime import artifacts, build_facts, loader as runtime
+from rdna_flash_attn.tools import rebuild
 
 from .conftest import REPO_PREBUILT, fallback_reason_of_one_call
 
@@ -21,8 +22,8 @@ def make_local_build(target: str, source: str = "gfx1100") -> artifacts.Path:
     """A local build of `target` for the current sources, made of a prebuilt code objects' bytes."""
     folder = artifacts.local_build_dir()
     folder.mkdir(parents=True)
-    for version in rebuild.code_object_versions(target):
-        shutil.copy2(REPO_PREBUILT / rebuild.artifact_name(source, version), folder / rebuild.artifact_name(target, version))
+    for version in build_facts.code_object_versions(target):
+        shutil.copy2(REPO_PREBUILT / build_facts.artifact_name(source, version), folder / build_facts.artifact_name(target, version))
     rebuild.write_manifest(folder, [target], "test copy")
     return folder
 
@@ -65,14 +66,14 @@ def test_a_local_build_serves_a_target_without_a_prebuilt(amd_gpu):
     folder = make_local_build("gfx1152")
     artifact = artifacts.amd_artifact("gfx1152")
     assert artifact.local and artifact.path == folder / "rdna_fa_gfx1152.hsaco"
-    assert ops.availability(torch.device("cuda", 0)) is None
+    assert runtime.loaded_library_for(torch.device("cuda", 0)).artifact.local
     assert amd_gpu.hip.loaded == [artifact.path.read_bytes()]
     assert artifacts.local_build_targets() == ["gfx1152"]
 
 
 def test_a_local_build_is_preferred_to_the_prebuilt_one(amd_gpu):
     make_local_build("gfx1100", source="gfx1101")
-    assert ops.availability(torch.device("cuda", 0)) is None
+    assert runtime.loaded_library_for(torch.device("cuda", 0)).artifact.local
     assert amd_gpu.hip.loaded == [(REPO_PREBUILT / "rdna_fa_gfx1101.hsaco").read_bytes()]
 
 
@@ -96,7 +97,7 @@ def test_a_damaged_local_build_is_refused_and_a_corrupt_local_manifest_skipped(a
 
 
 def test_verify_prebuilt_names_each_problem(prebuilt_copy):
-    assert artifacts.verify_prebuilt() == (list(rebuild.PREBUILT_TARGETS), [])
+    assert artifacts.verify_prebuilt() == (list(build_facts.PREBUILT_TARGETS), [])
     (prebuilt_copy / "rdna_fa_gfx1102.hsaco").write_bytes(b"x")
     (prebuilt_copy / "rdna_fa_gfx1200.hsaco").unlink()
     verified, problems = artifacts.verify_prebuilt()

@@ -8,7 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rdna_flash_attn import artifacts, cli, codeobject, ops, rebuild, runtime
+from rdna_flash_attn.runtime import artifacts, build_facts, codeobject, loader as runtime
+from rdna_flash_attn.dispatch import router
+from rdna_flash_attn.tools import cli
+from rdna_flash_attn.ops import attention as ops
 
 from .conftest import REPO_PREBUILT, code_object_version_of, fallback_reason_of_one_call
 
@@ -40,25 +43,25 @@ def test_code_object_preference_follows_the_runtime_version(runtime_version, pre
 ])
 def test_each_runtime_loads_the_code_object_of_its_preferred_version(amd_gpu, runtime_version, expected_version):
     amd_gpu.hip.version = runtime_version
-    assert ops.availability(GPU) is None
+    assert runtime.loaded_library_for(GPU).artifact.target == "gfx1100"
     (loaded,) = amd_gpu.hip.loaded
     assert code_object_version_of(loaded) == expected_version
-    assert loaded == (REPO_PREBUILT / rebuild.artifact_name("gfx1100", expected_version)).read_bytes()
+    assert loaded == (REPO_PREBUILT / build_facts.artifact_name("gfx1100", expected_version)).read_bytes()
     info = ops.artifact_info(GPU)
     assert info["code_object_version"] == expected_version and info["runtime_version"] == runtime_version
 
 
-@pytest.mark.parametrize("target", rebuild.PREBUILT_TARGETS)
+@pytest.mark.parametrize("target", build_facts.PREBUILT_TARGETS)
 def test_a_target_without_a_v4_code_object_gets_v5_on_hip_5(amd_gpu, target):
     amd_gpu.target, amd_gpu.hip.version = target, HIP_5_7
-    assert ops.availability(GPU) is None
-    expected = 4 if target in rebuild.LEGACY_TARGETS else 5
+    assert runtime.loaded_library_for(GPU).artifact.target == target
+    expected = 4 if target in build_facts.LEGACY_TARGETS else 5
     assert [code_object_version_of(data) for data in amd_gpu.hip.loaded] == [expected]
 
 
 def test_a_refused_v5_falls_back_to_v4_with_one_log_line(amd_gpu, log_records):
     amd_gpu.hip.version, amd_gpu.hip.refuses = HIP_6_2, {5}
-    assert ops.availability(GPU) is None
+    assert runtime.loaded_library_for(GPU).artifact.target == "gfx1100"
     assert [code_object_version_of(data) for data in amd_gpu.hip.loaded] == [4]
     (line,) = [r.getMessage() for r in log_records.records if "refused" in r.getMessage()]
     assert line.startswith(f"HIP runtime {HIP_6_2} refused code object v5 for gfx1100 (hipModuleLoadData failed")
@@ -93,18 +96,18 @@ def test_every_prebuilt_code_object_is_the_version_its_manifest_says_and_reads_n
     """The launcher passes only the explicit argument block: a kernel reading an implicit argument would
     depend on the runtime filling it, at offsets that differ between v4 and v5."""
     manifest = artifacts.load_manifest(REPO_PREBUILT)
-    listed = artifacts.manifest_code_objects(manifest)
-    assert sorted(target for target, version in listed if version == 4) == sorted(rebuild.LEGACY_TARGETS)
-    assert sorted(target for target, version in listed if version == 5) == sorted(rebuild.PREBUILT_TARGETS)
+    listed = [(target, version) for target, version, _ in build_facts.listed_code_objects(manifest)]
+    assert sorted(target for target, version in listed if version == 4) == sorted(build_facts.LEGACY_TARGETS)
+    assert sorted(target for target, version in listed if version == 5) == sorted(build_facts.PREBUILT_TARGETS)
     kernarg_sizes = {}
     for target, version in listed:
-        entry = manifest[rebuild.manifest_table(version)][target]
+        entry = manifest[build_facts.manifest_table(version)][target]
         code_object = codeobject.load_code_object(REPO_PREBUILT / entry["file"])
         assert code_object.code_object_version == version == entry["code_object_version"]
         assert code_object.target == target
         assert all(kernel.hidden_args == () for kernel in code_object.kernels)
         kernarg_sizes[target, version] = {k.name: k.kernarg_bytes for k in code_object.kernels}
-    for target in rebuild.LEGACY_TARGETS:
+    for target in build_facts.LEGACY_TARGETS:
         assert kernarg_sizes[target, 4] == kernarg_sizes[target, 5]
 
 
@@ -114,7 +117,7 @@ def test_doctor_names_the_runtime_and_the_code_object_version(amd_gpu, monkeypat
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(runtime.devices, "describe", lambda dev: runtime.devices.DeviceInfo(
         "zluda", "AMD Radeon RX 7900 XTX [ZLUDA]", 0, "gfx1100", HIP_5_7))
-    monkeypatch.setattr(cli.dispatch, "selftest_refusal", lambda device: None)
+    monkeypatch.setattr(router, "selftest_refusal", lambda device: None)
     assert cli.main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert f"code object v4 loaded by HIP runtime {HIP_5_7} (order tried: v4, v5)" in " ".join(out.split())

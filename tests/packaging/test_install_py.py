@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import rdna_flash_attn
-from rdna_flash_attn import artifacts, dispatch
+from rdna_flash_attn.runtime import artifacts
+from rdna_flash_attn.dispatch import router as dispatch
 
 from .conftest import REPO_ROOT
 

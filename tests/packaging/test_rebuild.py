@@ -13,7 +13,8 @@ import pytest
 import tomllib
 
 import rdna_flash_attn
-from rdna_flash_attn import artifacts, cli, rebuild
+from rdna_flash_attn.runtime import artifacts, build_facts
+from rdna_flash_attn.tools import cli, rebuild
 
 from .conftest import REPO_PREBUILT, REPO_ROOT, fallback_reason_of_one_call
 
@@ -32,9 +33,9 @@ def only_on_path(monkeypatch, tmp_path):
 
 def test_manifest_source_hash_matches_the_sources():
     manifest = json.loads((REPO_PREBUILT / "manifest.json").read_text())
-    assert manifest["source_hash"] == rebuild.source_hash(REPO_ROOT / "kernels")
-    assert sorted(manifest["targets"]) == sorted(rebuild.PREBUILT_TARGETS)
-    assert sorted(manifest["targets_cov4"]) == sorted(rebuild.LEGACY_TARGETS)
+    assert manifest["source_hash"] == artifacts.source_hash(REPO_ROOT / "kernels")
+    assert sorted(manifest["targets"]) == sorted(build_facts.PREBUILT_TARGETS)
+    assert sorted(manifest["targets_cov4"]) == sorted(build_facts.LEGACY_TARGETS)
 
 
 @pytest.mark.parametrize("version", [5, 4])
@@ -48,10 +49,10 @@ def test_the_clang_command_is_the_prebuilt_one(version):
 
 
 def test_v4_is_built_beside_v5_for_the_targets_hip_5_knows():
-    assert rebuild.code_object_versions("gfx1100") == (5, 4)
-    assert rebuild.code_object_versions("gfx1201") == (5,)
-    assert rebuild.artifact_name("gfx1101", 4) == "rdna_fa_gfx1101.cov4.hsaco"
-    assert rebuild.artifact_name("gfx1101") == rebuild.artifact_name("gfx1101", 5) == "rdna_fa_gfx1101.hsaco"
+    assert build_facts.code_object_versions("gfx1100") == (5, 4)
+    assert build_facts.code_object_versions("gfx1201") == (5,)
+    assert build_facts.artifact_name("gfx1101", 4) == "rdna_fa_gfx1101.cov4.hsaco"
+    assert build_facts.artifact_name("gfx1101") == build_facts.artifact_name("gfx1101", 5) == "rdna_fa_gfx1101.hsaco"
 
 
 @pytest.mark.parametrize("target", ["gfx90a", "gfx1030", "sm_90", "gfx11", ""])
@@ -157,11 +158,11 @@ def test_build_into_the_user_cache_is_used_by_the_runtime(fake_clang, amd_gpu, c
 
     # what clang was asked: the prebuilt command, with the generated variant list on the include path
     compiled = (folder / "rdna_fa_gfx1152.hsaco").read_text().split()
-    assert compiled[:-3] == rebuild.clang_flags(5) + ["--offload-arch=gfx1152"]
+    assert compiled[:-3] == build_facts.clang_flags(5) + ["--offload-arch=gfx1152"]
     compiled_v4 = (folder / "rdna_fa_gfx1100.cov4.hsaco").read_text().split()
-    assert compiled_v4[:-3] == rebuild.clang_flags(4) + ["--offload-arch=gfx1100"]
+    assert compiled_v4[:-3] == build_facts.clang_flags(4) + ["--offload-arch=gfx1100"]
     manifest = json.loads((folder / "manifest.json").read_text())
-    assert manifest["source_hash"] == rebuild.source_hash() and manifest["compiler"] == "clang version 19.1.7"
+    assert manifest["source_hash"] == artifacts.source_hash() and manifest["compiler"] == "clang version 19.1.7"
     assert sorted(manifest["targets"]) == ["gfx1100", "gfx1152"] and sorted(manifest["targets_cov4"]) == ["gfx1100"]
     assert list(folder.glob(".*")) == []  # no partial files left
 

@@ -13,7 +13,8 @@ import venv
 
 import pytest
 
-from rdna_flash_attn import autoload, sdpa_patch
+from rdna_flash_attn.integrations import autoload
+from rdna_flash_attn.dispatch import sdpa_patch
 
 from .conftest import REPO_ROOT, run_child
 
@@ -24,7 +25,7 @@ import json, sys
 seen = dict(torch_at_start="torch" in sys.modules, package_at_start="rdna_flash_attn" in sys.modules)
 import torch
 import torch.nn.functional as F
-seen["patched"] = F.scaled_dot_product_attention.__module__ == "rdna_flash_attn.dispatch"
+seen["patched"] = F.scaled_dot_product_attention.__module__ == "rdna_flash_attn.dispatch.router"
 q = torch.randn(1, 2, 8, 16)
 F.scaled_dot_product_attention(q, q, q)
 seen["counted"] = sys.modules["rdna_flash_attn"].stats()["fallback"] if "rdna_flash_attn" in sys.modules else 0
@@ -65,8 +66,8 @@ def test_hook_installs_the_override_after_the_programs_own_torch_import(hooked_p
 def test_hook_failure_never_stops_the_program(hooked_python, child_env, tmp_path):
     # A broken installation: the package's autoload.py is there, its __init__ raises.
     broken = tmp_path / "rdna_flash_attn"
-    broken.mkdir()
-    shutil.copy(REPO_ROOT / "rdna_flash_attn" / "autoload.py", broken)
+    (broken / "integrations").mkdir(parents=True)
+    shutil.copy(REPO_ROOT / "rdna_flash_attn" / "integrations" / "autoload.py", broken / "integrations")
     (broken / "__init__.py").write_text("raise ImportError('broken install')\n")
     env = dict(child_env, RDNA_FA_PATCH_SDPA="1", PYTHONPATH=str(tmp_path))
     # cwd: not the checkout, whose working package `python -c` would find first

@@ -13,7 +13,7 @@ from diffusers.models.attention_processor import (
 )
 
 import rdna_flash_attn
-from rdna_flash_attn.diffusers_attention import (
+from rdna_flash_attn.integrations.diffusers_attention import (
     RdnaFlashAttnProcessor,
     attention_processor_installed,
     install_attention_processor,

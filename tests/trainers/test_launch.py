@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import rdna_flash_attn
-from rdna_flash_attn import launch, sdpa_patch
-from rdna_flash_attn.dispatch import scaled_dot_product_attention as dispatcher_sdpa
+from rdna_flash_attn.integrations import launch
+from rdna_flash_attn.dispatch import sdpa_patch
+from rdna_flash_attn.dispatch.router import scaled_dot_product_attention as dispatcher_sdpa
 
 from .conftest import SCRIPTS, run_child
 
@@ -111,7 +112,7 @@ def test_script_sees_what_python_script_py_would_give_it(tmp_path, launcher_sand
     assert launch_in_process(["--quiet", str(script), str(out), "5", "--stats", "not ours"]) == 5
     seen = json.loads(out.read_text())
     assert seen == dict(argv=[str(script), str(out), "5", "--stats", "not ours"], name="__main__",
-                        path0=str(tmp_path), value=7, patched="rdna_flash_attn.dispatch")
+                        path0=str(tmp_path), value=7, patched="rdna_flash_attn.dispatch.router")
     assert sdpa_patch.sdpa_patch_enabled()
 
 

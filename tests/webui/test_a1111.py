@@ -13,7 +13,7 @@ import torch
 
 import rdna_flash_attn
 from extension import a1111, entry, options
-from rdna_flash_attn import artifacts
+from rdna_flash_attn.runtime import artifacts
 
 pytest.importorskip("ldm.modules.attention", reason="stable-diffusion-sdkit (ldm) not installed")
 

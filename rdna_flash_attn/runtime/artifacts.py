@@ -7,9 +7,9 @@ package never picks up code objects built from other sources; a target built the
 the prebuilt one (the user asked for it, or there is no prebuilt one). The NVIDIA emulation builds are
 made locally by kernels/build.py --emulate.
 
-A target can have code objects of two versions (rebuild.code_object_versions): the manifest lists the
+A target can have code objects of two versions (build_facts.code_object_versions): the manifest lists the
 default version 5 under "targets" and version 4 under "targets_cov4"; the runtime picks one by the HIP
-runtime's version (runtime.code_object_preference).
+runtime's version (library.code_object_preference).
 """
 
 from __future__ import annotations
@@ -22,13 +22,15 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from ..config import LOGGER_NAME, settings
 from . import variants
-from .rebuild import CODE_OBJECT_VERSION, LEGACY_CODE_OBJECT_VERSION, manifest_table
-from .config import LOGGER_NAME, settings
+from .build_facts import (CODE_OBJECT_VERSION, CODE_OBJECT_VERSIONS, LEGACY_CODE_OBJECT_VERSION, MAIN_SOURCE,
+                       MANIFEST_FILE, listed_code_objects, manifest_table)
+from .build_facts import source_hash as sources_and_variants_hash
 
 log = logging.getLogger(LOGGER_NAME)
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
 ON_WINDOWS = os.name == "nt"
 EMULATED_LAYERS = ("gfx11", "gfx12")
 RDNA_PREFIXES = ("gfx11", "gfx12")
@@ -64,6 +66,18 @@ def prebuilt_dir() -> Path:
     return inside_package if inside_package.is_dir() else PACKAGE_DIR.parent / "prebuilt"
 
 
+def kernels_dir() -> Path:
+    """The kernel sources: inside the package in a wheel, beside it in a git checkout."""
+    inside_package = PACKAGE_DIR / "kernels"
+    return inside_package if (inside_package / MAIN_SOURCE).is_file() else PACKAGE_DIR.parent / "kernels"
+
+
+@lru_cache(maxsize=None)
+def source_hash(kernels: Path | None = None) -> str:
+    """The hash of these kernel sources (build_facts.source_hash), the name of their local builds' folder."""
+    return sources_and_variants_hash(kernels or kernels_dir(), variants.instantiation_lines())
+
+
 def emulation_dir() -> Path:
     return Path(os.environ.get("RDNA_FA_EMU_DIR") or PACKAGE_DIR.parent / "build" / "emu")
 
@@ -87,7 +101,7 @@ def _read_manifest(path: Path, repair: str = REINSTALL_HINT) -> dict:
 
 @lru_cache(maxsize=None)
 def load_manifest(directory: Path | None = None) -> dict:
-    return _read_manifest((directory or prebuilt_dir()) / "manifest.json")
+    return _read_manifest((directory or prebuilt_dir()) / MANIFEST_FILE)
 
 
 def user_cache_dir() -> Path:
@@ -107,15 +121,13 @@ def local_builds_root() -> Path:
 
 def local_build_dir() -> Path:
     """Where local builds of this package's kernel sources go: named after their hash."""
-    from .rebuild import source_hash  # rebuild imports this module when it builds
-
     return local_builds_root() / source_hash()[:16]
 
 
 def local_build_targets() -> list[str]:
     """Targets built locally from these sources ([] when none, or when their manifest is unreadable)."""
     try:
-        return sorted(_read_manifest(local_build_dir() / "manifest.json", REBUILD_HINT)["targets"])
+        return sorted(_read_manifest(local_build_dir() / MANIFEST_FILE, REBUILD_HINT)["targets"])
     except ArtifactError:
         return []
 
@@ -131,24 +143,18 @@ def _entry(manifest: dict, target: str, manifest_path: Path, repair: str = REINS
     return entry
 
 
-def manifest_code_objects(manifest: dict) -> list[tuple[str, int]]:
-    """(target, code object version) of every code object a manifest lists, default version first."""
-    return [(target, version) for version in (CODE_OBJECT_VERSION, LEGACY_CODE_OBJECT_VERSION)
-            for target in manifest.get(manifest_table(version), {})]
-
-
 def _local_artifacts(target: str) -> list[Artifact]:
     """The local builds of `target` for these sources (default version first), or []. An unreadable
     local manifest or a missing local file is logged and skipped, so the prebuilt code objects (if any)
     serve instead."""
     directory = local_build_dir()
-    manifest_path = directory / "manifest.json"
+    manifest_path = directory / MANIFEST_FILE
     if not manifest_path.is_file():
         return []
     try:
         manifest = _read_manifest(manifest_path, REBUILD_HINT)
         entries = [(version, _entry(manifest, target, manifest_path, REBUILD_HINT, version))
-                   for version in (CODE_OBJECT_VERSION, LEGACY_CODE_OBJECT_VERSION)]
+                   for version in CODE_OBJECT_VERSIONS]
     except ArtifactError as error:
         log.warning("ignoring the local kernel builds: %s", error)
         return []
@@ -169,8 +175,8 @@ def _prebuilt_artifacts(target: str) -> list[Artifact]:
     directory = prebuilt_dir()
     manifest = load_manifest(directory)
     found = []
-    for version in (CODE_OBJECT_VERSION, LEGACY_CODE_OBJECT_VERSION):
-        entry = _entry(manifest, target, directory / "manifest.json", code_object_version=version)
+    for version in CODE_OBJECT_VERSIONS:
+        entry = _entry(manifest, target, directory / MANIFEST_FILE, code_object_version=version)
         if entry is None:
             continue
         path = directory / entry["file"]
@@ -213,13 +219,13 @@ def prebuilt_artifact(target: str, code_object_version: int = CODE_OBJECT_VERSIO
 def verify_prebuilt(directory: Path | None = None) -> tuple[list[str], list[str]]:
     """(targets whose code objects all match their sha256, one-line problems), for doctor."""
     directory = directory or prebuilt_dir()
-    manifest_path = directory / "manifest.json"
+    manifest_path = directory / MANIFEST_FILE
     try:
         manifest = _read_manifest(manifest_path)
     except ArtifactError as error:
         return [], [str(error)]
     problems, damaged = [], set()
-    for target, version in manifest_code_objects(manifest):
+    for target, version, _ in listed_code_objects(manifest):
         try:
             entry = _entry(manifest, target, manifest_path, code_object_version=version)
             Artifact(target, directory / entry["file"], entry["sha256"], emulated=False).read_verified()
@@ -236,11 +242,11 @@ def verify_prebuilt(directory: Path | None = None) -> tuple[list[str], list[str]
 def prebuilt_code_object_versions(directory: Path | None = None) -> dict[int, list[str]]:
     """{code object version: targets} of the prebuilt manifest ({} when it is unreadable), for doctor."""
     try:
-        manifest = _read_manifest((directory or prebuilt_dir()) / "manifest.json")
+        manifest = _read_manifest((directory or prebuilt_dir()) / MANIFEST_FILE)
     except ArtifactError:
         return {}
     versions: dict[int, list[str]] = {}
-    for target, version in manifest_code_objects(manifest):
+    for target, version, _ in listed_code_objects(manifest):
         versions.setdefault(version, []).append(target)
     return versions
 

@@ -4,8 +4,8 @@ replace one, building into the user cache.
 
 The compile is clang >= 19 with builtins only (no ROCm headers or device libraries) and a pinned
 -cuid, so the same clang release gives the same bytes from any folder: Debian's clang-19 reproduces
-prebuilt/ exactly. The attention path reads only the code object constants and names here, and
-nothing compiles unless a user or a build script asks.
+prebuilt/ exactly. The flags, file names and manifest tables are runtime/build_facts.py's, which the
+loader reads too; nothing compiles unless a user or a build script asks.
 """
 
 from __future__ import annotations
@@ -23,27 +23,17 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
-from . import variants
+import torch
 
-PACKAGE_DIR = Path(__file__).resolve().parent
-PREBUILT_TARGETS = ("gfx1100", "gfx1101", "gfx1102", "gfx1103", "gfx1150", "gfx1151", "gfx1200", "gfx1201")
+from ..dispatch import selftest
+from ..runtime import artifacts, device as devices, loader, variants
+from ..runtime.build_facts import (CODE_OBJECT_VERSION, CODE_OBJECT_VERSIONS, INSTANCES_HEADER, MAIN_SOURCE,
+                                MANIFEST_FILE, artifact_name, clang_flags, code_object_versions, manifest_table)
+
 RDNA_TARGET = re.compile(r"gfx1[12][0-9a-f]{2}")  # the gfx11 and gfx12 matrix layers (isa/isa.h)
 MIN_CLANG_MAJOR = 19
-# Code object version 5 is what HIP 6.0 and newer emit and load by default; version 4 is built beside it
-# for the targets HIP 5.x knows (gfx1100-gfx1103), whose runtimes had it as their default. The machine
-# code is the same: the kernels read no implicit (hidden) kernel argument, so only the ELF ABI version and
-# the metadata differ (see docs/hip_runtimes.md).
-CODE_OBJECT_VERSION = 5
-LEGACY_CODE_OBJECT_VERSION = 4
-LEGACY_TARGETS = ("gfx1100", "gfx1101", "gfx1102", "gfx1103")
-MAIN_SOURCE = "attention.hip"
-INSTANCES_HEADER = "instances.inc"
-# -cuid: clang otherwise names a symbol after a hash of paths and options, and the code objects would
-# differ between checkouts.
-CLANG_FLAGS = "-x hip --cuda-device-only --no-gpu-bundle-output -nogpulib -nogpuinc -O3 -std=c++17 -cuid=rdna_flash_attn"
 VERSION_TIMEOUT_S = 30
 PROGRESS_EVERY_S = 30
 
@@ -59,56 +49,6 @@ class Compiler:
     path: str
     version: str  # clang's first --version line, recorded in the manifest
     major: int
-
-
-def kernels_dir() -> Path:
-    """The kernel sources: inside the package in a wheel, beside it in a git checkout."""
-    inside_package = PACKAGE_DIR / "kernels"
-    return inside_package if (inside_package / MAIN_SOURCE).is_file() else PACKAGE_DIR.parent / "kernels"
-
-
-def clang_flags(code_object_version: int = CODE_OBJECT_VERSION) -> list[str]:
-    return [*CLANG_FLAGS.split(), f"-mcode-object-version={code_object_version}"]
-
-
-def artifact_name(target: str, code_object_version: int = CODE_OBJECT_VERSION) -> str:
-    """rdna_fa_gfx1100.hsaco for the default version, rdna_fa_gfx1100.cov4.hsaco for version 4."""
-    suffix = "" if code_object_version == CODE_OBJECT_VERSION else f".cov{code_object_version}"
-    return f"rdna_fa_{target}{suffix}.hsaco"
-
-
-def code_object_versions(target: str) -> tuple[int, ...]:
-    """The code object versions built for a target: the default one, and version 4 where HIP 5.x knows it."""
-    if target in LEGACY_TARGETS:
-        return (CODE_OBJECT_VERSION, LEGACY_CODE_OBJECT_VERSION)
-    return (CODE_OBJECT_VERSION,)
-
-
-def manifest_table(code_object_version: int) -> str:
-    """The manifest's table of one code object version: "targets" for the default, "targets_cov4"."""
-    return "targets" if code_object_version == CODE_OBJECT_VERSION else f"targets_cov{code_object_version}"
-
-
-def source_files(kernels: Path) -> list[Path]:
-    """The kernel sources; with the flags and the variant list they decide the code objects."""
-    return sorted(p for p in kernels.rglob("*") if p.suffix in (".h", ".hip"))
-
-
-@lru_cache(maxsize=None)
-def source_hash(kernels: Path | None = None) -> str:
-    """Hash of the sources (named as kernels/..., wherever they lie), the clang flags and the generated
-    variant list: a change to anything else (variants.py's Python included) leaves the code objects
-    as they are. Equal for a git checkout and the wheel's copy of the same sources."""
-    kernels = kernels or kernels_dir()
-    digest = hashlib.sha256()
-    for version in (CODE_OBJECT_VERSION, LEGACY_CODE_OBJECT_VERSION):
-        digest.update(f"clang flags: {' '.join(clang_flags(version))}\n".encode())
-    digest.update(f"version 4 for: {' '.join(LEGACY_TARGETS)}\n".encode())
-    digest.update(f"variants:\n{variants.instantiation_lines()}".encode())
-    for path in source_files(kernels):
-        digest.update(f"kernels/{path.relative_to(kernels).as_posix()}".encode() + b"\0")
-        digest.update(path.read_bytes().replace(b"\r\n", b"\n") + b"\0")
-    return digest.hexdigest()
 
 
 def check_target(target: str) -> str:
@@ -183,7 +123,7 @@ def _install_hint() -> str:
 def clang_command(clang: str, target: str, include_dir: Path, output: Path, kernels: Path | None = None,
                   code_object_version: int = CODE_OBJECT_VERSION) -> list[str]:
     """One code object's compile, exactly as kernels/build.py's ninja rule runs it."""
-    main = (kernels or kernels_dir()) / MAIN_SOURCE
+    main = (kernels or artifacts.kernels_dir()) / MAIN_SOURCE
     return [clang, *clang_flags(code_object_version), f"--offload-arch={target}", f"-I{include_dir}", str(main),
             "-o", str(output)]
 
@@ -255,15 +195,15 @@ def sha256_file(path: Path) -> str:
 def write_manifest(out_dir: Path, built: Iterable[str], compiler_version: str, kernels: Path | None = None) -> Path:
     """Add the built targets' code objects to out_dir/manifest.json: the default version under "targets",
     version 4 under "targets_cov4"; entries built from other sources are dropped."""
-    path = out_dir / "manifest.json"
+    path = out_dir / MANIFEST_FILE
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError):
         manifest = {}
-    new_sources = source_hash(kernels)
+    new_sources = artifacts.source_hash(kernels)
     keep = manifest.get("source_hash") == new_sources
     tables = {version: dict(manifest.get(manifest_table(version), {})) if keep else {}
-              for version in (CODE_OBJECT_VERSION, LEGACY_CODE_OBJECT_VERSION)}
+              for version in CODE_OBJECT_VERSIONS}
     for target in built:
         for version in code_object_versions(target):
             file = out_dir / artifact_name(target, version)
@@ -290,8 +230,6 @@ def write_manifest(out_dir: Path, built: Iterable[str], compiler_version: str, k
 def build_local(targets: Iterable[str], clang: str | None = None, jobs: int | None = None,
                 progress: Progress = print) -> Path:
     """Build targets into the user cache, where the runtime prefers them to prebuilt/; returns the folder."""
-    from . import artifacts  # artifacts asks this module for the source hash: import it only when building
-
     targets = sorted({check_target(t) for t in targets})
     compiler = find_clang(clang)
     out_dir = artifacts.local_build_dir()
@@ -312,12 +250,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clear", action="store_true", help="delete every local build (the prebuilt ones apply again)")
 
 
-def _amd_gpus() -> list[tuple[object, str]]:
+def _amd_gpus() -> list[tuple[torch.device, str]]:
     """(torch device, gfx target) of every AMD GPU torch sees."""
-    import torch
-
-    from . import device as devices
-
     if not torch.cuda.is_available():
         return []
     found = []
@@ -328,24 +262,25 @@ def _amd_gpus() -> list[tuple[object, str]]:
     return found
 
 
-def _selftest_built(gpus: list[tuple[object, str]], built: list[str]) -> int:
-    from . import dispatch, selftest
-
+def _selftest_built(gpus: list[tuple[torch.device, str]], built: list[str]) -> int:
+    """The self-test of the new code objects on each GPU of a built target; the code objects loaded
+    before (and every verdict made on them) are dropped first."""
+    loader.forget_libraries()
     failed = False
     for gpu, target in gpus:
         if target not in built:
             continue
-        record = selftest.run(gpu)
+        try:
+            record = selftest.run(gpu, loader.loaded_library_for(gpu))
+        except loader.KernelUnavailable as error:
+            record = {"passed": False, "reason": str(error)}
         print(f"self-test on {gpu} ({target}): {'passed' if record['passed'] else record['reason']}")
         failed = failed or not record["passed"]
-    dispatch.forget_devices()
     return 1 if failed else 0
 
 
 def run(args: argparse.Namespace) -> int:
     """0 built (and self-tested where a GPU of the target is here), 1 the build or self-test failed."""
-    from . import artifacts
-
     if args.clear:
         root = artifacts.local_builds_root()
         shutil.rmtree(root, ignore_errors=True)

@@ -13,8 +13,8 @@ from typing import Iterator
 
 import torch.nn.functional as F
 
-from . import dispatch
-from .config import LOGGER_NAME
+from ..config import LOGGER_NAME
+from . import router
 
 log = logging.getLogger(LOGGER_NAME)
 
@@ -30,8 +30,8 @@ def enable_sdpa_patch() -> None:
     global _replaced
     if _replaced is None:
         _replaced = F.scaled_dot_product_attention
-        dispatch.use_fallback(_replaced)
-        F.scaled_dot_product_attention = dispatch.scaled_dot_product_attention
+        router.use_fallback(_replaced)
+        F.scaled_dot_product_attention = router.scaled_dot_product_attention
 
 
 def disable_sdpa_patch() -> None:
@@ -39,12 +39,12 @@ def disable_sdpa_patch() -> None:
     global _replaced
     if _replaced is None:
         return
-    if F.scaled_dot_product_attention is dispatch.scaled_dot_product_attention:
+    if F.scaled_dot_product_attention is router.scaled_dot_product_attention:
         F.scaled_dot_product_attention = _replaced
     else:
         # Someone wrapped or replaced it after us: restoring would silently drop their patch.
         log.warning("torch.nn.functional.scaled_dot_product_attention was replaced after patch_sdpa(); leaving it")
-    dispatch.use_fallback(None)
+    router.use_fallback(None)
     _replaced = None
 
 

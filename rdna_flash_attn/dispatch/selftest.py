@@ -16,15 +16,15 @@ import hashlib
 import json
 import logging
 import os
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from . import device as _device
-from . import artifacts, autograd, ops, runtime
-from .config import LOGGER_NAME, settings
+from ..config import LOGGER_NAME
+from ..ops import attention, autograd
+from ..runtime import artifacts
+from ..runtime.loader import KernelLibrary
 
 log = logging.getLogger(LOGGER_NAME)
 
@@ -59,14 +59,13 @@ def cache_dir() -> Path:
     return artifacts.user_cache_dir()
 
 
-def cache_key(device: torch.device) -> dict:
-    """What the verdict depends on. Raises ops.KernelUnavailable when there is no artifact."""
-    info = _device.describe(device)
+def cache_key(library: KernelLibrary) -> dict:
+    """What the verdict of the device `library` was loaded on depends on."""
     return {
-        "artifact_sha256": ops.artifact_info(device)["sha256"],
+        "artifact_sha256": library.artifact.sha256,
         "torch": torch.__version__,
-        "runtime": info.runtime_version,
-        "device": info.name,
+        "runtime": library.device_info.runtime_version,
+        "device": library.device_info.name,
         "revision": REVISION,
     }
 
@@ -96,12 +95,9 @@ def _store(key: dict, record: dict) -> None:
         log.debug("could not cache the self-test verdict in %s: %s", folder, exc)
 
 
-def cached(device: torch.device) -> dict | None:
-    """The cached record for this device's current setup, or None."""
-    try:
-        key = cache_key(device)
-    except ops.KernelUnavailable:
-        return None
+def cached(library: KernelLibrary) -> dict | None:
+    """The cached record for the setup of the device `library` was loaded on, or None."""
+    key = cache_key(library)
     record = _load_cache().get(_key_id(key))
     return record if isinstance(record, dict) and record.get("key") == key else None
 
@@ -130,18 +126,20 @@ def _compare(name: str, got, ref32, ref_low, dtype: torch.dtype) -> Check:
     return Check(name, _max_error(got, ref32), 2 * _max_error(ref_low, ref32) + floor)
 
 
-def _autograd_grads(q, k, v, lse, grad_out, causal):
+def autograd_gradients(q, k, v, lse, grad_out, causal):
     """Gradients through the public autograd function (its custom op on torch >= 2.4)."""
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     return torch.autograd.grad(autograd.flash_attention(*leaves, causal, None), leaves, grad_out)
 
 
-def _direct_grads(q, k, v, lse, grad_out, causal):
-    """Gradients from ops itself, for a library torch's custom ops do not dispatch to (the CPU)."""
-    return ops.flash_attention_backward(grad_out, q, k, v, lse, causal, None)
+def direct_gradients(q, k, v, lse, grad_out, causal):
+    """Gradients from the ops themselves, for a library torch's custom ops do not dispatch to (the CPU)."""
+    return attention.flash_attention_backward(grad_out, q, k, v, lse, causal, None)
 
 
-def _case_checks(device, dtype, case, generator, gradients=_autograd_grads) -> list[Check]:
+def case_checks(device, dtype, case, generator, gradients=autograd_gradients) -> list[Check]:
+    """Forward (out, lse) and backward (dq, dk, dv) checks of one case, each against float32 with
+    the input dtype's own error as the yardstick."""
     batch, heads, sq, sk, dim, causal = case
     dtype_name = str(dtype).removeprefix("torch.")
     shape = f"{dtype_name} b{batch} h{heads} q{sq} k{sk} d{dim}{' causal' if causal else ''}"
@@ -149,7 +147,7 @@ def _case_checks(device, dtype, case, generator, gradients=_autograd_grads) -> l
         torch.randn(batch, heads, n, dim, generator=generator, device=device, dtype=dtype) for n in (sq, sk, sk)
     )
     with torch.no_grad():
-        out, lse = ops.flash_attention_forward(q, k, v, causal, None)
+        out, lse = attention.flash_attention_forward(q, k, v, causal, None)
     grad_out = torch.randn(out.shape, generator=generator, device=device, dtype=dtype)
     with torch.enable_grad():
         grads = gradients(q, k, v, lse, grad_out, causal)
@@ -170,27 +168,7 @@ def run_checks(device: torch.device) -> list[Check]:
     """Every check on `device`, forward and backward. May raise."""
     generator = torch.Generator(device=device).manual_seed(0)
     with torch.autocast(device.type, enabled=False):
-        return [check for dtype in DTYPES for case in CASES for check in _case_checks(device, dtype, case, generator)]
-
-
-# The CPU interpreter's case (selftest --interpret): small, ragged, causal off-square, one tile of
-# each kind, in both dtypes; it takes seconds, not the minutes the whole CASES list would.
-INTERPRET_CASE = (1, 2, 64, 77, 64, True)
-
-
-def run_interpreted(target: str) -> tuple[list[Check], float, str]:
-    """The forward and backward checks of INTERPRET_CASE run by the CPU interpreter on the code
-    object shipped for `target` (code object v5): (checks, seconds, code object path). Raises
-    interpreter.MissingDecoder without tinygrad, artifacts.ArtifactError without a code object."""
-    from .interpreter import InterpretedLibrary
-
-    library = InterpretedLibrary.for_target(target)
-    generator = torch.Generator().manual_seed(0)
-    start = time.perf_counter()
-    with runtime.explicit_library(library):
-        checks = [check for dtype in DTYPES
-                  for check in _case_checks(torch.device("cpu"), dtype, INTERPRET_CASE, generator, _direct_grads)]
-    return checks, time.perf_counter() - start, str(library.artifact.path)
+        return [check for dtype in DTYPES for case in CASES for check in case_checks(device, dtype, case, generator)]
 
 
 # --- verdicts -----------------------------------------------------------------------------------
@@ -204,9 +182,10 @@ def _failure(checks: list[Check]) -> str | None:
     return f"self-test failed: {failed[0].name}: error {failed[0].error:.3g} > {failed[0].tolerance:.3g}{more}"
 
 
-def run(device: torch.device) -> dict:
-    """Run the self-test now, cache and return its record: passed, reason, checks, key, time."""
-    key = cache_key(device)
+def run(device: torch.device, library: KernelLibrary) -> dict:
+    """Run the self-test on `device` (whose loaded library is `library`) now, cache and return its
+    record: passed, reason, checks, key, time."""
+    key = cache_key(library)
     try:
         checks = run_checks(device)
         reason = _failure(checks)
@@ -223,14 +202,11 @@ def run(device: torch.device) -> dict:
     return record
 
 
-def verdict(device: torch.device) -> str | None:
+def verdict(device: torch.device, library: KernelLibrary) -> str | None:
     """None when the kernels passed the self-test on `device` (cached or run now), else why not.
     Logs the outcome once: a failure as a warning, since it turns the kernels off for the device."""
-    try:
-        record = cached(device) or run(device)
-    except ops.KernelUnavailable as exc:
-        return str(exc)
-    name = _device.describe(device).name
+    record = cached(library) or run(device, library)
+    name = library.device_info.name
     if record["passed"]:
         log.info("self-test passed on %s: using the kernels", name)
         return None

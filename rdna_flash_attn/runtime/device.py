@@ -15,9 +15,10 @@ from functools import lru_cache
 
 import torch
 
+from ..config import LOGGER_NAME
 from . import driver
 
-log = logging.getLogger("rdna_flash_attn")
+log = logging.getLogger(LOGGER_NAME)
 
 ZLUDA_SUFFIX = " [ZLUDA]"
 

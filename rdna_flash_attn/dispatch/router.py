@@ -23,9 +23,11 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from . import device as _device
-from . import autograd, ops, selftest
-from .config import LOGGER_NAME, settings
+from ..config import LOGGER_NAME, settings
+from ..ops import attention, autograd
+from ..runtime import device as devices, loader
+from ..runtime.loader import KernelLibrary, KernelUnavailable
+from . import selftest
 
 log = logging.getLogger(LOGGER_NAME)
 
@@ -72,21 +74,30 @@ class Route(NamedTuple):
     run_dtype: torch.dtype | None  # cast the inputs to this first; None: run them as given
     out_dtype: torch.dtype  # what SDPA would have returned
     backward: bool  # autograd needs the differentiable op
-    # A forward-only route's prepared kernel launch (ops.forward_launch), kept in the route cache
+    # A forward-only route's prepared kernel launch (attention.forward_launch), kept in the route cache
     # after its first eager call, so later calls of the signature pay one lookup in all.
     launch: Callable | None = None
 
 
 # --- per-device verdicts, cached: devices do not change during a process ---------------------------
 
-_device_refusals: dict[tuple[torch.device, bool], str | None] = {}
+
+class DeviceVerdict(NamedTuple):
+    """A device described once, and what follows for the kernels there."""
+
+    info: devices.DeviceInfo
+    library: KernelLibrary | None  # its loaded code object; None when refused
+    refusal: str | None  # why the kernels cannot run there (policy, then the code object), or None
+
+
+_device_verdicts: dict[tuple[torch.device, bool], DeviceVerdict] = {}
 _selftest_refusals: dict[torch.device, str | None] = {}
 # Bumped whenever cached verdicts are dropped or changed: graphs compiled on the old ones read it, so
 # dynamo's guard on it makes them decide again.
 _verdict_generation = 0
 
 
-def _policy_refusal(info: _device.DeviceInfo) -> str | None:
+def _policy_refusal(info: devices.DeviceInfo) -> str | None:
     """Why policy keeps the kernels off a device, or None; settings.force overrides it."""
     if info.backend in ("rocm", "zluda"):
         if info.gfx_target and info.gfx_target.startswith(RDNA_TARGET_PREFIXES):
@@ -99,38 +110,60 @@ def _policy_refusal(info: _device.DeviceInfo) -> str | None:
     return f"{info.name} ({info.backend}): the kernels run on AMD RDNA3/RDNA4 GPUs only"
 
 
-def device_refusal(device: torch.device) -> str | None:
-    """Why the kernels cannot run on `device` (policy, then artifact), or None. Cached."""
+def _judge_device(device: torch.device, force: bool) -> DeviceVerdict:
+    info = devices.describe(device)
+    refusal = None if force else _policy_refusal(info)
+    if refusal:
+        return DeviceVerdict(info, None, refusal)
+    try:
+        return DeviceVerdict(info, loader.loaded_library(info), None)
+    except KernelUnavailable as error:
+        return DeviceVerdict(info, None, str(error))
+
+
+def device_verdict(device: torch.device) -> DeviceVerdict:
+    """The device's description, library and refusal under the current settings.force. Cached."""
     key = (device, settings.force)
-    if key not in _device_refusals:
-        policy = None if settings.force else _policy_refusal(_device.describe(device))
-        _device_refusals[key] = policy or ops.availability(device)
-    return _device_refusals[key]
+    verdict = _device_verdicts.get(key)
+    if verdict is None:
+        verdict = _device_verdicts[key] = _judge_device(device, settings.force)
+    return verdict
+
+
+def device_refusal(device: torch.device) -> str | None:
+    """Why the kernels cannot run on `device` (policy, then its code object), or None. Cached."""
+    return device_verdict(device).refusal
 
 
 def selftest_refusal(device: torch.device) -> str | None:
-    """Why the self-test keeps the kernels off `device`, or None. Runs it at the first ask, which
-    the dispatcher makes on the first call that would otherwise reach the kernels. Cached."""
+    """Why the kernels cannot run on `device` or failed its self-test, or None. Runs the self-test
+    at the first ask, which the dispatcher makes on the first call that would otherwise reach the
+    kernels. Cached."""
     if device not in _selftest_refusals:
-        _selftest_refusals[device] = selftest.verdict(device)
+        verdict = device_verdict(device)
+        _selftest_refusals[device] = verdict.refusal or selftest.verdict(device, verdict.library)
     return _selftest_refusals[device]
 
 
 def forget_devices() -> None:
     """Drop the cached per-device verdicts and every decision made on them (after a new self-test,
-    or in tests)."""
+    when the runtime drops its loaded libraries, or in tests)."""
     global _verdict_generation
-    _device_refusals.clear()
+    _device_verdicts.clear()
     _selftest_refusals.clear()
     _routes.clear()
-    ops.forget_launches()
+    attention.forget_launches()
     _verdict_generation += 1
+
+
+loader.on_forget(forget_devices)
 
 
 def _disable_device(device: torch.device, reason: str) -> None:
     global _verdict_generation
+    info = devices.describe(device)
     for force in (False, True):
-        _device_refusals[(device, force)] = reason
+        _device_verdicts[(device, force)] = DeviceVerdict(info, None, reason)
     _routes.clear()
     _verdict_generation += 1
 
@@ -172,7 +205,7 @@ def _kernel_dtypes(query, key, value) -> tuple[torch.dtype | None, torch.dtype] 
         if settings.fp32_cast == "off":
             return "float32 inputs (RDNA_FA_FP32_CAST=bf16 runs them on the kernels in bfloat16)"
         return FP32_CAST_DTYPES[settings.fp32_cast], torch.float32
-    return None, query.dtype  # as given: ops.forward_refusal judges the dtypes
+    return None, query.dtype  # as given: attention.forward_refusal judges the dtypes
 
 
 def _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> Route | str:
@@ -218,7 +251,7 @@ def _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
     if run_dtype is not None:
         query, key, value = query.to(run_dtype), key.to(run_dtype), value.to(run_dtype)
     scale = None if scale is None else float(scale)
-    refusal = ops.forward_refusal(query, key, value, is_causal, scale)
+    refusal = attention.forward_refusal(query, key, value, is_causal, scale)
     if refusal:
         return refusal
     if tracing:
@@ -348,11 +381,11 @@ def _run(route: Route, query, key, value, is_causal: bool, scale, signature: tup
         out, _lse = route.launch(query, key, value)
     elif signature is not None:
         generation = _verdict_generation
-        launch = ops.forward_launch(query, key, value, is_causal, scale)
+        launch = attention.forward_launch(query, key, value, is_causal, scale)
         _remember(signature, route._replace(launch=launch), generation)
         out, _lse = launch(query, key, value)
     else:
-        out, _lse = ops.flash_attention_forward(query, key, value, is_causal, scale)
+        out, _lse = attention.flash_attention_forward(query, key, value, is_causal, scale)
     return out if out.dtype == route.out_dtype else out.to(route.out_dtype)
 
 
@@ -385,7 +418,7 @@ def attention_or_reason(
     if not isinstance(route, str):
         try:
             out = _run(route, query, key, value, is_causal, scale, signature)
-        except ops.KernelUnavailable as exc:
+        except KernelUnavailable as exc:
             route = str(exc)
         except Exception as exc:  # a kernel-side bug must cost speed, never the host's run
             route = f"the kernels failed ({type(exc).__name__}: {exc}); off for {query.device}"

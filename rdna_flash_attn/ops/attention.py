@@ -11,11 +11,11 @@ import math
 
 import torch
 
-from . import artifacts, device as devices, runtime, variants
+from ..runtime import artifacts, device as devices, loader, variants
+from ..runtime.loader import KernelUnavailable
 from .launch_args import BwdArgs, FwdArgs
-from .runtime import KernelUnavailable
 
-__all__ = ["KernelUnavailable", "forward_refusal", "availability", "artifact_info", "forward_launch",
+__all__ = ["KernelUnavailable", "forward_refusal", "artifact_info", "forward_launch",
            "flash_attention_forward", "flash_attention_backward", "kernel_layout"]
 
 _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -40,7 +40,7 @@ def forward_refusal(q, k, v, is_causal: bool = False, scale: float | None = None
         return f"dtype {q.dtype} is not supported (float16 or bfloat16)"
     if k.dtype != q.dtype or v.dtype != q.dtype:
         return "query, key and value have different dtypes"
-    on_kernel_device = q.device.type == KERNEL_DEVICE_TYPE or runtime.explicit_library_for(q.device) is not None
+    on_kernel_device = q.device.type == KERNEL_DEVICE_TYPE or loader.explicit_library_for(q.device) is not None
     if not on_kernel_device or k.device != q.device or v.device != q.device:
         return "query, key and value must be on one GPU"
     if q.shape[0] != k.shape[0] or q.shape[0] != v.shape[0]:
@@ -98,18 +98,9 @@ def kernel_layout(t: torch.Tensor) -> torch.Tensor:
     return t if _layout_refusal("", t) is None else t.clone(memory_format=torch.contiguous_format)
 
 
-def availability(device: torch.device) -> str | None:
-    """None when the kernels can run on this device's own library, otherwise why not (an explicit
-    library such as the CPU interpreter does not count: this is the dispatcher's device verdict)."""
-    try:
-        runtime.loaded_library_for(torch.device(device))
-    except KernelUnavailable as error:
-        return str(error)
-    return None
-
-
 def artifact_info(device: torch.device) -> dict:
-    library = runtime.library_for(torch.device(device))
+    """What the library launches for `device` would run (an explicit one first): for records."""
+    library = loader.library_for(torch.device(device))
     artifact: artifacts.Artifact = library.artifact
     return {"target": artifact.target, "path": str(artifact.path), "sha256": artifact.sha256,
             "emulated": artifact.emulated, "code_object_version": artifact.code_object_version,
@@ -165,7 +156,7 @@ class _ForwardLaunch:
 
     __slots__ = ("launcher", "args", "device", "dtype", "out_size", "out_stride", "lse_size")
 
-    def __init__(self, library: runtime.KernelLibrary, q, k, v, is_causal: bool, scale: float | None):
+    def __init__(self, library: loader.KernelLibrary, q, k, v, is_causal: bool, scale: float | None):
         batch, heads, seq_q, head_dim = q.shape
         variant = variants.fwd_variant(_DTYPES[q.dtype], head_dim)
         q_blocks = -(-seq_q // variant.block_rows)
@@ -203,7 +194,7 @@ def forward_launch(q, k, v, is_causal: bool = False, scale: float | None = None)
     reason = forward_refusal(q, k, v, is_causal, scale)
     if reason is not None:
         raise ValueError(reason)
-    return _ForwardLaunch(runtime.library_for(q.device), q, k, v, is_causal, scale)
+    return _ForwardLaunch(loader.library_for(q.device), q, k, v, is_causal, scale)
 
 
 def flash_attention_forward(q, k, v, is_causal: bool = False, scale: float | None = None,
@@ -221,7 +212,7 @@ def flash_attention_forward(q, k, v, is_causal: bool = False, scale: float | Non
     reason = forward_refusal(q, k, v, is_causal, scale) or _output_refusal(q, out, lse)
     if reason is not None:  # before the library loads: bad arguments are named whatever the device
         raise ValueError(reason)
-    launch = _ForwardLaunch(runtime.library_for(q.device), q, k, v, is_causal, scale)
+    launch = _ForwardLaunch(loader.library_for(q.device), q, k, v, is_causal, scale)
     if out is None and lse is None:
         if signature is not None:
             if len(_forward_launches) >= _MAX_CACHED_SIGNATURES:
@@ -249,7 +240,7 @@ def _launch_signature(q, k, v, is_causal, scale) -> tuple | None:
             return None
         return (q.device, q.dtype, k.dtype, v.dtype, q.layout, k.layout, v.layout, q.shape, k.shape, v.shape,
                 q.stride(), k.stride(), v.stride(), k.device, v.device, bool(is_causal), scale,
-                runtime.emulated_layer())
+                loader.emulated_layer())
     except (RuntimeError, NotImplementedError):  # nested or storage-less tensors: the full checks judge
         return None
 
@@ -267,7 +258,7 @@ def flash_attention_backward(dout, q, k, v, lse, is_causal: bool = False, scale:
         reason = "lse must be the forward's contiguous float32 (batch, heads, seq_q) log-sum-exp"
     if reason is not None:
         raise ValueError(reason)
-    library = runtime.library_for(q.device)
+    library = loader.library_for(q.device)
     batch, heads, seq_q, head_dim = q.shape
     seq_k = k.shape[2]
     dtype = _DTYPES[q.dtype]

@@ -8,12 +8,13 @@ import logging
 import os
 import re
 import threading
+from typing import Callable
 
 import torch
 
+from ..config import LOGGER_NAME
 from . import artifacts, device as devices, driver
-from .config import LOGGER_NAME
-from .rebuild import CODE_OBJECT_VERSION, LEGACY_CODE_OBJECT_VERSION
+from .build_facts import CODE_OBJECT_VERSION, LEGACY_CODE_OBJECT_VERSION
 
 log = logging.getLogger(LOGGER_NAME)
 
@@ -51,14 +52,16 @@ def emulated_layer() -> str:
 
 
 class KernelLibrary:
-    """One loaded code object on one device."""
+    """One loaded code object on one device, with that device's description (what the self-test's
+    verdict is keyed on)."""
 
-    def __init__(self, gpu_driver, artifact: artifacts.Artifact, ordinal: int, runtime_version: str | None = None):
+    def __init__(self, gpu_driver, artifact: artifacts.Artifact, device_info: devices.DeviceInfo,
+                 runtime_version: str | None = None):
         self.driver = gpu_driver
         self.artifact = artifact
-        self.ordinal = ordinal
+        self.device_info = device_info
         self.runtime_version = runtime_version  # the HIP runtime's, for doctor; None for the emulation
-        self._module = gpu_driver.load_module(artifact.read_verified(), ordinal)
+        self._module = gpu_driver.load_module(artifact.read_verified(), device_info.index)
         self._functions: dict[str, object] = {}
         self._lock = threading.Lock()
 
@@ -112,9 +115,26 @@ _OneParam = ctypes.c_void_p * 1  # the kernels take one argument: a pointer to t
 _libraries: dict[tuple, KernelLibrary] = {}
 _failures: dict[tuple, str] = {}
 _lock = threading.Lock()
+_forget_listeners: list[Callable[[], None]] = []
 
 
-def _open_amd_library(hip, target: str, ordinal: int) -> KernelLibrary:
+def on_forget(listener: Callable[[], None]) -> None:
+    """Call `listener` whenever forget_libraries() drops the loaded libraries: the hook through which
+    the layers above drop what they decided on them (the dispatcher's verdicts and routes)."""
+    _forget_listeners.append(listener)
+
+
+def forget_libraries() -> None:
+    """Drop every loaded library and remembered failure, so the next launch loads the code object
+    again (after a local rebuild put a new one in place), and tell the on_forget listeners."""
+    with _lock:
+        _libraries.clear()
+        _failures.clear()
+    for listener in _forget_listeners:
+        listener()
+
+
+def _open_amd_library(hip, info: devices.DeviceInfo) -> KernelLibrary:
     """Load the target's code object the HIP runtime prefers; a refused one is logged and the next
     version tried. A sha256 mismatch is not a refusal: it is raised at once."""
     try:
@@ -124,11 +144,12 @@ def _open_amd_library(hip, target: str, ordinal: int) -> KernelLibrary:
                     CODE_OBJECT_VERSION)
         runtime_version = None
     preference = code_object_preference(runtime_version)
+    target = info.gfx_target
     candidates = sorted(artifacts.amd_artifacts(target), key=lambda a: preference.index(a.code_object_version))
     refusals = []
     for artifact in candidates:
         try:
-            return KernelLibrary(hip, artifact, ordinal, runtime_version)
+            return KernelLibrary(hip, artifact, info, runtime_version)
         except driver.DriverError as error:
             refusals.append(f"v{artifact.code_object_version} ({artifact.path.name}): {error}")
             if artifact is not candidates[-1]:
@@ -153,9 +174,9 @@ def _open_library(info: devices.DeviceInfo, layer: str) -> KernelLibrary:
         hip = driver.hip_driver(info.backend == "zluda")
         if hip is None:
             raise KernelUnavailable("no HIP runtime is loaded in this process")
-        return _open_amd_library(hip, info.gfx_target, info.index)
+        return _open_amd_library(hip, info)
     if info.backend == "cuda":
-        return KernelLibrary(driver.cuda_driver(), artifacts.emulated_artifact(layer), info.index)
+        return KernelLibrary(driver.cuda_driver(), artifacts.emulated_artifact(layer), info)
     raise KernelUnavailable(f"{info.backend} device {info.name}: the kernels need an AMD GPU (or NVIDIA emulation)")
 
 
@@ -192,7 +213,11 @@ def library_for(device: torch.device) -> KernelLibrary:
 def loaded_library_for(device: torch.device) -> KernelLibrary:
     """The device's own loaded library, never an explicit one; raises KernelUnavailable with the
     reason, remembered."""
-    info = devices.describe(device)
+    return loaded_library(devices.describe(device))
+
+
+def loaded_library(info: devices.DeviceInfo) -> KernelLibrary:
+    """loaded_library_for a device already described."""
     layer = emulated_layer() if info.backend == "cuda" else None
     key = (info.backend, info.index, layer)
     library = _libraries.get(key)

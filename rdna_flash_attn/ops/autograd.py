@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import ops
+from . import attention
 
 HAS_CUSTOM_OP = hasattr(torch, "library") and hasattr(torch.library, "custom_op")
 
@@ -27,25 +27,25 @@ def _free_op_namespace(base: str = "rdna_flash_attn") -> str:
 
 
 def _forward(q, k, v, is_causal, scale):
-    kernel_q, kernel_k, kernel_v = (ops.kernel_layout(t) for t in (q, k, v))
+    kernel_q, kernel_k, kernel_v = (attention.kernel_layout(t) for t in (q, k, v))
     if kernel_q is q:
-        return ops.flash_attention_forward(kernel_q, kernel_k, kernel_v, is_causal, scale)
+        return attention.flash_attention_forward(kernel_q, kernel_k, kernel_v, is_causal, scale)
     # A copied query may lie in another memory order than q: the output keeps q's, as the fake
     # implementation promises a compiled graph.
-    out, lse = ops.output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
-    return ops.flash_attention_forward(kernel_q, kernel_k, kernel_v, is_causal, scale, out=out, lse=lse)
+    out, lse = attention.output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return attention.flash_attention_forward(kernel_q, kernel_k, kernel_v, is_causal, scale, out=out, lse=lse)
 
 
 def _backward(dout, q, k, v, lse, is_causal, scale):
-    grads = ops.flash_attention_backward(ops.kernel_layout(dout), *(ops.kernel_layout(t) for t in (q, k, v)),
+    grads = attention.flash_attention_backward(attention.kernel_layout(dout), *(attention.kernel_layout(t) for t in (q, k, v)),
                                          lse, is_causal, scale)
     return tuple(_in_memory_order_of(grad, t) for grad, t in zip(grads, (q, k, v)))
 
 
 def _in_memory_order_of(grad: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """grad laid out as ops.output_like(t), the layout the fake implementation promises (a copied
+    """grad laid out as attention.output_like(t), the layout the fake implementation promises (a copied
     input may have had another memory order)."""
-    size, stride = ops.output_layout(t)
+    size, stride = attention.output_layout(t)
     if grad.stride() == stride:
         return grad
     return torch.empty_strided(size, stride, dtype=grad.dtype, device=grad.device).copy_(grad)
@@ -61,7 +61,7 @@ if HAS_CUSTOM_OP:
 
     @_fwd_op.register_fake
     def _(q, k, v, is_causal, scale):
-        return ops.output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+        return attention.output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
     @torch.library.custom_op(f"{OP_NAMESPACE}::bwd", mutates_args=(), device_types="cuda")
     def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
@@ -70,7 +70,7 @@ if HAS_CUSTOM_OP:
 
     @_bwd_op.register_fake
     def _(dout, q, k, v, lse, is_causal, scale):
-        return ops.output_like(q), ops.output_like(k), ops.output_like(v)
+        return attention.output_like(q), attention.output_like(k), attention.output_like(v)
 
     def _setup_context(ctx, inputs, output):
         q, k, v, is_causal, scale = inputs

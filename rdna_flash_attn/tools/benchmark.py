@@ -9,7 +9,7 @@ Each row also carries the memory the call must allocate whatever the method (`li
 and LSE forward, dQ/dK/dV and the row deltas backward) and the size of one Sq x Sk score matrix
 (`scores_mib`), so a peak close to `linear_mib` shows that nothing proportional to Sq x Sk was
 allocated; `memory_sweep` does the same over growing sequence lengths and fits the growth exponent.
-`--suite full` runs the end-to-end suite of the repository's bench/ folder (bench/suite.py).
+The end-to-end suite (UNet sampling, VAE decode) is the repository's bench/suite.py, built on this module.
 """
 
 from __future__ import annotations
@@ -32,8 +32,11 @@ from typing import Callable, ContextManager
 
 import torch
 
-from . import __version__, autograd, dispatch, ops
-from . import device as _device
+from ..dispatch import router
+from ..dispatch.sdpa_patch import patch_sdpa
+from ..ops import attention, autograd
+from ..runtime import device as devices
+from ..version import __version__
 
 MIN_REPS, MAX_REPS = 3, 50
 MATH_MEMORY_FACTOR = {"forward": 3, "backward": 8}  # (Sq x Sk) buffers the math backend keeps alive
@@ -128,7 +131,7 @@ def _sdpa_providers() -> list[Provider]:
     for backend, short in names.items():
         context = _sdpa_backend_context(backend)
         if context is not None:
-            providers.append(Provider(f"sdpa-{short}", lambda q, k, v: dispatch.torch_sdpa(q, k, v), context))
+            providers.append(Provider(f"sdpa-{short}", lambda q, k, v: router.torch_sdpa(q, k, v), context))
     return providers
 
 
@@ -136,14 +139,14 @@ def _kernels(q, k, v):
     """The kernels as the dispatcher calls them: the plain op unless autograd needs the differentiable one."""
     if torch.is_grad_enabled() and q.requires_grad:
         return autograd.flash_attention(q, k, v, False, None)
-    return ops.flash_attention_forward(q, k, v, False, None)[0]
+    return attention.flash_attention_forward(q, k, v, False, None)[0]
 
 
 def _kernel_provider(device: torch.device) -> Provider | str:
-    refusal = dispatch.device_refusal(device) or dispatch.selftest_refusal(device)
+    refusal = router.device_refusal(device) or router.selftest_refusal(device)
     if refusal:
         return refusal
-    return Provider("rdna_fa", _kernels, refusal=lambda q, k, v: ops.forward_refusal(q, k, v, False, None))
+    return Provider("rdna_fa", _kernels, refusal=lambda q, k, v: attention.forward_refusal(q, k, v, False, None))
 
 
 def available_providers(device: torch.device, dtype: torch.dtype, note: Callable[[str], None]) -> list[Provider]:
@@ -153,7 +156,7 @@ def available_providers(device: torch.device, dtype: torch.dtype, note: Callable
     if isinstance(kernels, str):
         note(f"kernels not benchmarked: {kernels}")
     else:
-        artifact = ops.artifact_info(device)
+        artifact = attention.artifact_info(device)
         note(f"kernels: {artifact['path']}{' (NVIDIA emulation build)' if artifact['emulated'] else ''}")
         providers.append(kernels)
     probe = [torch.randn(1, 1, 16, 64, device=device, dtype=dtype) for _ in range(3)]
@@ -332,10 +335,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-backward", action="store_true", help="forward only")
     parser.add_argument("--budget", type=float, default=0.5, help="seconds of timing per case (default 0.5)")
     parser.add_argument("--out", default=".", help="folder for the JSON and PNG (default: current folder)")
-    parser.add_argument("--suite", choices=("kernels", "full"), default="kernels",
-                        help="kernels: this attention benchmark (default); full: the end-to-end suite of bench/ "
-                             "(kernels, UNet sampling and VAE decode through diffusers, memory growth; "
-                             "--quick runs it at tiny sizes)")
 
 
 def _shapes(args: argparse.Namespace, quick: bool) -> tuple[Shape, ...] | str:
@@ -390,10 +389,10 @@ def run_meta(device: torch.device, dtype: torch.dtype) -> dict:
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "device": asdict(_device.describe(device)),
+        "device": asdict(devices.describe(device)),
         "dtype": _dtype_name(dtype),
         # why the kernels were off, or which artifact ran (cached verdicts: nothing runs again)
-        "kernels": dispatch.device_refusal(device) or dispatch.selftest_refusal(device) or ops.artifact_info(device),
+        "kernels": router.device_refusal(device) or router.selftest_refusal(device) or attention.artifact_info(device),
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "flops_convention": "forward 4*B*H*Sq*Sk*D, backward 2.5x forward",
     }
@@ -414,8 +413,6 @@ class ModelProvider:
 def model_providers(device: torch.device, note: Callable[[str], None]) -> list[ModelProvider]:
     """The kernels through the SDPA patch (where they run on `device`), SDPA's math backend (what
     ZLUDA users get) and PyTorch's own per-call choice of SDPA backend (the best SDPA here)."""
-    from .sdpa_patch import patch_sdpa
-
     providers = []
     kernels = _kernel_provider(device)
     if isinstance(kernels, str):
@@ -435,27 +432,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _run_suite(args: argparse.Namespace) -> int:
-    """`--suite full`: bench/suite.py of the repository this package sits in."""
-    suite_file = Path(__file__).resolve().parent.parent / "bench" / "suite.py"
-    if not suite_file.is_file():
-        print(f"--suite full needs the repository's bench/ folder ({suite_file} is missing): run it from a "
-              "clone of the repository", file=sys.stderr)
-        return 2
-    if str(suite_file.parent.parent) not in sys.path:
-        sys.path.insert(0, str(suite_file.parent.parent))
-    from bench import suite
-
-    argv = ["--out", args.out, "--budget", str(args.budget)]
-    argv += ["--device", args.device] if args.device else []
-    argv += ["--dtype", args.dtype] if args.dtype else []
-    argv += ["--size", "tiny"] if args.quick else []
-    return suite.main(argv)
-
-
 def run(args: argparse.Namespace) -> int:
-    if args.suite == "full":
-        return _run_suite(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype or ("fp32" if device.type == "cpu" else "fp16")]
     quick = args.quick or (device.type == "cpu" and not args.full)
@@ -463,7 +440,7 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(shapes, str):
         print(shapes, file=sys.stderr)
         return 2
-    info = _device.describe(device)
+    info = devices.describe(device)
     print(f"bench on {info.name} ({device}), {_dtype_name(dtype)}, {len(shapes)} shapes"
           f"{' (quick set)' if quick else ''}", file=sys.stderr)
     passes = ("forward",) if args.no_backward else ("forward", "backward")

@@ -42,7 +42,7 @@ _TILE_PREFERENCE = ((4, 64), (4, 32), (2, 32), (2, 16), (1, 16))
 
 
 # Global loads a forward thread keeps in flight per K/V copy batch (4 VGPRs each): as many as fit
-# beside the O accumulators without spilling. The exceptions are what `python -m rdna_flash_attn.report
+# beside the O accumulators without spilling. The exceptions are what `python -m rdna_flash_attn report
 # --check` found spilling at 8 on gfx1100 with clang 19.
 _FWD_COPY_LOADS_EXCEPTIONS = {224: 4, 320: 2}
 

@@ -1,7 +1,7 @@
 """diffusers attention processor that runs attention through the dispatcher, plus helpers that
 install it on a UNet2DConditionModel / AutoencoderKL and put the previous processors back.
 
-    from rdna_flash_attn.diffusers_attention import install_attention_processor, restore_attention_processors
+    from rdna_flash_attn import install_attention_processor, restore_attention_processors
     install_attention_processor(unet)      # every plain SDPA layer now runs on the kernels where supported
     ...
     restore_attention_processors(unet)     # the exact processor objects found at install time
@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from . import dispatch
-from .config import LOGGER_NAME
+from ..config import LOGGER_NAME
+from ..dispatch import router
 
 log = logging.getLogger(LOGGER_NAME)
 
@@ -90,7 +90,7 @@ class RdnaFlashAttnProcessor:
         if attn.norm_k is not None:
             key = attn.norm_k(key)
 
-        hidden_states = dispatch.scaled_dot_product_attention(
+        hidden_states = router.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, scale=attn.scale
         )
         hidden_states = hidden_states.transpose(1, 2).reshape(batch, -1, attn.heads * head_dim).to(query.dtype)

@@ -1,13 +1,13 @@
 """Static resource report of the prebuilt code objects: the check that stands in for RDNA hardware.
 
 For every target and kernel: VGPRs, SGPRs, LDS, scratch, spills, waves per SIMD and the WMMA
-instructions in the main loop, read from the code object metadata (codeobject.py) and from
+instructions in the main loop, read from the code object metadata (runtime/codeobject.py) and from
 `llvm-objdump` disassembly. `--check` fails on scratch, spills, LDS over 64 KiB, LDS that differs
-from what variants.py says the kernel declares, hidden (implicit) kernel arguments, or a code object
+from what runtime/variants.py says the kernel declares, hidden (implicit) kernel arguments, or a code object
 whose version is not the one its manifest entry names.
 
-    python -m rdna_flash_attn.report                      # prebuilt/manifest.json
-    python -m rdna_flash_attn.report build/x.hsaco --check --json report.json
+    python -m rdna_flash_attn report                      # prebuilt/manifest.json
+    python -m rdna_flash_attn report build/x.hsaco --check --json report.json
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import variants
-from .artifacts import prebuilt_dir
-from .codeobject import CodeObject, KernelResources, load_code_object
-from .rebuild import CODE_OBJECT_VERSION
+from ..runtime import variants
+from ..runtime.artifacts import prebuilt_dir
+from ..runtime.codeobject import CodeObject, KernelResources, load_code_object
+from ..runtime.build_facts import CODE_OBJECT_VERSION, MANIFEST_FILE, listed_code_objects
 
-DEFAULT_MANIFEST = prebuilt_dir() / "manifest.json"
+DEFAULT_MANIFEST = prebuilt_dir() / MANIFEST_FILE
 LDS_LIMIT = variants.LDS_LIMIT  # bytes one workgroup may allocate on every RDNA target
 
 # --- Occupancy facts --------------------------------------------------------------------------
@@ -249,11 +249,10 @@ class KernelRow:
 
 def artifacts_from_manifest(manifest_path: Path) -> list[Artifact]:
     manifest = json.loads(manifest_path.read_text())
-    tables = [manifest["targets"], manifest.get("targets_cov4", {})]  # code object v5, then the v4 ones
     return [
         Artifact(manifest_path.parent / entry["file"], target, tuple(entry.get("kernels", ())),
                  entry.get("code_object_version"))
-        for table in tables for target, entry in table.items()
+        for target, _version, entry in listed_code_objects(manifest)
     ]
 
 
@@ -395,7 +394,7 @@ def row_json(row: KernelRow) -> dict:
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m rdna_flash_attn.report",
+        prog="python -m rdna_flash_attn report",
         description="Registers, LDS, scratch, spills, occupancy and WMMA counts of AMDGPU code objects.",
     )
     parser.add_argument("hsaco", nargs="*", type=Path, help="code objects (default: those in the manifest)")
@@ -453,7 +452,3 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"check passed: {len(rows)} kernels in {len(code_objects)} code objects within the static limits")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

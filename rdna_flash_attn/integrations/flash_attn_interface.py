@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import dispatch
+from ..dispatch import router
 
 
 def _attn_mask(q: torch.Tensor, k: torch.Tensor, causal: bool, window_size, alibi_slopes) -> torch.Tensor | None:
@@ -69,7 +69,7 @@ def flash_attn_func(
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     mask = _attn_mask(q, k, causal, window_size, alibi_slopes)
     if mask is None:
-        out = dispatch.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=softmax_scale)
+        out = router.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=softmax_scale)
     else:
-        out = dispatch.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=softmax_scale)
+        out = router.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=softmax_scale)
     return out.transpose(1, 2).contiguous()  # flash-attn returns contiguous (batch, tokens, heads, dim)

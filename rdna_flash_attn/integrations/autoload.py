@@ -34,9 +34,9 @@ def requested(environ=None) -> bool:
 
 def _enable_now() -> None:
     try:
-        import rdna_flash_attn
+        from rdna_flash_attn.dispatch import sdpa_patch
 
-        rdna_flash_attn.enable_sdpa_patch()
+        sdpa_patch.enable_sdpa_patch()
     except Exception as exc:  # never into the host's `import torch`
         log.warning("%s is set but the SDPA override could not be installed: %s: %s", ENV_VAR, type(exc).__name__, exc)
 

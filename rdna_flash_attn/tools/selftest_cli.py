@@ -1,0 +1,80 @@
+"""`python -m rdna_flash_attn selftest`: the first-use self-test re-run on each GPU (ignoring its
+cached verdict), or with --interpret a shipped code object run on the CPU by the ISA interpreter."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from ..dispatch import router, selftest
+from ..interpreter import InterpretedLibrary, InterpreterError, MissingDecoder
+from ..runtime import artifacts, device as devices, loader
+from .doctor import gpu_devices
+
+# The CPU interpreter's case: small, ragged, causal off-square, one tile of each kind, in both
+# dtypes; it takes seconds, not the minutes the GPU self-test's whole case list would.
+INTERPRET_CASE = (1, 2, 64, 77, 64, True)
+
+
+def run_interpreted(target: str) -> tuple[list[selftest.Check], float, str]:
+    """The self-test's forward and backward checks of INTERPRET_CASE run by the CPU interpreter on the
+    code object shipped for `target` (code object v5): (checks, seconds, code object path). Raises
+    MissingDecoder without tinygrad, artifacts.ArtifactError without a code object."""
+    library = InterpretedLibrary.for_target(target)
+    generator = torch.Generator().manual_seed(0)
+    start = time.perf_counter()
+    with loader.explicit_library(library):
+        checks = [check for dtype in selftest.DTYPES
+                  for check in selftest.case_checks(torch.device("cpu"), dtype, INTERPRET_CASE, generator,
+                                                    selftest.direct_gradients)]
+    return checks, time.perf_counter() - start, str(library.artifact.path)
+
+
+def run_interpreted_selftest(target: str) -> int:
+    """The shipped code object for `target`, run on the CPU by the ISA interpreter; 0 passed,
+    1 failed, 2 nothing tested (no decoder or no code object)."""
+    try:
+        checks, seconds, path = run_interpreted(target)
+    except (MissingDecoder, artifacts.ArtifactError) as error:
+        print(f"cannot interpret the {target} code object: {error}")
+        return 2
+    except InterpreterError as error:  # the kernel did something the interpreter refuses (message names kernel and pc)
+        print(f"{target} code object FAILED under the interpreter: {error}")
+        return 1
+    for check in checks:
+        mark = "ok  " if check.passed else "FAIL"
+        print(f"  {mark} {check.name}: error {check.error:.3g} (tolerance {check.tolerance:.3g})")
+    passed = all(check.passed for check in checks)
+    print(f"{target} code object {path}, interpreted on the CPU in {seconds:.1f} s: {'passed' if passed else 'FAILED'}")
+    return 0 if passed else 1
+
+
+def run_selftest(args: argparse.Namespace) -> int:
+    """Re-run the self-test (ignoring the cache) on each GPU; 0 passed, 1 failed, 2 nothing tested."""
+    if args.interpret:
+        return run_interpreted_selftest(args.target or "gfx1100")
+    if args.target:  # a GPU's target is detected, not chosen: only a code object run on the CPU takes one
+        args.parser.error("--target needs --interpret")
+    gpus = [torch.device(args.device)] if args.device else gpu_devices()
+    if not gpus:
+        print("no GPU visible to torch: nothing to test")
+        return 2
+    failed = untested = False
+    for device in gpus:
+        info = devices.describe(device)
+        try:
+            library = loader.loaded_library(info)
+        except loader.KernelUnavailable as unavailable:
+            print(f"{device} ({info.name}): no kernels to test: {unavailable}")
+            untested = True
+            continue
+        record = selftest.run(device, library)
+        for check in record["checks"]:
+            mark = "ok  " if check["passed"] else "FAIL"
+            print(f"  {mark} {check['name']}: error {check['error']:.3g} (tolerance {check['tolerance']:.3g})")
+        print(f"{device} ({info.name}): {'passed' if record['passed'] else record['reason']}")
+        failed = failed or not record["passed"]
+    router.forget_devices()
+    return 1 if failed else 2 if untested else 0
