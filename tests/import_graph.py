@@ -51,6 +51,8 @@ LABELS = {
 DEFERRED_IMPORTS = {
     ("rdna_flash_attn.integrations.autoload", "rdna_flash_attn.dispatch.sdpa_patch"):
         "the .pth hook loads autoload.py by its path before torch is imported; the package comes after torch",
+    ("rdna_flash_attn.tools.selftest_cli", "rdna_flash_attn.interpreter"):
+        "the interpreter needs numpy, an optional extra; the rest of the CLI must run without it",
 }
 
 

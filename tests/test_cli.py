@@ -203,3 +203,18 @@ def test_python_dash_m():
     assert result.returncode == 0 and "rdna_flash_attn" in result.stdout
     result = subprocess.run([sys.executable, "-m", "rdna_flash_attn"], capture_output=True, text=True)
     assert result.returncode == 2 and "doctor" in result.stderr
+
+
+def test_selftest_interpret_without_numpy_says_what_to_install(monkeypatch, capsys):
+    # The interpreter is an optional extra (numpy, tinygrad); the CLI imports without it.
+    monkeypatch.setitem(sys.modules, "rdna_flash_attn.interpreter", None)
+    code, out, _ = run_cli(capsys, "selftest", "--interpret", "--target", "gfx1201")
+    assert code == 2 and "cannot interpret the gfx1201 code object" in out and "numpy" in out
+
+
+def test_the_cli_imports_without_numpy():
+    code = ("import sys; sys.modules['numpy'] = None\n"
+            "from rdna_flash_attn.tools import cli\n"
+            "assert cli.main(['doctor']) == 0\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

@@ -9,19 +9,23 @@ import time
 import torch
 
 from ..dispatch import router, selftest
-from ..interpreter import InterpretedLibrary, InterpreterError, MissingDecoder
 from ..runtime import artifacts, device as devices, loader
 from .doctor import gpu_devices
 
 # The CPU interpreter's case: small, ragged, causal off-square, one tile of each kind, in both
 # dtypes; it takes seconds, not the minutes the GPU self-test's whole case list would.
 INTERPRET_CASE = (1, 2, 64, 77, 64, True)
+INTERPRETER_EXTRA = "pip install numpy tinygrad==0.14.0 (the package's `interpret` extra)"
 
 
 def run_interpreted(target: str) -> tuple[list[selftest.Check], float, str]:
     """The self-test's forward and backward checks of INTERPRET_CASE run by the CPU interpreter on the
     code object shipped for `target` (code object v5): (checks, seconds, code object path). Raises
-    MissingDecoder without tinygrad, artifacts.ArtifactError without a code object."""
+    ImportError without numpy, MissingDecoder without tinygrad, artifacts.ArtifactError without a
+    code object."""
+    # Here, not at the top: the interpreter needs numpy, an optional extra the rest of the CLI does without.
+    from ..interpreter import InterpretedLibrary
+
     library = InterpretedLibrary.for_target(target)
     generator = torch.Generator().manual_seed(0)
     start = time.perf_counter()
@@ -34,7 +38,12 @@ def run_interpreted(target: str) -> tuple[list[selftest.Check], float, str]:
 
 def run_interpreted_selftest(target: str) -> int:
     """The shipped code object for `target`, run on the CPU by the ISA interpreter; 0 passed,
-    1 failed, 2 nothing tested (no decoder or no code object)."""
+    1 failed, 2 nothing tested (no numpy, no decoder or no code object)."""
+    try:
+        from ..interpreter import InterpreterError, MissingDecoder  # needs numpy: see run_interpreted
+    except ImportError as error:
+        print(f"cannot interpret the {target} code object: {error}; {INTERPRETER_EXTRA}")
+        return 2
     try:
         checks, seconds, path = run_interpreted(target)
     except (MissingDecoder, artifacts.ArtifactError) as error:
