@@ -10,6 +10,10 @@ of milliseconds, so it runs in full every time rather than caching a verdict.
 It exits 0 whatever it finds, so the host always starts: a damaged code object is refused anyway when
 the runtime loads it (the kernels stay off for that GPU target and attention runs on PyTorch SDPA),
 and this line tells the user why and how to repair it. `--strict` exits 1 on any problem, for CI.
+
+`--doctor` runs `python -m rdna_flash_attn doctor` on this folder's package, from wherever the user
+stands (from ComfyUI's root, `-m rdna_flash_attn` finds no package): the status line names that
+command with the host's own Python, so it can be copied as it is.
 """
 
 from __future__ import annotations
@@ -64,15 +68,34 @@ def check(prebuilt: Path) -> tuple[list[str], list[str]]:
     return verified, problems
 
 
+def _quoted(path: str) -> str:
+    return f'"{path}"' if " " in path else path
+
+
+def doctor_command() -> str:
+    """The command that shows the details, with this Python (the host's) and this file's path."""
+    return f"{_quoted(sys.executable)} {_quoted(str(Path(__file__).resolve()))} --doctor"
+
+
 def status_line(verified: list[str], problems: list[str], seconds: float) -> str:
     if not problems:
         return (f"{PREFIX} {len(verified)} GPU code objects verified ({verified[0]}-{verified[-1]}) "
-                f"in {seconds:.2f} s; details: python -m rdna_flash_attn doctor")
+                f"in {seconds:.2f} s; details: {doctor_command()}")
     return (f"{PREFIX} WARNING: {'; '.join(problems)}. Kernels stay off for the affected GPUs (attention runs "
             f"on PyTorch SDPA); {REPAIR}.")
 
 
+def run_doctor() -> int:
+    """`python -m rdna_flash_attn doctor` on the package beside this file (imports torch)."""
+    sys.path.insert(0, str(ROOT))
+    from rdna_flash_attn.tools import cli
+
+    return cli.main(["doctor"])
+
+
 def main(argv: list[str]) -> int:
+    if "--doctor" in argv:
+        return run_doctor()
     started = time.perf_counter()
     try:
         verified, problems = check(PREBUILT)

@@ -34,7 +34,7 @@ def routed_attention_function(original):
             q4, k4, v4 = q, k, v
         else:
             q4, k4, v4 = (t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in (q, k, v))
-        out = rdna_flash_attn.attention_or_reason(q4, k4, v4)
+        out = rdna_flash_attn.attention_or_reason(q4, k4, v4, fallback_name="Forge's attention_function")
         return out.transpose(1, 2).flatten(2) if isinstance(out, torch.Tensor) else None
 
     def attention_function(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, **kwargs):
@@ -70,7 +70,7 @@ def routed_single_head_spatial(original):
     def on_kernels(q, k, v):
         b, c, h, w = q.shape
         q4, k4, v4 = (t.reshape(b, 1, c, h * w).transpose(2, 3).contiguous() for t in (q, k, v))
-        out = rdna_flash_attn.attention_or_reason(q4, k4, v4)
+        out = rdna_flash_attn.attention_or_reason(q4, k4, v4, fallback_name="Forge's VAE attention")
         return out.transpose(2, 3).reshape(b, c, h, w) if isinstance(out, torch.Tensor) else None
 
     def attention_function_single_head_spatial(q, k, v):

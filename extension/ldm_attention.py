@@ -64,6 +64,11 @@ def runs_unoptimized(cls: type, forward, hooks: HostHooks) -> bool:
         return False
 
 
+def _fallback_name(sdpa_fallback: bool) -> str:
+    """What runs a call the kernels refuse, for the console line that says so."""
+    return "PyTorch SDPA" if sdpa_fallback else "the WebUI's own attention"
+
+
 def _heads_first(t: torch.Tensor, heads: int) -> torch.Tensor:
     """(B, N, H*D) -> (B, H, N, D), a view (unit stride in D stays)."""
     return t.unflatten(-1, (heads, -1)).transpose(1, 2)
@@ -109,7 +114,8 @@ def cross_attention_forward(cls: type, replaced, hooks: HostHooks):
                 return None
             out = "attention mask"  # ldm's masks are never passed to the kernels
         else:
-            out = rdna_flash_attn.attention_or_reason(q, k, v) if toggles.unet else "UNet setting off"
+            out = (rdna_flash_attn.attention_or_reason(q, k, v, fallback_name=_fallback_name(sdpa_fallback))
+                   if toggles.unet else "UNet setting off")
         if isinstance(out, str):
             if not sdpa_fallback:
                 return None
@@ -147,7 +153,8 @@ def attn_block_forward(cls: type, replaced, hooks: HostHooks):
         dtype = q.dtype
         if hooks.upcast_attn():
             q, k, v = q.float(), k.float(), v.float()
-        out = rdna_flash_attn.attention_or_reason(q, k, v) if toggles.vae else "VAE setting off"
+        out = (rdna_flash_attn.attention_or_reason(q, k, v, fallback_name=_fallback_name(sdpa_fallback))
+               if toggles.vae else "VAE setting off")
         if isinstance(out, str):
             if not sdpa_fallback:
                 return None

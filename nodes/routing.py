@@ -53,9 +53,9 @@ def log_once(message: str, level: int = logging.INFO, exc_info: BaseException | 
     log.log(level, "%s", message, exc_info=exc_info)
 
 
-def refuse(reason: str) -> str:
+def refuse(reason: str, fallback_name: str = "ComfyUI's attention") -> str:
     comfy_fallbacks[reason] = comfy_fallbacks.get(reason, 0) + 1
-    log_once(f"not using the kernels: {reason}")
+    log_once(f"not using the kernels: {reason} ({fallback_name} runs these calls)")
     return reason
 
 
@@ -109,6 +109,11 @@ def _heads_view(t: torch.Tensor, head_dim: int) -> torch.Tensor | None:
     return t.unflatten(-1, (-1, head_dim)).transpose(1, 2)
 
 
+def fallback_name(options: RoutingOptions) -> str:
+    """What runs the calls the kernels do not take, for the console line that says so."""
+    return "ComfyUI's PyTorch attention" if options.fallback == FALLBACK_PYTORCH else "ComfyUI's attention"
+
+
 def kernel_attention(named: dict, extra: dict, options: RoutingOptions) -> torch.Tensor | str:
     """The kernels' result for one ComfyUI backend call, or the reason it falls back."""
     core = core_or_reason()
@@ -116,29 +121,31 @@ def kernel_attention(named: dict, extra: dict, options: RoutingOptions) -> torch
         return core
     q, k, v, heads = named["q"], named["k"], named["v"], named["heads"]
     tensors = (q, k, v)
+    fallback = fallback_name(options)
     if not all(isinstance(t, torch.Tensor) for t in tensors) or not isinstance(heads, int):
-        return refuse("ComfyUI attention call with non-tensor q, k, v or non-integer heads")
+        return refuse("ComfyUI attention call with non-tensor q, k, v or non-integer heads", fallback)
     keyword = unknown_keyword(extra)
     if keyword is not None:
-        return refuse(f"ComfyUI attention keyword {keyword!r} is not known to this node")
+        return refuse(f"ComfyUI attention keyword {keyword!r} is not known to this node", fallback)
     if _in_training(tensors) and not options.training:
-        return refuse("training (gradients or ComfyUI's in_training) and the node's use_for_training is off")
+        return refuse("training (gradients or ComfyUI's in_training) and the node's use_for_training is off", fallback)
     if extra.get("low_precision_attention", True) is False and torch.float32 in (q.dtype, k.dtype, v.dtype):
         # The caller asked for no reduced precision: float32 inputs must not be cast to 16 bits.
-        return refuse("low_precision_attention=False with float32 inputs")
+        return refuse("low_precision_attention=False with float32 inputs", fallback)
     if named.get("skip_reshape", False):
         q4, k4, v4 = tensors
     else:
         if q.dim() != 3 or heads <= 0 or q.shape[-1] % heads:
-            return refuse("q is not (batch, tokens, heads * head dim)")
+            return refuse("q is not (batch, tokens, heads * head dim)", fallback)
         head_dim = q.shape[-1] // heads
         q4, k4, v4 = (_heads_view(t, head_dim) for t in tensors)
         if k4 is None or v4 is None:
-            return refuse("k or v width is not a multiple of the head dim")
+            return refuse("k or v width is not a multiple of the head dim", fallback)
     # attn_precision=torch.float32 (SD2.x) asks for softmax in float32: the kernels accumulate and
     # normalise in float32 whatever their input type, so it needs no fallback.
     out = core.attention_or_reason(
-        q4, k4, v4, attn_mask=named.get("mask"), scale=extra.get("scale"), enable_gqa=extra.get("enable_gqa", False)
+        q4, k4, v4, attn_mask=named.get("mask"), scale=extra.get("scale"), enable_gqa=extra.get("enable_gqa", False),
+        fallback_name=fallback,
     )
     if isinstance(out, str) or named.get("skip_output_reshape", False):
         return out

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .core import core_or_reason
-from .routing import refuse, routing_failed
+from .routing import log_once, refuse, routing_failed
 
 log = logging.getLogger("rdna_flash_attn")
 
@@ -37,6 +37,7 @@ PSNR_EVERY = "every decode"
 PSNR_OFF = "off"
 PSNR_CHOICES = (PSNR_FIRST, PSNR_EVERY, PSNR_OFF)
 
+VAE_FALLBACK = "the VAE's own attention"
 FP16_SAFE_MAX = 32768.0  # inputs up to this magnitude fit float16 with headroom; larger go to bfloat16
 ROUTED_METHODS = ("decode", "decode_tiled", "encode", "encode_tiled")
 
@@ -48,7 +49,8 @@ class VaeRouting:
     precision: str = PRECISION_BF16
     psnr_check: str = PSNR_FIRST
     reference: bool = False  # True while the float32 reference decode runs on the original attention
-    decodes: int = 0
+    kernel_calls: int = 0  # attention calls the kernels ran
+    decodes: int = 0  # decodes whose attention ran on the kernels
     last_psnr: float | None = None
 
 
@@ -72,7 +74,7 @@ def vae_kernel_attention(q, k, v, precision: str) -> torch.Tensor | str:
         return core
     tensors = (q, k, v)
     if not all(isinstance(t, torch.Tensor) and t.dim() >= 3 for t in tensors) or q.shape != k.shape or q.shape != v.shape:
-        return refuse("VAE attention inputs are not three equal (batch, channels, ...) tensors")
+        return refuse("VAE attention inputs are not three equal (batch, channels, ...) tensors", VAE_FALLBACK)
     run_dtype = _run_dtype(tensors, precision) or q.dtype
     batch, channels = q.shape[:2]
     # (B, C, N) -> (B, 1, N, C), copied once into the run type with unit stride over the channels.
@@ -80,7 +82,7 @@ def vae_kernel_attention(q, k, v, precision: str) -> torch.Tensor | str:
         t.reshape(batch, channels, -1).transpose(1, 2).to(run_dtype, memory_format=torch.contiguous_format).unsqueeze(1)
         for t in tensors
     )
-    out = core.attention_or_reason(q4, k4, v4)
+    out = core.attention_or_reason(q4, k4, v4, fallback_name=VAE_FALLBACK)
     if isinstance(out, str):
         return out
     return out.squeeze(1).transpose(1, 2).reshape(q.shape).to(q.dtype)
@@ -101,7 +103,10 @@ class AttentionRouter:
             out = vae_kernel_attention(q, k, v, routing.precision)
         except Exception as error:  # noqa: BLE001  (a fault of ours must cost the speed-up, never the decode)
             out = routing_failed(error)
-        return out if isinstance(out, torch.Tensor) else self.original(q, k, v)
+        if isinstance(out, torch.Tensor):
+            routing.kernel_calls += 1
+            return out
+        return self.original(q, k, v)
 
 
 _patched_copies: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
@@ -155,9 +160,14 @@ def _routed_method(vae, name: str, routing: VaeRouting):
 
     @functools.wraps(unbound)
     def method(*args, **kwargs):
+        kernel_calls = routing.kernel_calls
         with _activated(routing):
             result = unbound(vae, *args, **kwargs)
         if name != "decode" or routing.psnr_check == PSNR_OFF:
+            return result
+        if routing.kernel_calls == kernel_calls:  # nothing to compare: the reason was logged as it fell back
+            log_once("RDNA Flash Attention VAE: the decode's attention did not run on the kernels, so there is "
+                     "no PSNR check (and no second decode)")
             return result
         routing.decodes += 1
         if routing.psnr_check == PSNR_FIRST and routing.decodes > 1:

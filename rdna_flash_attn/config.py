@@ -1,4 +1,5 @@
-"""Settings: each is an environment variable read once at import and a plain attribute of `settings`.
+"""Settings: each is an environment variable read once at import and a plain attribute of `settings`;
+and the package's logger, whose every line names the project and starts on a line of its own.
 
 The dispatcher reads the attributes on every call, so changing one from Python takes effect at once;
 the environment is never read again on the hot path.
@@ -8,13 +9,44 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 LOGGER_NAME = "rdna_flash_attn"
+PROJECT_NAME = "RDNA Flash Attention"  # what the console lines of every host say first
 FP32_CAST_CHOICES = ("off", "bf16", "fp16")
 
 log = logging.getLogger(LOGGER_NAME)
+
+
+def _clear_progress_bars() -> None:
+    """Clear the tqdm progress bars being drawn on the console (a host's sampling loop); each redraws
+    itself at its next update, below whatever was written meanwhile."""
+    tqdm_std = sys.modules.get("tqdm.std")
+    for bar in list(getattr(getattr(tqdm_std, "tqdm", None), "_instances", ())):
+        if getattr(bar, "fp", None) in (sys.stdout, sys.stderr) and not getattr(bar, "disable", True):
+            bar.clear()
+
+
+class _ConsoleLines(logging.Filter):
+    """Every line of the package's logger names the project, and is not glued to a progress bar: hosts
+    print our records with their own handlers, in the middle of their sampling loops."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith(PROJECT_NAME):
+            record.msg, record.args = f"{PROJECT_NAME}: {message}", ()
+        try:
+            _clear_progress_bars()
+        except Exception:  # noqa: BLE001  (a progress bar must never cost a log line)
+            pass
+        return True
+
+
+# By name: a second copy of the package in the process (a host's plugin loader) shares the logger.
+if not any(type(f).__name__ == _ConsoleLines.__name__ for f in log.filters):
+    log.addFilter(_ConsoleLines())
 
 
 def _option(env: str, default: Any, doc: str) -> Any:
@@ -150,7 +182,7 @@ def _apply_log_level(level: str | None) -> None:
     log.setLevel(int(level) if level.isdigit() else level)
     if _stderr_handler is None and not logging.getLogger().handlers:
         _stderr_handler = logging.StreamHandler()
-        _stderr_handler.setFormatter(logging.Formatter("rdna_flash_attn %(levelname)s: %(message)s"))
+        _stderr_handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
         log.addHandler(_stderr_handler)
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import logging
+import sys
 import warnings
 
 import pytest
@@ -388,6 +390,31 @@ def test_reasons_met_while_info_is_off_are_shown_once_it_is_on(fake_gpu, caplog)
         rfa.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
     shown = [r for r in caplog.records if "not using the kernels" in r.getMessage()]
     assert len(shown) == 1 and "dropout_p" in shown[0].getMessage()
+
+
+def test_a_fallback_line_names_the_project_and_what_runs_instead(fake_gpu, log_records):
+    rfa.scaled_dot_product_attention(*qkv(), dropout_p=0.5)
+    rfa.attention_or_reason(*qkv(), is_causal=1, fallback_name="the host's attention")
+    assert [r.getMessage() for r in log_records.records] == [
+        "RDNA Flash Attention: not using the kernels: dropout_p is not 0 (PyTorch SDPA runs these calls)",
+        "RDNA Flash Attention: not using the kernels: is_causal or enable_gqa is not a bool "
+        "(the host's attention runs these calls)",
+    ]
+
+
+def test_a_log_line_is_not_glued_to_a_progress_bar(fake_gpu, log_records, monkeypatch):
+    # A host's sampling loop draws a tqdm bar on the console; our line must start on a clean line.
+    tqdm = pytest.importorskip("tqdm")
+    console = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", console)
+    with tqdm.tqdm(total=10, file=sys.stderr, mininterval=0) as bar:
+        bar.update(3)
+        drawn = console.getvalue()
+        rfa.scaled_dot_product_attention(*qkv(), dropout_p=0.5)
+        cleared = console.getvalue()
+    assert "3/10" in drawn and cleared.startswith(drawn) and cleared != drawn
+    assert cleared.endswith("\r")  # the bar's line is blanked and the cursor at its start
+    assert len(log_records.records) == 1
 
 
 def test_logs_go_through_the_package_logger_not_print(fake_gpu, log_records, capsys):

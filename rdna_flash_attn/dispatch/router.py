@@ -352,12 +352,12 @@ def reset_stats() -> None:
     _fallbacks.clear()
 
 
-def _note_fallback(reason: str) -> None:
+def _note_fallback(reason: str, fallback_name: str) -> None:
     _fallbacks[reason] += 1
     # Remembered only once shown, so turning INFO on later still shows every reason once.
     if reason not in _logged_reasons and log.isEnabledFor(logging.INFO):
         _logged_reasons.add(reason)
-        log.info("not using the kernels: %s", reason)
+        log.info("not using the kernels: %s (%s runs these calls)", reason, fallback_name)
 
 
 # --- the entry points ---------------------------------------------------------------------------------
@@ -393,25 +393,26 @@ _traced_reasons: set[str] = set()
 
 
 @_constant_while_tracing
-def _note_traced_fallback(reason: str) -> None:
-    """Logs, once per reason, why calls in a graph being compiled go to SDPA; runs at trace time."""
+def _note_traced_fallback(reason: str, fallback_name: str) -> None:
+    """Logs, once per reason, why calls in a graph being compiled go to the fallback; runs at trace time."""
     if reason not in _traced_reasons and log.isEnabledFor(logging.INFO):
         _traced_reasons.add(reason)
-        log.info("not using the kernels in a torch.compile graph: %s", reason)
+        log.info("not using the kernels in a torch.compile graph: %s (%s runs these calls)", reason, fallback_name)
 
 
 def attention_or_reason(
-    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False,
+    fallback_name="the caller's attention",
 ) -> torch.Tensor | str:
     """The kernels' result for a supported call, else the reason it is not (counted in stats() and
-    logged once); the caller then runs its own fallback. For hosts whose fallback is their own
-    attention backend rather than PyTorch SDPA. Calls inside compiled graphs are decided once per
-    graph and not counted."""
+    logged once, with `fallback_name`: what the caller runs instead); the caller then runs its own
+    fallback. For hosts whose fallback is their own attention backend rather than PyTorch SDPA.
+    Calls inside compiled graphs are decided once per graph and not counted."""
     global _kernel_calls
     if _is_compiling():
         route = _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if isinstance(route, str):
-            _note_traced_fallback(route)
+            _note_traced_fallback(route, fallback_name)
             return route
         return _run(route, query, key, value, is_causal, scale, tracing=True)
     signature, route = _signed_route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
@@ -427,7 +428,7 @@ def attention_or_reason(
         else:
             _kernel_calls += 1
             return out
-    _note_fallback(route)
+    _note_fallback(route, fallback_name)
     return route
 
 
@@ -437,7 +438,8 @@ def scaled_dot_product_attention(
     """Drop-in for `torch.nn.functional.scaled_dot_product_attention`: same arguments, results and
     exceptions; supported calls run on the kernels, all others on PyTorch SDPA unchanged."""
     out = attention_or_reason(
-        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa,
+        fallback_name="PyTorch SDPA",
     )
     if isinstance(out, torch.Tensor):
         return out

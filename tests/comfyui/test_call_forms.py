@@ -83,7 +83,8 @@ def test_masked_calls_run_the_original_backend_and_say_why_once(mask, attention,
     assert fake_gpu.launches == []
     assert rdna_flash_attn.stats()["fallback_reasons"] == {"attn_mask given (the kernels have no mask support)": 2}
     assert [r.getMessage() for r in log_records.records].count(
-        "not using the kernels: attn_mask given (the kernels have no mask support)") == 1
+        "RDNA Flash Attention: not using the kernels: attn_mask given (the kernels have no mask support) "
+        "(ComfyUI's attention runs these calls)") == 1
 
 
 def test_unsupported_head_dim_runs_the_original_backend(attention, routed, fake_gpu, log_records):

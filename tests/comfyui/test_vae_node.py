@@ -62,6 +62,30 @@ def test_patched_vae_decode_matches_and_reports_psnr(precision, vae, latent, vae
     assert sum("decoded image PSNR" in r.getMessage() for r in log_records.records) == 1
 
 
+def test_a_decode_whose_attention_fell_back_gets_no_psnr_line_and_no_second_decode(vae, latent, vae_node,
+                                                                                   log_records, monkeypatch):
+    # No GPU stand-in: the CPU tensors fall back to the VAE's own attention.
+    reference = decode(vae, latent)
+    (patched,) = vae_node.patch(vae, True, "bf16", "every decode")
+    decodes = []
+    monkeypatch.setattr(patched.first_stage_model, "decode", _counting(patched.first_stage_model.decode, decodes))
+    torch.testing.assert_close(decode(patched, latent), reference, atol=0, rtol=0)
+    assert len(decodes) == 1 and patched.rdna_flash_attn_routing.last_psnr is None
+    messages = [r.getMessage() for r in log_records.records]
+    assert not any("decoded image PSNR" in m for m in messages)
+    assert any(m.startswith("RDNA Flash Attention: not using the kernels: CPU tensors") and
+               m.endswith("(the VAE's own attention runs these calls)") for m in messages)
+    assert any("did not run on the kernels, so there is no PSNR check" in m for m in messages)
+
+
+def _counting(function, calls: list):
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return function(*args, **kwargs)
+
+    return counted
+
+
 def test_input_vae_is_unchanged_and_originals_return(vae, latent, vae_node, fake_gpu):
     originals = attention_functions(vae)
     reference = decode(vae, latent)

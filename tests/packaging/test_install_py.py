@@ -111,3 +111,14 @@ def test_broken_prebuilt_folder_is_one_warning_and_exit_0(prebuilt_copy, breakag
     assert result.returncode == 0 and result.stderr == ""
     (line,) = result.stdout.splitlines()
     assert "WARNING" in line and expected in line
+
+
+def test_the_advised_command_works_from_another_folder(tmp_path):
+    # From ComfyUI's root, `python -m rdna_flash_attn doctor` finds no package; the advised command does.
+    result, _ = run_hook(REPO_ROOT)
+    command = result.stdout.split("details: ", 1)[1].strip()
+    assert command.startswith(sys.executable) and command.endswith("install.py --doctor")
+    doctor = subprocess.run(command.split(), cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                            stdin=subprocess.DEVNULL, check=False)
+    assert doctor.returncode == 0, doctor.stderr
+    assert doctor.stdout.startswith("rdna_flash_attn") and "sha256-verified" in doctor.stdout

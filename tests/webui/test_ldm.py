@@ -361,5 +361,6 @@ def test_the_log_setting_shows_reasons_first_seen_while_it_was_off(patch, caplog
         assert not logger.isEnabledFor(logging.INFO) and not options.current("rdna_fa_log_fallbacks")
     finally:
         logger.removeHandler(collect)
-    assert collect.messages == ["not using the kernels: CPU tensors (the kernels run on AMD RDNA3/RDNA4 GPUs)"]
+    assert collect.messages == ["RDNA Flash Attention: not using the kernels: CPU tensors (the kernels run on AMD "
+                                "RDNA3/RDNA4 GPUs) (PyTorch SDPA runs these calls)"]
     assert rdna_flash_attn.stats()["fallback"] == 3
