@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import subprocess
@@ -270,6 +271,50 @@ def test_patched_fallback_goes_to_the_sdpa_it_replaced(fake_gpu):
         rfa.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         assert len(wrapper_calls) == 1  # unpatched: the dispatcher's fallback is torch's own again
     finally:
+        F.scaled_dot_product_attention = TORCH_SDPA
+
+
+def test_enabling_again_after_a_host_put_its_sdpa_back_wraps_the_new_one(fake_gpu):
+    # SD.Next puts its own SDPA back at every model load; enabling again routes through us on top of it.
+    rfa.enable_sdpa_patch()
+    calls = []
+
+    def hosts_new_sdpa(*args, **kwargs):
+        calls.append(1)
+        return TORCH_SDPA(*args, **kwargs)
+
+    F.scaled_dot_product_attention = hosts_new_sdpa
+    try:
+        assert not rfa.sdpa_patch_enabled()  # the status says what is installed
+        rfa.enable_sdpa_patch()
+        assert rfa.sdpa_patch_enabled()
+        q = torch.randn(1, 2, 8, 64)
+        F.scaled_dot_product_attention(q, q, q)  # float32, refused: the host's function runs it
+        assert calls == [1]
+        rfa.disable_sdpa_patch()
+        assert F.scaled_dot_product_attention is hosts_new_sdpa
+    finally:
+        F.scaled_dot_product_attention = TORCH_SDPA
+
+
+def test_a_host_wrapper_around_our_patch_does_not_loop(fake_gpu):
+    # Our override installed first, then a host wrapped it (functools.wraps) and we enable again:
+    # falling back to that wrapper would call us again, so refused calls go to torch's SDPA.
+    rfa.enable_sdpa_patch()
+    below = F.scaled_dot_product_attention
+
+    @functools.wraps(below)
+    def hosts_wrapper(*args, **kwargs):
+        return below(*args, **kwargs)
+
+    F.scaled_dot_product_attention = hosts_wrapper
+    try:
+        rfa.enable_sdpa_patch()
+        q = torch.randn(1, 2, 8, 64)
+        out = F.scaled_dot_product_attention(q, q, q, is_causal=True)  # float32, refused: must not recurse
+        torch.testing.assert_close(out, TORCH_SDPA(q, q, q, is_causal=True))
+    finally:
+        rfa.disable_sdpa_patch()
         F.scaled_dot_product_attention = TORCH_SDPA
 
 
