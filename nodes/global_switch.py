@@ -11,12 +11,14 @@ import functools
 import logging
 import os
 
+from . import direct_calls
 from .model_patch import OVERRIDE_KEY, OVERRIDE_MARK, PREVIOUS_ATTR, comfy_has_override
 from .routing import RoutingOptions, routed_backend
 
 log = logging.getLogger("rdna_flash_attn")
 
 GLOBAL_ENV = "RDNA_FA_COMFYUI_GLOBAL"
+GLOBAL_WRAPPER_KEY = "rdna_flash_attn_global"  # a model node's own wrapper runs inside it, and wins
 
 _state = {"enabled": False, "options": RoutingOptions(), "original_init": None}
 
@@ -29,6 +31,14 @@ def global_override(func, *args, **kwargs):
 
 setattr(global_override, OVERRIDE_MARK, "global")
 setattr(global_override, PREVIOUS_ATTR, None)
+
+
+def global_apply_model(executor, *args, **kwargs):
+    """The APPLY_MODEL wrapper that routes a model's option-less attention calls while enabled."""
+    if not _state["enabled"]:
+        return executor(*args, **kwargs)
+    with direct_calls.running(_state["options"]):
+        return executor(*args, **kwargs)
 
 
 def global_enabled() -> bool:
@@ -54,6 +64,7 @@ def enable_global(options: RoutingOptions | None = None) -> bool:
             if _state["enabled"] and hasattr(self.model, "diffusion_model"):
                 transformer_options = self.model_options.setdefault("transformer_options", {})
                 transformer_options.setdefault(OVERRIDE_KEY, global_override)
+                direct_calls.add_to(self, global_apply_model, GLOBAL_WRAPPER_KEY)
 
         _state["original_init"] = original_init
         ModelPatcher.__init__ = init

@@ -1,16 +1,18 @@
 """Per-model routing: a ModelPatcher clone whose attention calls go through `routing`.
 
 ComfyUI 2025-09 and later call `transformer_options["optimized_attention_override"](func, *args,
-**kwargs)` from every attention backend; the clone's override puts the kernels beneath `func`, and
-an override already present stays in charge: it is called with the routed backend as its `func`.
-Older ComfyUI gets attn1/attn2 replace patches on the transformer blocks of a UNet that have no
-replace patch of another node.
+**kwargs)` from every attention backend given the model's options; the clone's override puts the
+kernels beneath `func`, and an override already present stays in charge: it is called with the routed
+backend as its `func`. The calls a model makes without its options take the same route through
+direct_calls. Older ComfyUI gets attn1/attn2 replace patches on the transformer blocks of a UNet that
+have no replace patch of another node.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from . import direct_calls
 from .routing import RoutingOptions, log_once, routed_backend
 
 OVERRIDE_KEY = "optimized_attention_override"
@@ -141,6 +143,7 @@ def patch_model(model, options: RoutingOptions):
     transformer_options = patched.model_options.setdefault("transformer_options", {})
     if comfy_has_override():
         install_override(transformer_options, options)
+        direct_calls.add_to(patched, direct_calls.apply_model_wrapper(options))
         return patched
     installed = install_replace_patches(patched, options)
     log_once(
@@ -156,4 +159,5 @@ def unpatch_model(model):
     transformer_options = clone.model_options.setdefault("transformer_options", {})
     remove_override(transformer_options)
     remove_replace_patches(transformer_options)
+    direct_calls.remove_from(clone)
     return clone

@@ -103,7 +103,10 @@ def _in_training(tensors) -> bool:
 
 
 def _heads_view(t: torch.Tensor, head_dim: int) -> torch.Tensor | None:
-    """(B, L, H*D) -> a (B, H, L, D) view, or None if the width is not a multiple of head_dim."""
+    """(B, L, H*D), or (B, L, H, D) as SD3's and Wan-Animate's code pass k or v, -> a (B, H, L, D)
+    view; None for anything else."""
+    if t.dim() == 4 and t.shape[-1] == head_dim:
+        return t.transpose(1, 2)
     if t.dim() != 3 or t.shape[-1] % head_dim:
         return None
     return t.unflatten(-1, (-1, head_dim)).transpose(1, 2)
@@ -140,7 +143,8 @@ def kernel_attention(named: dict, extra: dict, options: RoutingOptions) -> torch
         head_dim = q.shape[-1] // heads
         q4, k4, v4 = (_heads_view(t, head_dim) for t in tensors)
         if k4 is None or v4 is None:
-            return refuse("k or v width is not a multiple of the head dim", fallback)
+            return refuse("k or v is neither (batch, tokens, heads * head dim) nor (batch, tokens, heads, head dim)",
+                          fallback)
     # attn_precision=torch.float32 (SD2.x) asks for softmax in float32: the kernels accumulate and
     # normalise in float32 whatever their input type, so it needs no fallback.
     out = core.attention_or_reason(

@@ -37,7 +37,25 @@ MODELS = {
                           context_in_dim=TEXT_WIDTH, hidden_size=64, mlp_ratio=2.0, num_heads=4, depth=1,
                           depth_single_blocks=1, axes_dim=[4, 6, 6], theta=10000, patch_size=2, qkv_bias=True,
                           guidance_embed=False), 16, True),
+    # SD3.5: joint blocks and an extra x-block self-attention, head dim 64 (2 x 64 here; 24 x 64 for
+    # real); its code passes v as (B, L, H, D) beside (B, L, H*D) q and k
+    "sd3": ("SD3", "SD3", {}, dict(in_channels=16, pos_embed_scaling_factor=None, patch_size=2, depth=2,
+                          adm_in_channels=TEXT_WIDTH, pos_embed_max_size=16, num_patches=256, qk_norm="rms",
+                          context_embedder_config={"target": "torch.nn.Linear",
+                                                   "params": {"in_features": TEXT_WIDTH, "out_features": 128}},
+                          x_block_self_attn=True, x_block_self_attn_layers=[0]), 16, True),
 }
+
+# Models whose attention calls do not pass the model's options (so ComfyUI's per-model override never
+# sees them), with the latent size they need and their attention calls per sampling (two steps).
+OPTIONLESS_MODELS = {
+    # PixArt-alpha: self-attention (skip_reshape) and cross-attention per block (2 x 32 here; 16 x 72
+    # for real); its position embedding needs a latent of at least 64 x 64
+    "pixart": (64, 2 * 2 * 2),
+}
+MODELS["pixart"] = ("PixArt", "SD15", {}, dict(image_model="pixart_alpha", input_size=16, patch_size=2, in_channels=4,
+                                               hidden_size=64, depth=2, num_heads=2, caption_channels=TEXT_WIDTH,
+                                               pe_interpolation=1.0, micro_condition=False, model_max_length=7), 4, False)
 
 
 def initialise(module: torch.nn.Module, seed: int = 0) -> None:

@@ -10,7 +10,9 @@ import torch
 import rdna_flash_attn
 from rdna_flash_attn.config import settings
 
-from .models import MODELS, build, counting_override, sample
+from .models import MODELS, OPTIONLESS_MODELS, build, counting_override, sample
+
+OPTION_PASSING_MODELS = [name for name in MODELS if name not in OPTIONLESS_MODELS]
 
 # The models run in float32 (ComfyUI's CPU dtype, and fast here); their attention reaches the
 # kernels cast to float16 (RDNA_FA_FP32_CAST=fp16), standing in for a float16 model on a GPU. Two
@@ -33,7 +35,7 @@ def unpatched_run(name):
     return model, reference, len(calls)
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", OPTION_PASSING_MODELS)
 def test_patched_model_matches_and_every_call_reaches_the_kernels(name, model_node, fake_gpu):
     model, reference, attention_calls = unpatched_run(name)
     assert fake_gpu.launches == []
@@ -46,6 +48,25 @@ def test_patched_model_matches_and_every_call_reaches_the_kernels(name, model_no
     # the prior (counting) override saw every call of both runs: it was chained, not replaced
     prior = patched.model_options["transformer_options"]["optimized_attention_override"]._rdna_flash_attn_previous
     assert prior is model.model_options["transformer_options"]["optimized_attention_override"]
+
+
+@pytest.mark.parametrize("name", OPTIONLESS_MODELS)
+def test_calls_made_without_the_models_options_reach_the_kernels_while_it_runs(name, model_node, fake_gpu):
+    size, attention_calls = OPTIONLESS_MODELS[name]
+    model = build(name)
+    reference = sample(model, name, size=size)
+    assert fake_gpu.launches == []
+    (patched,) = model_node.patch(model, True, True, "original backend")
+    latent = sample(patched, name, size=size)
+    # This random model's latents reach ~900: float16 attention rounding alone moves them by ~4e-4 of that.
+    torch.testing.assert_close(latent, reference, atol=1e-3 * float(reference.abs().max()), rtol=0)
+    assert rdna_flash_attn.stats() == {"kernel": attention_calls, "fallback": 0, "fallback_reasons": {}}
+    # the unpatched model, sampled after, runs ComfyUI's attention: the routing lasts a routed model's call
+    assert torch.equal(sample(model, name, size=size), reference)
+    assert len(fake_gpu.launches) == attention_calls
+    (removed,) = model_node.patch(patched, False, True, "original backend")
+    assert torch.equal(sample(removed, name, size=size), reference)
+    assert len(fake_gpu.launches) == attention_calls
 
 
 @pytest.mark.parametrize("name", ["sd15", "flux"])

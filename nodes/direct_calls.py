@@ -1,0 +1,106 @@
+"""Attention calls a routed model makes without passing its options, routed all the same.
+
+ComfyUI consults a model's `optimized_attention_override` only when the call passes the model's
+`transformer_options`. Many model files call the attention function they imported without them
+(PixArt, HunyuanDiT, Hunyuan3D 2.1, Wan-Animate's face blocks, SD3.5's extra self-attention ...),
+so the per-model override never sees those calls. Here every `optimized_attention` /
+`optimized_attention_masked` name a `comfy.ldm` module bound at import is replaced by a router that
+runs the bound function unchanged, unless a routed model is running at that moment (an APPLY_MODEL
+wrapper on the routed clone says so through a context variable) and the call passed no options:
+then it takes the same route as the override's calls. Text encoders and VAEs, which run outside the
+diffusion model's call, keep their attention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from contextvars import ContextVar
+
+from .routing import RoutingOptions, routed_backend
+
+WRAPPER_KEY = "rdna_flash_attn"
+ATTENTION_NAMES = ("optimized_attention", "optimized_attention_masked")
+MODEL_PACKAGE = "comfy.ldm."
+ATTENTION_MODULE = "comfy.ldm.modules.attention"  # defines the functions; its own calls pass the options
+
+_running: ContextVar[RoutingOptions | None] = ContextVar("rdna_flash_attn_model", default=None)
+
+
+class UnscopedCallRouter:
+    """Stands in for one module's bound attention function."""
+
+    def __init__(self, original):
+        self.original = original
+
+    def __call__(self, *args, **kwargs):
+        options = _running.get()
+        if options is None or "transformer_options" in kwargs:  # not in a routed model, or the override sees it
+            return self.original(*args, **kwargs)
+        return routed_backend(self.original, options)(*args, **kwargs)
+
+
+def install_routers() -> int:
+    """Put a router in place of every attention function bound in a loaded `comfy.ldm` module (once
+    each; modules imported later get theirs at the next model the node routes); returns how many
+    names route now."""
+    routed = 0
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(MODEL_PACKAGE) or name == ATTENTION_MODULE:
+            continue
+        for attribute in ATTENTION_NAMES:
+            function = module.__dict__.get(attribute)
+            if isinstance(function, UnscopedCallRouter):
+                routed += 1
+            elif callable(function) and getattr(function, "__module__", "") == ATTENTION_MODULE:
+                setattr(module, attribute, UnscopedCallRouter(function))
+                routed += 1
+    return routed
+
+
+@contextlib.contextmanager
+def running(options: RoutingOptions):
+    """Within the block, option-less attention calls take the route `options` say."""
+    token = _running.set(options)
+    try:
+        yield
+    finally:
+        _running.reset(token)
+
+
+def apply_model_wrapper(options: RoutingOptions):
+    """An APPLY_MODEL wrapper: the routed model's whole call runs with `options` in effect."""
+
+    def wrapper(executor, *args, **kwargs):
+        with running(options):
+            return executor(*args, **kwargs)
+
+    return wrapper
+
+
+def comfy_has_wrappers() -> bool:
+    try:
+        from comfy.patcher_extension import WrappersMP
+    except ImportError:
+        return False
+    return hasattr(WrappersMP, "APPLY_MODEL")
+
+
+def add_to(model, wrapper, key: str = WRAPPER_KEY) -> bool:
+    """Put APPLY_MODEL `wrapper` (apply_model_wrapper's) on ModelPatcher `model` under `key`, in place
+    of one there before, and the routers in place; False where this ComfyUI has no wrappers."""
+    if not comfy_has_wrappers() or not hasattr(model, "add_wrapper_with_key"):
+        return False
+    from comfy.patcher_extension import WrappersMP
+
+    install_routers()
+    model.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, key)
+    model.add_wrapper_with_key(WrappersMP.APPLY_MODEL, key, wrapper)
+    return True
+
+
+def remove_from(model, key: str = WRAPPER_KEY) -> None:
+    if comfy_has_wrappers() and hasattr(model, "remove_wrappers_with_key"):
+        from comfy.patcher_extension import WrappersMP
+
+        model.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, key)
