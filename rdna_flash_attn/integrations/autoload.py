@@ -1,10 +1,13 @@
 """Opt-in SDPA override for any Python program: what the `rdna_flash_attn_autoload.pth` hook calls.
 
-With RDNA_FA_PATCH_SDPA=1 in the environment, the hook (run by `site` at interpreter start) calls
-install(): it waits for the program's own `import torch` and, right after torch has finished
-importing, routes `torch.nn.functional.scaled_dot_product_attention` through the dispatcher. Nothing
-is imported early, so the program's import order (ZLUDA set-up, environment tweaks before
-`import torch`) stays its own, and Python programs that never import torch pay nothing.
+The hook (run by `site` at every interpreter start) calls install(): it waits for the program's own
+`import torch` and, if RDNA_FA_PATCH_SDPA=1 is in the environment at that moment, routes
+`torch.nn.functional.scaled_dot_product_attention` through the dispatcher right after torch has
+finished importing. The variable is read then, not at start, so a program that sets it before its
+`import torch` (ai-toolkit loads its .env file first) gets the override too. Nothing is imported
+early, so the program's import order (ZLUDA set-up, environment tweaks before `import torch`) stays its
+own; a Python program that never imports torch pays the reading of this file and one finder on
+sys.meta_path that answers every import with a name comparison.
 
 Interpreter start must never fail because of this: every error is logged once and swallowed. The
 hook loads this file by its path, without importing the package (whose `__init__` imports torch), so
@@ -49,6 +52,8 @@ class _AfterTorchImport(importlib.abc.MetaPathFinder):
         if fullname != "torch":
             return None
         sys.meta_path.remove(self)  # one shot, and the lookup below must not find us again
+        if not requested():
+            return None
         try:
             import importlib.util
 
@@ -72,13 +77,12 @@ class _AfterTorchImport(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Install the override now if torch is already imported, else right after torch's import.
-    Does nothing unless RDNA_FA_PATCH_SDPA asks for it; never raises."""
+    """Install the override now if torch is already imported and RDNA_FA_PATCH_SDPA asks for it, else
+    decide right after torch's import. Never raises."""
     try:
-        if not requested():
-            return
         if "torch" in sys.modules:
-            _enable_now()
+            if requested():
+                _enable_now()
         elif not any(type(finder).__name__ == _AfterTorchImport.__name__ for finder in sys.meta_path):
             # By name, not isinstance: the hook's copy of this module and the package's are two modules.
             sys.meta_path.insert(0, _AfterTorchImport())

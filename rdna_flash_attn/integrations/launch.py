@@ -3,6 +3,7 @@
     python -m rdna_flash_attn.launch [options] script.py [script arguments...]
     python -m rdna_flash_attn.launch [options] -m module [module arguments...]
     accelerate launch [accelerate options] -m rdna_flash_attn.launch [options] script.py [arguments...]
+    deepspeed [deepspeed options] --module rdna_flash_attn.launch [options] script.py [arguments...]
 
 The script runs as `__main__` in this process, as `python script.py` would run it: the same
 sys.argv, its folder first on sys.path, its exit code and its exceptions. Code that looks up
@@ -20,6 +21,7 @@ import argparse
 import atexit
 import json
 import os
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -29,6 +31,14 @@ from ..dispatch import router, sdpa_patch
 from .autoload import ENV_VAR as PATCH_ENV_VAR
 
 _OPTIONS_WITH_VALUE = ("--stats",)
+# Distributed launchers put the worker's rank right after the module they run (DeepSpeed:
+# `-m rdna_flash_attn.launch --local_rank=N script.py ...`): it belongs to the script, so it is handed on
+# right after the script's name, where `deepspeed script.py` would have put it.
+_RANK_OPTIONS = ("--local_rank", "--local-rank")
+# kohya sd-scripts' SD1.x/SDXL trainers compute the U-Net's attention themselves unless told otherwise.
+_SD_SCRIPTS_UNET_TRAINERS = ("train_network.py", "sdxl_train_network.py", "train_db.py", "fine_tune.py",
+                             "sdxl_train.py", "train_textual_inversion.py", "sdxl_train_textual_inversion.py")
+_SD_SCRIPTS_ATTENTION_OPTIONS = ("--sdpa", "--xformers", "--mem_eff_attn")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,18 +74,46 @@ def _split(argv: list[str]) -> tuple[argparse.Namespace, str | None, list[str]]:
     """(our options, the module for -m or None, the target's argv). Our options end at the first
     argument that is not one of them: the script, or -m and the module; all after is the target's."""
     parser = _parser()
-    end = 0
+    ours, rank, end = [], [], 0
     while end < len(argv) and argv[end].startswith("-") and argv[end] != "-m":
-        end += 2 if argv[end] in _OPTIONS_WITH_VALUE else 1
-    options = parser.parse_args(argv[:end])
+        taken = 2 if argv[end] in _OPTIONS_WITH_VALUE + _RANK_OPTIONS else 1
+        (rank if argv[end].split("=")[0] in _RANK_OPTIONS else ours).extend(argv[end:end + taken])
+        end += taken
+    options = parser.parse_args(ours)
     target = argv[end:]
     if target[:1] == ["-m"]:
         if len(target) < 2:
             parser.error("-m needs a module name")
-        return options, target[1], target[1:]
+        return options, target[1], [target[1], *rank, *target[2:]]
     if not target:
         parser.error("a script to run (or -m module) is required")
-    return options, None, target
+    return options, None, [target[0], *rank, *target[1:]]
+
+
+def sd_scripts_attention_hint(script: str, args: list[str]) -> str | None:
+    """A line for kohya sd-scripts' SD1.x/SDXL trainers run without an attention option: their U-Net
+    then computes attention itself (baddbmm, softmax, bmm), which no override reaches."""
+    folder = Path(script).resolve().parent
+    if Path(script).name not in _SD_SCRIPTS_UNET_TRAINERS or not (folder / "library" / "train_util.py").is_file():
+        return None
+    if any(arg.split("=")[0] in _SD_SCRIPTS_ATTENTION_OPTIONS for arg in args):
+        return None
+    for config in _option_values(args, "--config_file"):
+        try:
+            text = Path(config).read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        if re.search(r"^\s*(sdpa|xformers|mem_eff_attn)\s*=\s*true\b", text, re.MULTILINE | re.IGNORECASE):
+            return None
+    return ("rdna_flash_attn: this sd-scripts trainer computes the U-Net's attention itself unless given --sdpa "
+            "(or sdpa = true in its config file), and the kernels cannot reach that: add --sdpa")
+
+
+def _option_values(args: list[str], name: str) -> list[str]:
+    """Every value of option `name` in `args`, as `name value` or `name=value`."""
+    values = [arg.split("=", 1)[1] for arg in args if arg.startswith(name + "=")]
+    values += [args[i + 1] for i, arg in enumerate(args[:-1]) if arg == name]
+    return values
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -100,6 +138,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.path[0] = os.getcwd()
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     else:
+        hint = sd_scripts_attention_hint(target[0], target[1:])
+        if hint and not options.quiet:
+            print(hint, file=sys.stderr)
         script = os.path.abspath(target[0])
         sys.argv = list(target)
         sys.path[0] = os.path.dirname(script)  # as `python script.py`: the script's folder, not ours

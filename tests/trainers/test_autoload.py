@@ -1,5 +1,6 @@
-"""The .pth hook: off unless RDNA_FA_PATCH_SDPA is set; when set, the override is installed right
-after the program's own `import torch` (nothing imported earlier); a failure never stops the
+"""The .pth hook: off unless RDNA_FA_PATCH_SDPA is set when the program imports torch (at start, or
+by the program itself before its `import torch`, as ai-toolkit does from its .env file); then the
+override is installed right after that import (nothing imported earlier); a failure never stops the
 interpreter. Proved with a real interpreter start in a virtual environment holding the hook."""
 
 from __future__ import annotations
@@ -45,9 +46,17 @@ def hooked_python(tmp_path_factory):
     return str(python)
 
 
-def test_hook_is_one_cheap_line():
+def test_hook_is_one_line_that_loads_only_the_small_autoload_module():
     lines = HOOK.read_text().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("import os;")
+    assert len(lines) == 1 and lines[0].startswith("import sys;") and "'integrations', 'autoload.py'" in lines[0]
+
+
+def test_hook_honours_the_variable_set_by_the_program_before_it_imports_torch(hooked_python, child_env):
+    # ai-toolkit's run.py loads its .env (load_dotenv) before `import torch`.
+    program = "import os\nos.environ['RDNA_FA_PATCH_SDPA'] = '1'\n" + PROBE
+    child = run_child([hooked_python, "-c", program], child_env)
+    assert child.returncode == 0, child.stderr
+    assert json.loads(child.stdout) == dict(torch_at_start=False, package_at_start=False, patched=True, counted=1)
 
 
 def test_hook_off_without_the_variable(hooked_python, child_env):

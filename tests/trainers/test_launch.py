@@ -143,6 +143,49 @@ def test_script_exception_gives_its_traceback_and_exit_status(tmp_path, child_en
     assert f'File "{script}", line 3, in train' in child.stderr
 
 
+@pytest.mark.parametrize("rank", [["--local_rank=1"], ["--local_rank", "1"], ["--local-rank=1"]])
+def test_a_distributed_launchers_rank_goes_to_the_script(rank, tmp_path, child_env):
+    # DeepSpeed runs `python -u -m rdna_flash_attn.launch --local_rank=N script.py args` on each worker.
+    script = write_script(tmp_path, """
+        import json, sys
+        print(json.dumps(sys.argv[1:]))
+    """)
+    child = run_child([sys.executable, "-m", "rdna_flash_attn.launch", *rank, "--quiet", str(script), "--deepspeed"],
+                      child_env)
+    assert child.returncode == 0, child.stderr
+    assert json.loads(child.stdout) == [*rank, "--deepspeed"]
+
+
+def test_a_distributed_launchers_rank_goes_to_a_module_too():
+    options, module, target = launch._split(["--local_rank=0", "--no-training", "-m", "trainer.train", "--x"])
+    assert options.no_training and module == "trainer.train" and target == ["trainer.train", "--local_rank=0", "--x"]
+
+
+@pytest.fixture
+def sd_scripts(tmp_path):
+    """A folder laid out as kohya sd-scripts: library/train_util.py beside the trainers."""
+    (tmp_path / "library").mkdir()
+    (tmp_path / "library" / "train_util.py").write_text("")
+    return tmp_path
+
+
+@pytest.mark.parametrize("args, config, hinted", [
+    ([], None, True),
+    (["--sdpa"], None, False),
+    (["--xformers"], None, False),
+    (["--config_file", "cfg.toml"], "sdpa = true\n", False),
+    (["--config_file=cfg.toml"], "sdpa = false\n", True),
+])
+def test_sd_scripts_without_sdpa_is_told_to_add_it(sd_scripts, args, config, hinted):
+    if config is not None:
+        (sd_scripts / "cfg.toml").write_text(config)
+    args = [arg.replace("cfg.toml", str(sd_scripts / "cfg.toml")) for arg in args]
+    hint = launch.sd_scripts_attention_hint(str(sd_scripts / "train_network.py"), args)
+    assert (hint is not None and "add --sdpa" in hint) is hinted
+    assert launch.sd_scripts_attention_hint(str(sd_scripts / "flux_train_network.py"), []) is None
+    assert launch.sd_scripts_attention_hint(str(sd_scripts.parent / "train_network.py"), []) is None
+
+
 def test_usage_errors_exit_2(capsys):
     assert launch_in_process(["--quiet"]) == 2
     assert "a script to run" in capsys.readouterr().err
