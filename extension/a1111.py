@@ -1,5 +1,11 @@
 """AUTOMATIC1111: an `SdOptimization` ("RDNA Flash Attention" in Settings > Optimizations) that
-patches ldm's (and sgm's, where importable) `CrossAttention.forward` and `AttnBlock.forward`.
+patches ldm's (and sgm's, where importable) `CrossAttention.forward` and `AttnBlock.forward`, and the
+`attention` function SD3's MMDiT bound at import (A1111's own optimizations never touch SD3).
+
+A1111 applies a different optimization without a word in two cases that leave a user believing the
+kernels run: the setting names ours where the kernels cannot run (A1111 then takes its first
+available one), and "Automatic" with a command-line flag such as --opt-sdp-attention (A1111 then
+takes that flag's optimization). After each model load the console says which, once.
 
 A1111 lists only optimizations whose `is_available()` is true, and undoes the current one before
 applying another; `undo()` puts back exactly the functions `apply()` found. Textual inversion
@@ -14,8 +20,11 @@ import logging
 
 import torch
 
-from . import availability, ldm_attention, options
+import rdna_flash_attn
+
+from . import availability, guard, ldm_attention, options
 from .ldm_attention import HostHooks
+from .options import toggles
 
 log = logging.getLogger("rdna_flash_attn")
 
@@ -42,12 +51,35 @@ def _target_classes():
             yield cls, maker
 
 
+SD3_MODULE = "modules.models.sd3.mmdit"  # binds other_impls.attention at import as `attention`
+
+
+def sd3_attention(original):
+    """SD3's `attention(q, k, v, heads, mask=None)` on (B, L, H*D) tensors, returning (B, L, H*D)."""
+
+    def attention(q, k, v, heads, mask=None):
+        if mask is None and toggles.unet:
+            try:
+                q4, k4, v4 = (t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in (q, k, v))
+                out = rdna_flash_attn.attention_or_reason(q4, k4, v4, fallback_name="A1111's SD3 attention")
+                if isinstance(out, torch.Tensor):
+                    return out.transpose(1, 2).flatten(2)
+            except Exception as error:
+                guard.report_failure("SD3 attention", error)
+        return original(q, k, v, heads, mask)
+
+    attention.rdna_original = original
+    return attention
+
+
 class ForwardPatch:
-    """Replaces the target classes' `forward` and restores exactly what it found."""
+    """Replaces the target classes' `forward` and SD3's attention function, and restores exactly
+    what it found."""
 
     def __init__(self, hooks: HostHooks):
         self.hooks = hooks
         self.installed: dict[type, tuple] = {}  # class -> (found forward, ours)
+        self.sd3: tuple | None = None  # (module, found function, ours)
 
     @property
     def applied(self) -> bool:
@@ -60,6 +92,14 @@ class ForwardPatch:
             ours = maker(cls, found, self.hooks)
             cls.forward = ours
             self.installed[cls] = (found, ours)
+        try:
+            mmdit = importlib.import_module(SD3_MODULE)
+        except ImportError:
+            return
+        found = getattr(mmdit, "attention", None)
+        if callable(found):
+            self.sd3 = (mmdit, found, sd3_attention(found))
+            mmdit.attention = self.sd3[2]
 
     def undo(self) -> None:
         for cls, (found, ours) in self.installed.items():
@@ -67,6 +107,11 @@ class ForwardPatch:
             if cls.__dict__.get("forward") is ours:
                 cls.forward = found
         self.installed.clear()
+        if self.sd3 is not None:
+            module, found, ours = self.sd3
+            if getattr(module, "attention", None) is ours:
+                module.attention = found
+            self.sd3 = None
 
 
 def a1111_unoptimized(forward) -> bool:
@@ -130,12 +175,48 @@ def optimization_class(base: type) -> type:
     return RdnaFlashAttention
 
 
+def choice_note(optimization) -> str | None:
+    """Why A1111 applied another optimization than ours where the user would expect ours, or None."""
+    from modules import sd_hijack, shared
+
+    current = sd_hijack.current_optimizer
+    if current is optimization:
+        return None
+    applied = f"'{current.name}'" if current is not None else "no optimization"
+    selection = shared.opts.cross_attention_optimization
+    if selection == optimization.title():
+        return (f"{NAME} is selected in Settings > Optimizations but cannot run here "
+                f"({optimization.unavailable_reason}); A1111 applied {applied} instead")
+    flag = getattr(current, "cmd_opt", None)
+    if selection == "Automatic" and optimization.unavailable_reason is None and flag and getattr(shared.cmd_opts, flag, False):
+        return (f"the kernels are available, but A1111's 'Automatic' applied {applied} because of "
+                f"--{flag.replace('_', '-')}: choose '{NAME}' in Settings > Optimizations > Cross attention "
+                "optimization to use them")
+    return None
+
+
+_said: set[str] = set()
+
+
+def say_choice(optimization) -> None:
+    """After a model load (A1111 has applied its optimization by then): the choice note, once each."""
+    try:
+        note = choice_note(optimization)
+    except Exception as error:
+        guard.report_failure("checking A1111's optimization choice", error)
+        return
+    if note is not None and note not in _said:
+        _said.add(note)
+        log.warning("%s", note)
+
+
 def setup() -> None:
     from modules import script_callbacks, sd_hijack_optimizations, shared
 
     optimization = optimization_class(sd_hijack_optimizations.SdOptimization)()
     optimization.is_available()  # says why not in the console now, once; A1111 asks again when listing
     script_callbacks.on_list_optimizers(lambda found: found.append(optimization))
+    script_callbacks.on_model_loaded(lambda sd_model: say_choice(optimization))
     script_callbacks.on_ui_settings(
         lambda: options.register(shared, availability.status_text(optimization.unavailable_reason))
     )

@@ -7,9 +7,9 @@ package never picks up code objects built from other sources; a target built the
 the prebuilt one (the user asked for it, or there is no prebuilt one). The NVIDIA emulation builds are
 made locally by kernels/build.py --emulate.
 
-A target can have code objects of two versions (build_facts.code_object_versions): the manifest lists the
-default version 5 under "targets" and version 4 under "targets_cov4"; the runtime picks one by the HIP
-runtime's version (library.code_object_preference).
+A target can have code objects of two versions (build_facts.code_object_versions): the manifest lists
+the default version 5 under "targets" and version 4 under "targets_cov4"; the runtime picks one by the
+HIP runtime's version (loader.code_object_preference).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 from ..config import LOGGER_NAME, settings
 from . import variants
 from .build_facts import (CODE_OBJECT_VERSION, CODE_OBJECT_VERSIONS, LEGACY_CODE_OBJECT_VERSION, MAIN_SOURCE,
-                       MANIFEST_FILE, listed_code_objects, manifest_table)
+                          MANIFEST_FILE, listed_code_objects, manifest_table)
 from .build_facts import source_hash as sources_and_variants_hash
 
 log = logging.getLogger(LOGGER_NAME)

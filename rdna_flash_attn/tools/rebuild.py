@@ -30,7 +30,7 @@ import torch
 from ..dispatch import selftest
 from ..runtime import artifacts, device as devices, loader, variants
 from ..runtime.build_facts import (CODE_OBJECT_VERSION, CODE_OBJECT_VERSIONS, INSTANCES_HEADER, MAIN_SOURCE,
-                                MANIFEST_FILE, artifact_name, clang_flags, code_object_versions, manifest_table)
+                                   MANIFEST_FILE, artifact_name, clang_flags, code_object_versions, manifest_table)
 
 RDNA_TARGET = re.compile(r"gfx1[12][0-9a-f]{2}")  # the gfx11 and gfx12 matrix layers (isa/isa.h)
 MIN_CLANG_MAJOR = 19

@@ -134,3 +134,49 @@ def test_a_missing_manifest_makes_it_unavailable(fake_gpu, started, tmp_path, mo
 def test_rdna_fa_disable_makes_it_unavailable(fake_gpu, started):
     rdna_flash_attn.settings.disable = True
     assert listed("RDNA Flash Attention") == []
+
+
+def test_sd3_attention_runs_on_the_kernels_while_applied(fake_gpu, started):
+    from modules import sd_hijack
+    from modules.models.sd3 import mmdit, other_impls
+
+    q, k, v = (torch.randn(2, 40, 4 * 64, generator=torch.Generator().manual_seed(s)).half() for s in range(3))
+    expected = other_impls.attention(q.float(), k.float(), v.float(), 4)
+    listed("RDNA Flash Attention")
+    sd_hijack.apply_optimizations("RDNA Flash Attention")
+    calls = other_impls.calls["attention"]
+    out = mmdit.block_mixing(q, k, v, 4)
+    torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=2e-3)
+    assert len(fake_gpu.launches) == 1 and other_impls.calls["attention"] == calls
+    mmdit.block_mixing(q, k, v, 4)  # no mask support: a masked call would run on A1111's function
+    sd_hijack.apply_optimizations("None")
+    assert mmdit.attention is other_impls.attention
+
+
+def test_a_selected_but_unavailable_optimization_is_said_after_the_model_load(started, log_records):
+    from modules import script_callbacks, sd_hijack
+
+    started.opts.set("cross_attention_optimization", "RDNA Flash Attention")
+    listed("RDNA Flash Attention")  # not listed: the CPU cannot run the kernels
+    assert sd_hijack.apply_optimizations() == "sdp"  # A1111 silently takes its first available one
+    script_callbacks.model_loaded_callback(object())
+    script_callbacks.model_loaded_callback(object())
+    notes = [r.message for r in log_records.records if "A1111 applied" in r.message]
+    assert notes == ["RDNA Flash Attention is selected in Settings > Optimizations but cannot run here (CPU tensors "
+                     "(the kernels run on AMD RDNA3/RDNA4 GPUs)); A1111 applied 'sdp' instead"]
+
+
+def test_automatic_with_an_optimization_flag_is_said_after_the_model_load(fake_gpu, started, log_records,
+                                                                          monkeypatch):
+    from modules import script_callbacks, sd_hijack
+
+    monkeypatch.setattr(started.cmd_opts, "opt_sdp_attention", True, raising=False)
+    listed("RDNA Flash Attention")
+    assert sd_hijack.apply_optimizations() == "sdp"
+    script_callbacks.model_loaded_callback(object())
+    (note,) = [r.message for r in log_records.records if "because of --opt-sdp-attention" in r.message]
+    assert "choose 'RDNA Flash Attention' in Settings > Optimizations" in note
+    monkeypatch.setattr(started.cmd_opts, "opt_sdp_attention", False)
+    assert sd_hijack.apply_optimizations() == "RDNA Flash Attention"
+    script_callbacks.model_loaded_callback(object())
+    assert len([r for r in log_records.records if "applied 'sdp'" in r.message]) == 1

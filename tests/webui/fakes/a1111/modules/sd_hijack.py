@@ -1,6 +1,7 @@
 """Fake of A1111 modules/sd_hijack.py's optimizer selection: list the available optimizations by
-priority, undo (A1111's undo_optimizations, then the current one's undo), apply the one chosen by
-title ("Automatic": the first; "None": none)."""
+priority, undo (A1111's undo_optimizations, then the current one's undo), apply the one chosen as
+A1111 1.10 chooses ("Automatic": the first whose command-line flag is set, else the first; a title
+not among the available ones: silently the first; "None": none), printing the line A1111 prints."""
 
 import ldm.modules.attention
 import ldm.modules.diffusionmodules.model
@@ -40,7 +41,13 @@ def apply_optimizations(option=None):
     selection = option or shared.opts.cross_attention_optimization
     if selection == "None" or not optimizers:
         return ""
-    chosen = optimizers[0] if selection == "Automatic" else next(x for x in optimizers if x.title() == selection)
+    if selection == "Automatic":
+        flagged = [x for x in optimizers if x.cmd_opt and getattr(shared.cmd_opts, x.cmd_opt, False)]
+        chosen = (flagged or optimizers)[0]
+    else:
+        chosen = next(iter([x for x in optimizers if x.title() == selection]), optimizers[0])
+    print(f"Applying attention optimization: {chosen.name}... ", end="")
     chosen.apply()
+    print("done.")
     current_optimizer = chosen
     return chosen.name
