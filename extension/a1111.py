@@ -15,16 +15,15 @@ runs on the kernels while the "training" setting is on (the dispatcher's `settin
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 
 import torch
 
-import rdna_flash_attn
-
 from . import availability, guard, ldm_attention, options
+from .attention_functions import Rebinding, routed_mmdit_attention
 from .ldm_attention import HostHooks
-from .options import toggles
 
 log = logging.getLogger("rdna_flash_attn")
 
@@ -51,25 +50,8 @@ def _target_classes():
             yield cls, maker
 
 
-SD3_MODULE = "modules.models.sd3.mmdit"  # binds other_impls.attention at import as `attention`
-
-
-def sd3_attention(original):
-    """SD3's `attention(q, k, v, heads, mask=None)` on (B, L, H*D) tensors, returning (B, L, H*D)."""
-
-    def attention(q, k, v, heads, mask=None):
-        if mask is None and toggles.unet:
-            try:
-                q4, k4, v4 = (t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in (q, k, v))
-                out = rdna_flash_attn.attention_or_reason(q4, k4, v4, fallback_name="A1111's SD3 attention")
-                if isinstance(out, torch.Tensor):
-                    return out.transpose(1, 2).flatten(2)
-            except Exception as error:
-                guard.report_failure("SD3 attention", error)
-        return original(q, k, v, heads, mask)
-
-    attention.rdna_original = original
-    return attention
+# SD3's attention function; its MMDiT binds it at import (its text encoders call it in place, and keep it).
+SD3_ATTENTION_MODULE = "modules.models.sd3.other_impls"
 
 
 class ForwardPatch:
@@ -79,7 +61,8 @@ class ForwardPatch:
     def __init__(self, hooks: HostHooks):
         self.hooks = hooks
         self.installed: dict[type, tuple] = {}  # class -> (found forward, ours)
-        self.sd3: tuple | None = None  # (module, found function, ours)
+        self.sd3 = Rebinding(SD3_ATTENTION_MODULE, {
+            "attention": functools.partial(routed_mmdit_attention, fallback_name="A1111's SD3 attention")})
 
     @property
     def applied(self) -> bool:
@@ -93,13 +76,9 @@ class ForwardPatch:
             cls.forward = ours
             self.installed[cls] = (found, ours)
         try:
-            mmdit = importlib.import_module(SD3_MODULE)
-        except ImportError:
-            return
-        found = getattr(mmdit, "attention", None)
-        if callable(found):
-            self.sd3 = (mmdit, found, sd3_attention(found))
-            mmdit.attention = self.sd3[2]
+            self.sd3.apply()
+        except ImportError:  # an A1111 before SD3 support
+            pass
 
     def undo(self) -> None:
         for cls, (found, ours) in self.installed.items():
@@ -107,11 +86,7 @@ class ForwardPatch:
             if cls.__dict__.get("forward") is ours:
                 cls.forward = found
         self.installed.clear()
-        if self.sd3 is not None:
-            module, found, ours = self.sd3
-            if getattr(module, "attention", None) is ours:
-                module.attention = found
-            self.sd3 = None
+        self.sd3.restore()
 
 
 def a1111_unoptimized(forward) -> bool:

@@ -1,4 +1,5 @@
-"""Which WebUI imported the extension: "forge", "sdnext", "a1111", or None."""
+"""Which WebUI imported the extension: "forge", "reforge" (reForge and Forge Classic), "sdnext", "a1111",
+or None."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ def _importable(name: str) -> bool:
 def detect() -> str | None:
     if _importable("modules_forge") and _importable("backend.attention"):
         return "forge"
+    if _importable("ldm_patched.ldm.modules.attention"):  # reForge, Forge Classic
+        return "reforge"
     shared = sys.modules.get("modules.shared")
     if shared is not None and "vladmandic" in str(getattr(shared, "url", "")):
         return "sdnext"

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from extension import availability, entry, forge, guard, options
+from extension import availability, entry, forge, guard, options, reforge
 
 FAKES = Path(__file__).parent / "fakes"
-HOST_PACKAGES = ("modules", "backend", "modules_forge", "sgm")
-FAKE_ROOTS = {"a1111": ("a1111",), "forge": ("forge", "a1111")}
+HOST_PACKAGES = ("modules", "backend", "modules_forge", "sgm", "ldm_patched")
+FAKE_ROOTS = {"a1111": ("a1111",), "forge": ("forge", "a1111"), "reforge": ("reforge", "a1111")}
 
 
 def _drop_host_modules() -> None:
@@ -36,7 +36,8 @@ def extension_state():
     classes = _ldm_classes()
     forwards = {cls: cls.forward for cls in classes}
     yield
-    forge.rebinding.restore()
+    forge.restore()
+    reforge.restore()
     for cls, forward in forwards.items():
         cls.forward = forward
     options.toggles.unet = options.toggles.vae = True
@@ -49,8 +50,8 @@ def extension_state():
 
 @pytest.fixture
 def webui(monkeypatch):
-    """webui("a1111") or webui("forge"): that WebUI's fake host modules importable; returns its
-    modules.shared."""
+    """webui("a1111"), webui("forge") or webui("reforge"): that WebUI's fake host modules importable;
+    returns its modules.shared."""
 
     def start(kind: str):
         if kind == "a1111":

@@ -130,3 +130,21 @@ def test_nothing_rebound_without_a_supported_gpu(backend, log_records):
     assert [r.message for r in log_records.records if "RDNA Flash Attention" in r.message] == [
         "RDNA Flash Attention (Forge): not active: CPU tensors (the kernels run on AMD RDNA3/RDNA4 GPUs)"
     ]
+
+
+def test_sd35_attention_runs_on_the_kernels_from_the_model_load_that_imports_it(backend, fake_gpu):
+    from modules import script_callbacks
+
+    entry.setup()
+    mmditx = importlib.import_module("backend.nn.mmditx")  # imported with the first SD3.5 model
+    script_callbacks.model_loaded_callback(object())
+    q, k, v = (torch.randn(2, 40, 4 * 64, generator=torch.Generator().manual_seed(s)).half() for s in range(3))
+    out = mmditx.block_mixing(q, k, v, 4)
+    assert len(fake_gpu.launches) == 1 and mmditx.calls["attention"] == 0
+    torch.testing.assert_close(out.float(), reference_attention(q, k, v, 4), **KERNEL_TOL)
+    mmditx.block_mixing(q, k, v, 4)
+    mask = torch.zeros(40, 40)
+    mmditx.attention(q.float(), k.float(), v.float(), 4, mask)  # refused (mask): Forge's function runs it
+    assert mmditx.calls["attention"] == 1
+    script_callbacks.script_unloaded_callback()
+    assert mmditx.attention.__name__ == "attention" and not hasattr(mmditx.attention, "rdna_original")

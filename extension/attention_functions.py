@@ -1,0 +1,146 @@
+"""The routing functions shared by the WebUIs whose attention functions have ComfyUI's form (Forge,
+reForge, Forge Classic), and the rebinding that puts them in place of the host's functions in every
+module that holds one."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import torch
+
+import rdna_flash_attn
+
+from . import guard
+from .options import toggles
+
+KNOWN_PARAMETERS = ("mask", "attn_precision", "skip_reshape")  # after (q, k, v, heads)
+
+
+def routed_attention_function(original, fallback_name: str = "Forge's attention_function"):
+    """A ComfyUI-style attention function, as Forge's `attention_function`, reForge's and Forge Classic's
+    `optimized_attention` have it: `(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False)`
+    (Forge Classic's stops after mask), q, k, v (B, N, H*D), or (B, H, N, D) with skip_reshape;
+    returns (B, N, H*D). The kernels accumulate in float32, which is what an `attn_precision` of
+    float32 asks for. A call the kernels do not take goes to `original` with its own arguments."""
+
+    def on_kernels(q, k, v, heads, skip_reshape):
+        if skip_reshape:
+            q4, k4, v4 = q, k, v
+        else:
+            q4, k4, v4 = (t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in (q, k, v))
+        out = rdna_flash_attn.attention_or_reason(q4, k4, v4, fallback_name=fallback_name)
+        return out.transpose(1, 2).flatten(2) if isinstance(out, torch.Tensor) else None
+
+    def attention_function(q, k, v, heads, *args, **kwargs):
+        named = dict(zip(KNOWN_PARAMETERS, args), **kwargs)
+        skip_reshape = named.get("skip_reshape", False)
+        known_form = len(args) <= len(KNOWN_PARAMETERS) and set(named) <= set(KNOWN_PARAMETERS)
+        if known_form and named.get("mask") is None and toggles.unet and _routable(q, k, v, heads, skip_reshape):
+            try:
+                out = on_kernels(q, k, v, heads, skip_reshape)
+            except Exception as error:
+                guard.report_failure("attention_function", error)
+                out = None
+            if out is not None:
+                return out
+        return original(q, k, v, heads, *args, **kwargs)
+
+    attention_function.rdna_original = original
+    return attention_function
+
+
+def _routable(q, k, v, heads, skip_reshape) -> bool:
+    """Shapes the reshape below handles; anything else goes to Forge's function unchanged, which
+    then raises its own error for malformed input."""
+    tensors = (q, k, v)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return False
+    if skip_reshape:
+        return all(t.dim() == 4 for t in tensors)
+    return isinstance(heads, int) and heads > 0 and all(t.dim() == 3 and t.shape[-1] % heads == 0 for t in tensors)
+
+
+def routed_single_head_spatial(original, fallback_name: str = "Forge's VAE attention"):
+    """Forge's `attention_function_single_head_spatial(q, k, v)` (and the VAE attention of reForge and
+    Forge Classic): (B, C, H, W) each, one head of C channels (the VAE's mid-block); returns (B, C, H, W)."""
+
+    def on_kernels(q, k, v):
+        b, c, h, w = q.shape
+        q4, k4, v4 = (t.reshape(b, 1, c, h * w).transpose(2, 3).contiguous() for t in (q, k, v))
+        out = rdna_flash_attn.attention_or_reason(q4, k4, v4, fallback_name=fallback_name)
+        return out.transpose(2, 3).reshape(b, c, h, w) if isinstance(out, torch.Tensor) else None
+
+    def attention_function_single_head_spatial(q, k, v):
+        if toggles.vae:
+            try:
+                out = on_kernels(q, k, v)
+            except Exception as error:
+                guard.report_failure("attention_function_single_head_spatial", error)
+                out = None
+            if out is not None:
+                return out
+        return original(q, k, v)
+
+    attention_function_single_head_spatial.rdna_original = original
+    return attention_function_single_head_spatial
+
+
+def routed_mmdit_attention(original, fallback_name: str):
+    """SD3's own `attention(q, k, v, heads, mask=None)` (A1111's other_impls, Forge's mmditx), which
+    calls PyTorch's SDPA itself: (B, L, H*D) tensors in and out."""
+
+    def attention(q, k, v, heads, mask=None):
+        if mask is None and toggles.unet and _routable(q, k, v, heads, False):
+            try:
+                q4, k4, v4 = (t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in (q, k, v))
+                out = rdna_flash_attn.attention_or_reason(q4, k4, v4, fallback_name=fallback_name)
+                if isinstance(out, torch.Tensor):
+                    return out.transpose(1, 2).flatten(2)
+            except Exception as error:
+                guard.report_failure("SD3 attention", error)
+        return original(q, k, v, heads, mask)
+
+    attention.rdna_original = original
+    return attention
+
+
+def _global(module, name: str):
+    try:
+        return vars(module).get(name)
+    except Exception:  # sys.modules may hold odd objects (lazy loaders, None)
+        return None
+
+
+class Rebinding:
+    """Module globals that hold a routing function instead of the host's attention function, so they
+    can be put back. `routes` maps each function name of the host's attention module to the maker of
+    its routing function; `rebind_home`: the attention module's own global too (where the host's
+    code looks the name up there at call time)."""
+
+    def __init__(self, home: str, routes: dict, rebind_home: bool = False):
+        self.home, self.routes, self.rebind_home = home, routes, rebind_home
+        self.bound: list[tuple[object, str, object, object]] = []  # (module, name, original, ours)
+        self._routes: dict[str, object] = {}  # name -> our routing function for the host's current one
+
+    def apply(self) -> None:
+        """Rebind every loaded module holding the host's function. Safe to repeat: modules already
+        rebound no longer hold it."""
+        attention = importlib.import_module(self.home)
+        for name, make in self.routes.items():
+            original = getattr(attention, name)
+            original = getattr(original, "rdna_original", original)  # the home module rebound before
+            ours = self._routes.get(name)
+            if ours is None or ours.rdna_original is not original:
+                ours = self._routes[name] = make(original)
+            for module in list(sys.modules.values()):
+                if (module is attention and not self.rebind_home) or _global(module, name) is not original:
+                    continue
+                setattr(module, name, ours)
+                self.bound.append((module, name, original, ours))
+
+    def restore(self) -> None:
+        for module, name, original, ours in self.bound:
+            if _global(module, name) is ours:  # leave a later patch by someone else in place
+                setattr(module, name, original)
+        self.bound.clear()

@@ -1,0 +1,86 @@
+"""reForge and Forge Classic: both compute attention through ComfyUI-style functions in `ldm_patched`
+and have no optimizer registry (A1111's `SdOptimization` is gone there).
+
+The UNet's `CrossAttention.forward` looks `optimized_attention` / `optimized_attention_masked` up in
+`ldm_patched.ldm.modules.attention` at call time, and other modules (SD3, Flux, IP-Adapter, SAG ...)
+bound them at import: every module holding one of them, the attention module itself included, gets the
+routing function, and the same modules get the host's back on unload. The VAE's `AttnBlock` keeps its
+attention function per instance (`self.optimized_attention`), set when the block is built: each loaded
+model's blocks get the routing function at its load. Calls the kernels do not take run on the host's
+own function with their own arguments.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+
+from . import availability, options
+from .attention_functions import Rebinding, routed_attention_function, routed_single_head_spatial
+
+ATTENTION_MODULE = "ldm_patched.ldm.modules.attention"
+VAE_ATTENTION_BLOCK = "AttnBlock"
+CLASSIC_VERSION = "classic"  # modules_forge.forge_version.version on Forge Classic
+
+
+def fork_name() -> str:
+    try:
+        from modules_forge import forge_version
+    except ImportError:
+        return "reForge"
+    return "Forge Classic" if getattr(forge_version, "version", "") == CLASSIC_VERSION else "reForge"
+
+
+_route = functools.partial(routed_attention_function, fallback_name="the WebUI's own attention")
+rebinding = Rebinding(ATTENTION_MODULE, {"optimized_attention": _route, "optimized_attention_masked": _route},
+                      rebind_home=True)
+_vae_blocks: weakref.WeakSet = weakref.WeakSet()  # blocks whose attention function we replaced
+
+
+def route_vae_blocks(model) -> None:
+    """Put the routing function on every VAE attention block of `model` that still has its own."""
+    if not isinstance(model, torch.nn.Module):
+        return
+    for module in model.modules():
+        found = getattr(module, "optimized_attention", None)
+        if type(module).__name__ != VAE_ATTENTION_BLOCK or not callable(found) or hasattr(found, "rdna_original"):
+            continue
+        module.optimized_attention = routed_single_head_spatial(found, fallback_name="the VAE's own attention")
+        _vae_blocks.add(module)
+
+
+def restore() -> None:
+    rebinding.restore()
+    for module in list(_vae_blocks):
+        routed = module.optimized_attention
+        if hasattr(routed, "rdna_original"):
+            module.optimized_attention = routed.rdna_original
+    _vae_blocks.clear()
+
+
+def on_model_loaded(sd_model) -> None:
+    rebinding.apply()  # modules a model type's first load imported
+    route_vae_blocks(sd_model)
+
+
+def webui_device() -> torch.device:
+    from modules import devices
+
+    return getattr(devices, "device", None) or torch.device("cpu")
+
+
+def setup() -> None:
+    from modules import script_callbacks, shared
+
+    host = fork_name()
+    device = webui_device()
+    why = availability.reason(device)
+    availability.explain_once(host, device, why)
+    script_callbacks.on_ui_settings(lambda: options.register(shared, availability.status_text(why)))
+    if why:
+        return
+    rebinding.apply()
+    script_callbacks.on_model_loaded(on_model_loaded)
+    script_callbacks.on_script_unloaded(restore)

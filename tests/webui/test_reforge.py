@@ -1,0 +1,89 @@
+"""reForge and Forge Classic through their call signatures (fakes of ldm_patched/): the attention
+function the UNet looks up at call time and every module that bound it at import route to the kernels,
+each loaded model's VAE blocks too, refused calls run the host's function with their own arguments,
+and unloading puts everything back."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+import pytest
+import torch
+
+from extension import entry, reforge
+
+KERNEL_TOL = dict(atol=2e-3, rtol=1e-2)  # fp16 kernels (float32 math) vs the host's SDPA on fp16 inputs
+
+
+@pytest.fixture
+def ldm_patched(webui):
+    """reForge with its attention modules loaded; returns ldm_patched.ldm.modules.attention."""
+    webui("reforge")
+    importlib.import_module("ldm_patched.contrib.nodes_sag")
+    return importlib.import_module("ldm_patched.ldm.modules.attention")
+
+
+def qkv(heads=8, dim=40, tokens=64, context=77):
+    generator = torch.Generator().manual_seed(0)
+    return (torch.randn(2, tokens, heads * dim, generator=generator).half(),
+            torch.randn(2, context, heads * dim, generator=generator).half(),
+            torch.randn(2, context, heads * dim, generator=generator).half())
+
+
+def test_detected_as_reforge_and_the_unet_runs_on_the_kernels(ldm_patched, fake_gpu):
+    assert entry.setup() == "reforge"
+    q, k, v = qkv()
+    out = ldm_patched.cross_attention(q, k, v, 8)
+    assert len(fake_gpu.launches) == 1 and ldm_patched.calls["optimized_attention"] == 0
+    torch.testing.assert_close(out.float(), ldm_patched.attention_pytorch(q.float(), k.float(), v.float(), 8),
+                               **KERNEL_TOL)
+    sag = sys.modules["ldm_patched.contrib.nodes_sag"]  # bound the function at import
+    sag.attention_with_guidance(q, k, v, 8)
+    assert len(fake_gpu.launches) == 2
+
+
+def test_refused_calls_run_the_hosts_function_with_their_own_arguments(ldm_patched, fake_gpu):
+    entry.setup()
+    q, k, v = qkv()
+    mask = torch.zeros(64, 77, dtype=torch.half)
+    ldm_patched.cross_attention(q, k, v, 8, mask=mask)
+    assert fake_gpu.launches == [] and ldm_patched.calls["optimized_attention"] == 1
+    # Forge Classic's functions take (q, k, v, heads, mask=None) only: nothing else is passed on.
+    seen = []
+
+    def classic_attention(q, k, v, heads, mask=None):
+        seen.append(mask)
+        return ldm_patched.attention_pytorch(q, k, v, heads, mask)
+
+    reforge.routed_attention_function(classic_attention)(q.float(), k.float(), v.float(), 8)  # float32: refused
+    assert seen == [None]
+
+
+def test_vae_blocks_of_a_loaded_model_route_and_come_back(ldm_patched, fake_gpu):
+    from modules import script_callbacks
+
+    model_module = importlib.import_module("ldm_patched.ldm.modules.diffusionmodules.model")
+    entry.setup()
+    model = torch.nn.Sequential(model_module.AttnBlock())
+    script_callbacks.model_loaded_callback(model)
+    q, k, v = (torch.randn(1, 64, 8, 8, generator=torch.Generator().manual_seed(s)).half() for s in range(3))
+    out = model[0](q, k, v)
+    assert len(fake_gpu.launches) == 1 and model_module.calls["vae_attention"] == 0
+    torch.testing.assert_close(out.float(), model_module.pytorch_attention(q.float(), k.float(), v.float()), **KERNEL_TOL)
+    script_callbacks.script_unloaded_callback()
+    assert model[0].optimized_attention is model_module.pytorch_attention
+    assert ldm_patched.optimized_attention is ldm_patched.attention_pytorch
+    assert sys.modules["ldm_patched.contrib.nodes_sag"].optimized_attention is ldm_patched.attention_pytorch
+
+
+def test_forge_classic_is_named_and_an_unusable_gpu_said_once(ldm_patched, monkeypatch, log_records):
+    from modules_forge import forge_version
+
+    monkeypatch.setattr(forge_version, "version", "classic")
+    assert entry.setup() == "reforge"
+    lines = [r.message for r in log_records.records if r.levelno == logging.WARNING]
+    assert lines == ["RDNA Flash Attention (Forge Classic): not active: CPU tensors (the kernels run on AMD "
+                     "RDNA3/RDNA4 GPUs)"]
+    assert ldm_patched.optimized_attention is ldm_patched.attention_pytorch  # nothing routed
