@@ -28,7 +28,7 @@ def routed_attention_function(original, fallback_name: str = "Forge's attention_
         if skip_reshape:
             q4, k4, v4 = q, k, v
         else:
-            q4, k4, v4 = (t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in (q, k, v))
+            q4, k4, v4 = (_heads_first(t, heads) for t in (q, k, v))
         out = rdna_flash_attn.attention_or_reason(q4, k4, v4, fallback_name=fallback_name)
         return out.transpose(1, 2).flatten(2) if isinstance(out, torch.Tensor) else None
 
@@ -50,15 +50,24 @@ def routed_attention_function(original, fallback_name: str = "Forge's attention_
     return attention_function
 
 
+def _heads_first(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, L, H*D), or (B, L, H, D) as SD3's MMDiT passes v, -> a (B, H, L, D) view."""
+    return t.transpose(1, 2) if t.dim() == 4 else t.unflatten(-1, (heads, -1)).transpose(1, 2)
+
+
 def _routable(q, k, v, heads, skip_reshape) -> bool:
-    """Shapes the reshape below handles; anything else goes to Forge's function unchanged, which
+    """Shapes the reshapes here handle; anything else goes to the host's function unchanged, which
     then raises its own error for malformed input."""
     tensors = (q, k, v)
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         return False
     if skip_reshape:
         return all(t.dim() == 4 for t in tensors)
-    return isinstance(heads, int) and heads > 0 and all(t.dim() == 3 and t.shape[-1] % heads == 0 for t in tensors)
+    if not isinstance(heads, int) or heads <= 0 or q.dim() != 3 or q.shape[-1] % heads:
+        return False
+    head_dim = q.shape[-1] // heads
+    return all((t.dim() == 3 and t.shape[-1] % head_dim == 0) or (t.dim() == 4 and t.shape[-1] == head_dim)
+               for t in (k, v))
 
 
 def routed_single_head_spatial(original, fallback_name: str = "Forge's VAE attention"):
@@ -93,7 +102,7 @@ def routed_mmdit_attention(original, fallback_name: str):
     def attention(q, k, v, heads, mask=None):
         if mask is None and toggles.unet and _routable(q, k, v, heads, False):
             try:
-                q4, k4, v4 = (t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in (q, k, v))
+                q4, k4, v4 = (_heads_first(t, heads) for t in (q, k, v))
                 out = rdna_flash_attn.attention_or_reason(q4, k4, v4, fallback_name=fallback_name)
                 if isinstance(out, torch.Tensor):
                     return out.transpose(1, 2).flatten(2)

@@ -87,3 +87,13 @@ def test_forge_classic_is_named_and_an_unusable_gpu_said_once(ldm_patched, monke
     assert lines == ["RDNA Flash Attention (Forge Classic): not active: CPU tensors (the kernels run on AMD "
                      "RDNA3/RDNA4 GPUs)"]
     assert ldm_patched.optimized_attention is ldm_patched.attention_pytorch  # nothing routed
+
+
+def test_sd3s_four_dimensional_v_runs_on_the_kernels(ldm_patched, fake_gpu):
+    # ldm_patched's MMDiT passes v as (B, L, H, D) beside (B, L, H*D) q and k.
+    entry.setup()
+    q, k, v = qkv(heads=4, dim=64, context=64)
+    out = ldm_patched.optimized_attention(q, k, v.unflatten(-1, (4, 64)), 4)
+    assert len(fake_gpu.launches) == 1 and ldm_patched.calls["optimized_attention"] == 0
+    torch.testing.assert_close(out.float(), ldm_patched.attention_pytorch(q.float(), k.float(), v.float(), 4),
+                               **KERNEL_TOL)
