@@ -2,7 +2,7 @@
 
 ComfyUI consults a model's `optimized_attention_override` only when the call passes the model's
 `transformer_options`. Many model files call the attention function they imported without them
-(PixArt, HunyuanDiT, Hunyuan3D 2.1, Wan-Animate's face blocks, SD3.5's extra self-attention ...),
+(PixArt, HunyuanDiT, Hunyuan3D 2.1, Wan-Animate's face blocks, some of SD3's blocks ...),
 so the per-model override never sees those calls. Here every `optimized_attention` /
 `optimized_attention_masked` name a `comfy.ldm` module bound at import is replaced by a router that
 runs the bound function unchanged, unless a routed model is running at that moment (an APPLY_MODEL
@@ -49,7 +49,7 @@ def install_routers() -> int:
         if module is None or not name.startswith(MODEL_PACKAGE) or name == ATTENTION_MODULE:
             continue
         for attribute in ATTENTION_NAMES:
-            function = module.__dict__.get(attribute)
+            function = getattr(module, "__dict__", {}).get(attribute)
             if isinstance(function, UnscopedCallRouter):
                 routed += 1
             elif callable(function) and getattr(function, "__module__", "") == ATTENTION_MODULE:
