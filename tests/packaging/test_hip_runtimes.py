@@ -64,7 +64,8 @@ def test_a_refused_v5_falls_back_to_v4_with_one_log_line(amd_gpu, log_records):
     assert runtime.loaded_library_for(GPU).artifact.target == "gfx1100"
     assert [code_object_version_of(data) for data in amd_gpu.hip.loaded] == [4]
     (line,) = [r.getMessage() for r in log_records.records if "refused" in r.getMessage()]
-    assert line.startswith(f"HIP runtime {HIP_6_2} refused code object v5 for gfx1100 (hipModuleLoadData failed")
+    assert line.startswith(f"RDNA Flash Attention: HIP runtime {HIP_6_2} refused code object v5 for gfx1100 "
+                           "(hipModuleLoadData failed")
     assert line.endswith("; trying the next version")
 
 
