@@ -4,13 +4,10 @@ collected."""
 
 from __future__ import annotations
 
-import asyncio
-import inspect
-import sys
-
 import pytest
 
-from .comfy_env import REPO_ROOT, comfyui_folder, start_comfyui, stop_comfyui
+from rdna_flash_attn.tools.comfyui_harness import (REPO_ROOT, comfyui_folder, load_custom_node, load_node_package,
+                                                    start_comfyui, stop_comfyui)
 
 COMFYUI = comfyui_folder()
 if COMFYUI is None:
@@ -25,22 +22,10 @@ def comfyui():
     stop_comfyui(COMFYUI)
 
 
-def load_custom_node(path) -> bool:
-    """ComfyUI's nodes.load_custom_node (a coroutine in 2025 and later ComfyUI)."""
-    import nodes as comfy_nodes  # ComfyUI's nodes.py: its folder is first on sys.path
-
-    loaded = comfy_nodes.load_custom_node(str(path))
-    return asyncio.run(loaded) if inspect.iscoroutine(loaded) else loaded
-
-
 @pytest.fixture(scope="package")
 def node_package(comfyui):
     """The repository's `nodes` package, as ComfyUI's loader imported it."""
-    import nodes as comfy_nodes
-
-    assert load_custom_node(REPO_ROOT)
-    definitions = comfy_nodes.NODE_CLASS_MAPPINGS["RDNAFlashAttentionModel"].__module__
-    return sys.modules[definitions.rpartition(".")[0]]
+    return load_node_package(REPO_ROOT)
 
 
 @pytest.fixture(autouse=True)

