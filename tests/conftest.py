@@ -134,7 +134,7 @@ def untested_fake_gpu(monkeypatch) -> FakeKernels:
 def fake_gpu(untested_fake_gpu, monkeypatch) -> FakeKernels:
     """untested_fake_gpu with a passed self-test already cached, so no test launch is counted."""
     with monkeypatch.context() as patch:
-        patch.setattr(selftest, "run_checks", lambda dev: [])
+        patch.setattr(selftest, "run_checks", lambda dev, gradients=None: [])
         gpu = torch.device("cuda", 0)
         selftest.run(gpu, loader.loaded_library(device.describe(gpu)))
     return untested_fake_gpu

@@ -94,7 +94,7 @@ def test_doctor_on_a_cpu_machine(capsys):
 
 def test_doctor_with_a_zluda_gpu(fake_cuda, monkeypatch, capsys):
     fake_code_object(monkeypatch)
-    monkeypatch.setattr(selftest, "run_checks", lambda d: [selftest.Check("forward out", 1e-4, 2e-3)])
+    monkeypatch.setattr(selftest, "run_checks", lambda d, gradients=None: [selftest.Check("forward out", 1e-4, 2e-3)])
     code, out, _ = run_cli(capsys, "doctor")
     assert code == 0
     for text in ("cuda:0:", ZLUDA_NAME, "zluda", "gfx1100", "6.2.41512", "/p/gfx1100.hsaco", "ef" * 32,
@@ -113,7 +113,7 @@ def test_doctor_says_why_the_kernels_are_off(fake_cuda, monkeypatch, capsys):
 
 def test_doctor_reports_a_failed_self_test_and_the_disable_switch(fake_cuda, monkeypatch, capsys):
     fake_code_object(monkeypatch, path="p", sha256="0" * 64)
-    monkeypatch.setattr(selftest, "run_checks", lambda d: [selftest.Check("forward out x", 0.5, 2e-3)])
+    monkeypatch.setattr(selftest, "run_checks", lambda d, gradients=None: [selftest.Check("forward out x", 0.5, 2e-3)])
     _, out, _ = run_cli(capsys, "doctor")
     assert "kernels OFF: self-test failed: forward out x" in out
     monkeypatch.setattr(dispatch.settings, "disable", True)

@@ -134,12 +134,12 @@ def test_a_device_turned_off_makes_dynamo_decide_again(traceable_fake_gpu):
 def test_first_use_self_test_runs_eagerly_once_at_trace_time(untested_fake_gpu, traceable_fake_gpu, monkeypatch):
     seen = []
 
-    def checks(device):
+    def checks(device, gradients=None):
         seen.append(type(torch.ones(2) + 1) is torch.Tensor)  # real tensors: run, not traced
         return []
 
     monkeypatch.setattr(selftest, "run_checks", checks)
-    monkeypatch.setattr(selftest, "cached", lambda device: None)
+    monkeypatch.setattr(selftest, "cached", lambda library: None)
     dispatch.forget_devices()
     backend = Graphs()
     function = compiled(backend)

@@ -291,7 +291,7 @@ def test_no_grad_and_inference_use_the_plain_forward(fake_gpu):
 
 def test_self_test_runs_once_on_the_first_supported_call(untested_fake_gpu, monkeypatch):
     runs = []
-    monkeypatch.setattr(selftest, "run_checks", lambda dev: runs.append(dev) or [])
+    monkeypatch.setattr(selftest, "run_checks", lambda dev, gradients=None: runs.append(dev) or [])
     rfa.scaled_dot_product_attention(*qkv(dtype=torch.float32))  # unsupported: no self-test yet
     assert runs == []
     for _ in range(3):

@@ -181,6 +181,24 @@ def _open_library(info: devices.DeviceInfo, layer: str) -> KernelLibrary:
 
 
 _explicit = threading.local()
+_stand_in = None  # see stand_in()
+
+
+@contextlib.contextmanager
+def stand_in(library):
+    """Within the block, in every thread, `library` is the loaded library of every device whose
+    backend is its `device_type` ("cpu"), and ops accepts that device's tensors: how the coverage
+    benchmark counts the dispatcher's routing on a CPU, where no kernel runs, with a stand-in that
+    computes what the kernels compute. Loaded libraries, and the decisions made on them, are dropped
+    on entry and on exit."""
+    global _stand_in
+    previous, _stand_in = _stand_in, library
+    forget_libraries()
+    try:
+        yield library
+    finally:
+        _stand_in = previous
+        forget_libraries()
 
 
 @contextlib.contextmanager
@@ -198,9 +216,11 @@ def explicit_library(library):
 
 
 def explicit_library_for(device: torch.device):
-    """The library chosen by explicit_library for this device's type, or None."""
-    library = getattr(_explicit, "library", None)
-    return library if library is not None and torch.device(device).type == library.device_type else None
+    """The library chosen by explicit_library (or stand_in) for this device's type, or None."""
+    for library in (getattr(_explicit, "library", None), _stand_in):
+        if library is not None and torch.device(device).type == library.device_type:
+            return library
+    return None
 
 
 def library_for(device: torch.device) -> KernelLibrary:
@@ -218,6 +238,8 @@ def loaded_library_for(device: torch.device) -> KernelLibrary:
 
 def loaded_library(info: devices.DeviceInfo) -> KernelLibrary:
     """loaded_library_for a device already described."""
+    if _stand_in is not None and info.backend == _stand_in.device_type:
+        return _stand_in
     layer = emulated_layer() if info.backend == "cuda" else None
     key = (info.backend, info.index, layer)
     library = _libraries.get(key)

@@ -1,11 +1,11 @@
-"""`python -m rdna_flash_attn doctor | selftest | bench | rebuild | report`."""
+"""`python -m rdna_flash_attn doctor | selftest | bench | coverage | rebuild | report`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import benchmark, rebuild, report
+from . import benchmark, coverage, rebuild, report
 from .doctor import doctor
 from .selftest_cli import run_selftest
 
@@ -24,6 +24,10 @@ def _parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="time the kernels against PyTorch SDPA's backends")
     benchmark.add_arguments(bench)
     bench.set_defaults(run=benchmark.run)
+    measure = commands.add_parser(
+        "coverage", help="the share of each ComfyUI model family's attention that reaches the kernels")
+    coverage.add_arguments(measure)
+    measure.set_defaults(run=coverage.run)
     local_build = commands.add_parser("rebuild", help="build code objects for your GPU target locally (clang >= 19)")
     rebuild.add_arguments(local_build)
     local_build.set_defaults(run=rebuild.run)

