@@ -8,7 +8,8 @@ package). torchvision is often absent (PyPI's build is CUDA and breaks a CPU tor
 it at module level only for Stable Cascade and Cosmos models built nowhere here, so a bare stand-in
 module satisfies those imports; any use of it fails loudly.
 
-The model configs follow ComfyUI's comfy/supported_models.py (SD15, SD20, SDXL, Flux, SD3, PixArt):
+The model configs follow ComfyUI's comfy/supported_models.py (SD15, SD20, SDXL, Flux, SD3, Wan 2.1,
+Qwen-Image, Lumina 2, PixArt):
 the same model_base classes, latent formats and extra UNet settings, declared here because that module
 imports the text encoders (transformers), which neither the benchmark nor the tests need.
 """
@@ -126,6 +127,25 @@ MODELS = {
                           x_block_self_attn=True, x_block_self_attn_layers=[0]), 16, True),
 }
 
+# Video and image transformers sampled by ComfyUI with a frame axis (latent (B, C, frames, H, W)).
+MODELS.update({
+    # Wan 2.1 text-to-video: self- and cross-attention per block (2 x 32 here; 40 x 128 for real)
+    "wan": ("WAN21", "Wan21", {}, dict(image_model="wan2.1", model_type="t2v", patch_size=(1, 2, 2), text_len=7,
+                                       in_dim=16, dim=64, ffn_dim=128, freq_dim=32, text_dim=TEXT_WIDTH, out_dim=16,
+                                       num_heads=2, num_layers=2), 16, False),
+    # Qwen-Image: joint text+image attention (2 x 32 here; 24 x 128 for real)
+    "qwen_image": ("QwenImage", "Wan21", {}, dict(image_model="qwen_image", patch_size=2, in_channels=64,
+                                                  out_channels=16, num_layers=2, attention_head_dim=32,
+                                                  num_attention_heads=2, joint_attention_dim=TEXT_WIDTH,
+                                                  pooled_projection_dim=TEXT_WIDTH, axes_dims_rope=(8, 12, 12)), 16, False),
+    # Lumina 2: a refiner over the image and text tokens, then joint blocks (2 x 32 here; 24 x 96 for real)
+    "lumina2": ("Lumina2", "Flux", {}, dict(image_model="lumina2", patch_size=2, in_channels=16, dim=64, n_layers=2,
+                                            n_refiner_layers=1, n_heads=2, n_kv_heads=2, multiple_of=16,
+                                            ffn_dim_multiplier=2.0, qk_norm=True, cap_feat_dim=TEXT_WIDTH,
+                                            axes_dims=(8, 12, 12), axes_lens=(64, 64, 64)), 16, False),
+})
+LATENT_FRAMES = {"wan": 2, "qwen_image": 1}
+
 # Models whose attention calls do not pass the model's options (so ComfyUI's per-model override never
 # sees them), with the latent size they need and their attention calls per sampling (two steps).
 OPTIONLESS_MODELS = {
@@ -200,9 +220,9 @@ def sample(patcher, name: str, size: int = 16, steps: int = 2, seed: int = 1, **
     """`steps` Euler steps with CFG (batch 2) through ComfyUI's sampler; the denoised latent."""
     import comfy.sample
 
-    channels = MODELS[name][4]
-    noise = torch.randn(1, channels, size, size, generator=torch.Generator().manual_seed(seed))
-    latent = torch.zeros(1, channels, size, size)
+    shape = (1, MODELS[name][4], *([LATENT_FRAMES[name]] if name in LATENT_FRAMES else []), size, size)
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    latent = torch.zeros(shape)
     return comfy.sample.sample(
         patcher, noise, steps, 5.0, "euler", "normal", conditioning(name, 2, **text), conditioning(name, 3, **text), latent,
         seed=seed, disable_pbar=True,
