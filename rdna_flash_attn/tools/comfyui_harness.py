@@ -9,7 +9,7 @@ it at module level only for Stable Cascade and Cosmos models built nowhere here,
 module satisfies those imports; any use of it fails loudly.
 
 The model configs follow ComfyUI's comfy/supported_models.py (SD15, SD20, SDXL, Flux, SD3, Wan 2.1,
-Qwen-Image, Lumina 2, PixArt):
+HunyuanVideo, Qwen-Image, Chroma, Lumina 2, PixArt):
 the same model_base classes, latent formats and extra UNet settings, declared here because that module
 imports the text encoders (transformers), which neither the benchmark nor the tests need.
 """
@@ -138,13 +138,25 @@ MODELS.update({
                                                   out_channels=16, num_layers=2, attention_head_dim=32,
                                                   num_attention_heads=2, joint_attention_dim=TEXT_WIDTH,
                                                   pooled_projection_dim=TEXT_WIDTH, axes_dims_rope=(8, 12, 12)), 16, False),
+    # Chroma: Flux's blocks with a distilled modulation (4 x 16 here; 24 x 128 for real); its in_channels are
+    # the patched ones (16 latent channels x 2 x 2)
+    "chroma": ("Chroma", "Flux", {}, dict(image_model="chroma", in_channels=64, out_channels=64, context_in_dim=TEXT_WIDTH,
+                                          hidden_size=64, mlp_ratio=2.0, num_heads=4, depth=1, depth_single_blocks=1,
+                                          axes_dim=[4, 6, 6], theta=10000, patch_size=2, qkv_bias=True, in_dim=64,
+                                          out_dim=64, hidden_dim=64, n_layers=2), 16, True),
+    # HunyuanVideo: Flux-like double and single blocks over video tokens (2 x 32 here; 24 x 128 for real)
+    "hunyuan_video": ("HunyuanVideo", "HunyuanVideo", {}, dict(
+        image_model="hunyuan_video", in_channels=16, out_channels=16, vec_in_dim=TEXT_WIDTH, context_in_dim=TEXT_WIDTH,
+        hidden_size=64, mlp_ratio=2.0, num_heads=2, depth=1, depth_single_blocks=1, axes_dim=[8, 12, 12], theta=256,
+        patch_size=[1, 2, 2], qkv_bias=True, guidance_embed=False, byt5=False, meanflow=False,
+        use_cond_type_embedding=False, vision_in_dim=None), 16, True),
     # Lumina 2: a refiner over the image and text tokens, then joint blocks (2 x 32 here; 24 x 96 for real)
     "lumina2": ("Lumina2", "Flux", {}, dict(image_model="lumina2", patch_size=2, in_channels=16, dim=64, n_layers=2,
                                             n_refiner_layers=1, n_heads=2, n_kv_heads=2, multiple_of=16,
                                             ffn_dim_multiplier=2.0, qk_norm=True, cap_feat_dim=TEXT_WIDTH,
                                             axes_dims=(8, 12, 12), axes_lens=(64, 64, 64)), 16, False),
 })
-LATENT_FRAMES = {"wan": 2, "qwen_image": 1}
+LATENT_FRAMES = {"wan": 2, "hunyuan_video": 2, "qwen_image": 1}
 
 # Models whose attention calls do not pass the model's options (so ComfyUI's per-model override never
 # sees them), with the latent size they need and their attention calls per sampling (two steps).

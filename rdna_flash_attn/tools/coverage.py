@@ -249,10 +249,10 @@ def run(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     json_path = args.out / f"{RESULT_FILE}.json"
     json_path.write_text(json.dumps(data, indent=1), encoding="utf-8")
-    print(f"{'family':<11} {'attention MFLOP':>15} {'on the kernels':>15}  fallback reasons")
+    print(f"{'family':<14} {'attention MFLOP':>15} {'on the kernels':>15}  fallback reasons")
     for r in records:
         share = "-" if r["kernel_share"] is None else f"{100 * r['kernel_share']:.1f} %"
-        print(f"{r['family']:<11} {r['attention_flops'] / 1e6:>15.1f} {share:>15}  {r['fallback_reasons'] or '-'}")
+        print(f"{r['family']:<14} {r['attention_flops'] / 1e6:>15.1f} {share:>15}  {r['fallback_reasons'] or '-'}")
     print(f"wrote {json_path}")
     try:
         plot(records, args.out / f"{RESULT_FILE}.png", "ComfyUI: attention FLOPs on the kernels (tiny models, CPU stand-in)")
