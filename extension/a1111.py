@@ -22,10 +22,8 @@ import logging
 import torch
 
 from . import availability, guard, ldm_attention, options
-from .attention_functions import Rebinding, routed_mmdit_attention
+from .attention_functions import Rebinding, routed_attention_function
 from .ldm_attention import HostHooks
-
-log = logging.getLogger("rdna_flash_attn")
 
 NAME = "RDNA Flash Attention"
 PRIORITY = 120  # above xformers (100): "Automatic" picks it wherever it is available
@@ -62,7 +60,7 @@ class ForwardPatch:
         self.hooks = hooks
         self.installed: dict[type, tuple] = {}  # class -> (found forward, ours)
         self.sd3 = Rebinding(SD3_ATTENTION_MODULE, {
-            "attention": functools.partial(routed_mmdit_attention, fallback_name="A1111's SD3 attention")})
+            "attention": functools.partial(routed_attention_function, fallback_name="A1111's SD3 attention")})
 
     @property
     def applied(self) -> bool:
@@ -170,9 +168,6 @@ def choice_note(optimization) -> str | None:
     return None
 
 
-_said: set[str] = set()
-
-
 def say_choice(optimization) -> None:
     """After a model load (A1111 has applied its optimization by then): the choice note, once each."""
     try:
@@ -180,9 +175,8 @@ def say_choice(optimization) -> None:
     except Exception as error:
         guard.report_failure("checking A1111's optimization choice", error)
         return
-    if note is not None and note not in _said:
-        _said.add(note)
-        log.warning("%s", note)
+    if note is not None:
+        availability.say_once(note, logging.WARNING)
 
 
 def setup() -> None:

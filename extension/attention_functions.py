@@ -20,8 +20,8 @@ KNOWN_PARAMETERS = ("mask", "attn_precision", "skip_reshape")  # after (q, k, v,
 def routed_attention_function(original, fallback_name: str = "Forge's attention_function"):
     """A ComfyUI-style attention function, as Forge's `attention_function`, reForge's and Forge Classic's
     `optimized_attention` have it: `(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False)`
-    (Forge Classic's stops after mask), q, k, v (B, N, H*D), or (B, H, N, D) with skip_reshape;
-    returns (B, N, H*D). The kernels accumulate in float32, which is what an `attn_precision` of
+    (Forge Classic's, and SD3's own `attention` in A1111 and Forge, stop after mask), q, k, v (B, N, H*D),
+    or (B, H, N, D) with skip_reshape; returns (B, N, H*D). The kernels accumulate in float32, which is what an `attn_precision` of
     float32 asks for. A call the kernels do not take goes to `original` with its own arguments."""
 
     def on_kernels(q, k, v, heads, skip_reshape):
@@ -93,25 +93,6 @@ def routed_single_head_spatial(original, fallback_name: str = "Forge's VAE atten
 
     attention_function_single_head_spatial.rdna_original = original
     return attention_function_single_head_spatial
-
-
-def routed_mmdit_attention(original, fallback_name: str):
-    """SD3's own `attention(q, k, v, heads, mask=None)` (A1111's other_impls, Forge's mmditx), which
-    calls PyTorch's SDPA itself: (B, L, H*D) tensors in and out."""
-
-    def attention(q, k, v, heads, mask=None):
-        if mask is None and toggles.unet and _routable(q, k, v, heads, False):
-            try:
-                q4, k4, v4 = (_heads_first(t, heads) for t in (q, k, v))
-                out = rdna_flash_attn.attention_or_reason(q4, k4, v4, fallback_name=fallback_name)
-                if isinstance(out, torch.Tensor):
-                    return out.transpose(1, 2).flatten(2)
-            except Exception as error:
-                guard.report_failure("SD3 attention", error)
-        return original(q, k, v, heads, mask)
-
-    attention.rdna_original = original
-    return attention
 
 
 def _global(module, name: str):

@@ -42,13 +42,17 @@ def reason(device: torch.device) -> str | None:
     return None
 
 
+def say_once(line: str, level: int) -> None:
+    """`line` on the console at `level`, the first time it is said in this process."""
+    if line not in _explained:
+        _explained.add(line)
+        log.log(level, "%s", line)
+
+
 def explain_once(host: str, device: torch.device, why: str | None) -> None:
     """One console line per distinct status: a warning when off (users need to see why), INFO when on."""
     line = f"{PREFIX} ({host}): " + (f"not active: {why}" if why else f"ready on {device}")
-    if line in _explained:
-        return
-    _explained.add(line)
-    (log.warning if why else log.info)("%s", line)
+    say_once(line, logging.WARNING if why else logging.INFO)
 
 
 def status_text(why: str | None) -> str:

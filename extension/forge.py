@@ -20,7 +20,7 @@ import sys
 import torch
 
 from . import availability, options
-from .attention_functions import Rebinding, routed_attention_function, routed_mmdit_attention, routed_single_head_spatial
+from .attention_functions import Rebinding, routed_attention_function, routed_single_head_spatial
 
 ATTENTION_MODULE = "backend.attention"
 ROUTES = {
@@ -33,7 +33,7 @@ SD35_MODULE = "backend.nn.mmditx"  # SD3.5: its blocks call the module's own `at
 
 rebinding = Rebinding(ATTENTION_MODULE, ROUTES)
 sd35_rebinding = Rebinding(SD35_MODULE, {
-    "attention": functools.partial(routed_mmdit_attention, fallback_name="Forge's SD3.5 attention")}, rebind_home=True)
+    "attention": functools.partial(routed_attention_function, fallback_name="Forge's SD3.5 attention")}, rebind_home=True)
 
 
 def rebind() -> None:

@@ -13,11 +13,10 @@ diffusion model's call, keep their attention.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from contextvars import ContextVar
 
-from .routing import RoutingOptions, routed_backend
+from .routing import RoutingOptions, context_value, routed_backend
 
 WRAPPER_KEY = "rdna_flash_attn"
 ATTENTION_NAMES = ("optimized_attention", "optimized_attention_masked")
@@ -40,32 +39,21 @@ class UnscopedCallRouter:
         return routed_backend(self.original, options)(*args, **kwargs)
 
 
-def install_routers() -> int:
+def install_routers() -> None:
     """Put a router in place of every attention function bound in a loaded `comfy.ldm` module (once
-    each; modules imported later get theirs at the next model the node routes); returns how many
-    names route now."""
-    routed = 0
+    each; modules imported later get theirs at the next model the node routes)."""
     for name, module in list(sys.modules.items()):
         if module is None or not name.startswith(MODEL_PACKAGE) or name == ATTENTION_MODULE:
             continue
         for attribute in ATTENTION_NAMES:
             function = getattr(module, "__dict__", {}).get(attribute)
-            if isinstance(function, UnscopedCallRouter):
-                routed += 1
-            elif callable(function) and getattr(function, "__module__", "") == ATTENTION_MODULE:
+            if callable(function) and getattr(function, "__module__", "") == ATTENTION_MODULE:
                 setattr(module, attribute, UnscopedCallRouter(function))
-                routed += 1
-    return routed
 
 
-@contextlib.contextmanager
 def running(options: RoutingOptions):
     """Within the block, option-less attention calls take the route `options` say."""
-    token = _running.set(options)
-    try:
-        yield
-    finally:
-        _running.reset(token)
+    return context_value(_running, options)
 
 
 def apply_model_wrapper(options: RoutingOptions):

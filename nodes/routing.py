@@ -11,8 +11,10 @@ call runs on the fallback. Any error in this module's own code also sends the ca
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +44,16 @@ class RoutingOptions:
 
 _logged: set[str] = set()
 comfy_fallbacks: dict[str, int] = {}  # reasons decided here, before the dispatcher sees the call
+
+
+@contextlib.contextmanager
+def context_value(variable: ContextVar, value):
+    """`variable` holds `value` within the block (in this thread or task)."""
+    token = variable.set(value)
+    try:
+        yield
+    finally:
+        variable.reset(token)
 
 
 def log_once(message: str, level: int = logging.INFO, exc_info: BaseException | None = None) -> None:

@@ -12,7 +12,6 @@ first_stage_model is garbage-collected.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import logging
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .core import core_or_reason
-from .routing import log_once, refuse, routing_failed
+from .routing import context_value, log_once, refuse, routing_failed
 
 log = logging.getLogger("rdna_flash_attn")
 
@@ -140,14 +139,6 @@ def _release(first_stage_model_ref) -> None:
         restore_originals(first_stage_model)
 
 
-@contextlib.contextmanager
-def _activated(routing: VaeRouting):
-    token = _active.set(routing)
-    try:
-        yield
-    finally:
-        _active.reset(token)
-
 
 def psnr(image: torch.Tensor, reference: torch.Tensor) -> float:
     """Peak signal-to-noise ratio in dB of two images with values in [0, 1]."""
@@ -161,7 +152,7 @@ def _routed_method(vae, name: str, routing: VaeRouting):
     @functools.wraps(unbound)
     def method(*args, **kwargs):
         kernel_calls = routing.kernel_calls
-        with _activated(routing):
+        with context_value(_active, routing):
             result = unbound(vae, *args, **kwargs)
         if name != "decode" or routing.psnr_check == PSNR_OFF:
             return result
@@ -174,7 +165,7 @@ def _routed_method(vae, name: str, routing: VaeRouting):
             return result
         routing.reference = True
         try:
-            with _activated(routing):
+            with context_value(_active, routing):
                 reference = unbound(vae, *args, **kwargs)
         finally:
             routing.reference = False

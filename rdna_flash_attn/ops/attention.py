@@ -23,7 +23,7 @@ _SUPPORTED_HEAD_DIMS = frozenset(variants.SUPPORTED_HEAD_DIMS)
 _VECTOR_ELEMS = 8  # the kernels move 16-byte vectors of 16-bit values
 _MAX_GRID_YZ = 65535
 _MAX_SEQLEN = 2**31 - 1024
-_LOG2_E = 1.4426950408889634
+LOG2_E = 1.4426950408889634  # the kernels take the softmax scale in base 2
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 KERNEL_DEVICE_TYPE = "cuda"  # ROCm and ZLUDA builds of torch name AMD GPUs "cuda" as well
 
@@ -166,7 +166,7 @@ class _ForwardLaunch:
         self.launcher = library.launcher(variant, (q_blocks * variant.d_chunks, heads, batch), q.device)
         self.args = FwdArgs(0, 0, 0, 0, 0, *_strides(q, k, v), *self.out_stride[:3], heads * seq_q, seq_q,
                             seq_q, k.shape[2], head_dim, int(bool(is_causal)),
-                            _softmax_scale(head_dim, scale) * _LOG2_E, q_blocks)
+                            _softmax_scale(head_dim, scale) * LOG2_E, q_blocks)
 
     def __call__(self, q, k, v):
         out = torch.empty_strided(self.out_size, self.out_stride, dtype=self.dtype, device=self.device)
@@ -268,7 +268,7 @@ def flash_attention_backward(dout, q, k, v, lse, is_causal: bool = False, scale:
     args = BwdArgs(q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), lse.data_ptr(), delta.data_ptr(),
                    dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), *_strides(q, k, v, dout, dq, dk, dv),
                    lse.stride(0), lse.stride(1), seq_q, seq_k, head_dim, int(bool(is_causal)),
-                   softmax_scale * _LOG2_E, softmax_scale, 0)
+                   softmax_scale * LOG2_E, softmax_scale, 0)
     dq_kernel = variants.bwd_variant("dq", dtype, head_dim)
     dkdv = variants.bwd_variant("dkdv", dtype, head_dim)
     buffers = (q, k, v, dout, lse, delta, dq, dk, dv)

@@ -159,12 +159,13 @@ MODELS.update({
 LATENT_FRAMES = {"wan": 2, "hunyuan_video": 2, "qwen_image": 1}
 
 # Models whose attention calls do not pass the model's options (so ComfyUI's per-model override never
-# sees them), with the latent size they need and their attention calls per sampling (two steps).
+# sees them), with their attention calls per sampling (two steps).
 OPTIONLESS_MODELS = {
     # PixArt-alpha: self-attention (skip_reshape) and cross-attention per block (2 x 32 here; 16 x 72
-    # for real); its position embedding needs a latent of at least 64 x 64
-    "pixart": (64, 2 * 2 * 2),
+    # for real)
+    "pixart": 2 * 2 * 2,
 }
+LATENT_SIZE = {"pixart": 64}  # PixArt's position embedding needs a latent of at least 64 x 64; others take 16
 MODELS["pixart"] = ("PixArt", "SD15", {}, dict(image_model="pixart_alpha", input_size=16, patch_size=2, in_channels=4,
                                                hidden_size=64, depth=2, num_heads=2, caption_channels=TEXT_WIDTH,
                                                pe_interpolation=1.0, micro_condition=False, model_max_length=7), 4, False)
@@ -228,10 +229,11 @@ def conditioning(name: str, seed: int, text_width: int = TEXT_WIDTH, pooled_widt
     return [[torch.randn(1, tokens, text_width, generator=generator), extra]]
 
 
-def sample(patcher, name: str, size: int = 16, steps: int = 2, seed: int = 1, **text) -> torch.Tensor:
+def sample(patcher, name: str, size: int | None = None, steps: int = 2, seed: int = 1, **text) -> torch.Tensor:
     """`steps` Euler steps with CFG (batch 2) through ComfyUI's sampler; the denoised latent."""
     import comfy.sample
 
+    size = size or LATENT_SIZE.get(name, 16)
     shape = (1, MODELS[name][4], *([LATENT_FRAMES[name]] if name in LATENT_FRAMES else []), size, size)
     noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
     latent = torch.zeros(shape)

@@ -39,13 +39,11 @@ from torch.overrides import TorchFunctionMode
 
 from ..config import settings
 from ..dispatch import router
+from ..ops.attention import LOG2_E
 from ..runtime import artifacts, device as devices, loader, variants
 from ..version import __version__
 from . import comfyui_harness as harness
 
-LOG2_E = 1.4426950408889634
-# Tiny latent side per family (PixArt's position embedding needs 64), and the VAE's decode.
-LATENT_SIZE = {"pixart": 64}
 VAE = "vae"
 VAE_CONFIG = dict(double_z=True, z_channels=4, resolution=64, in_channels=3, out_ch=3, ch=32, ch_mult=[1, 2],
                   num_res_blocks=1, attn_resolutions=[], dropout=0.0)
@@ -146,7 +144,7 @@ def measure_model(family: str, node_package, library: ReferenceLibrary) -> dict:
     node = node_package.NODE_CLASS_MAPPINGS["RDNAFlashAttentionModel"]()
     (routed,) = node.patch(model, True, True, "original backend")
     with _measured(node_package, library) as sdpa, torch.inference_mode():
-        harness.sample(routed, family, size=LATENT_SIZE.get(family, 16), steps=1)
+        harness.sample(routed, family, steps=1)
     return _family_record(family, library.flops, sdpa.flops, _reasons(node_package))
 
 

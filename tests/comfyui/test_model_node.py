@@ -53,20 +53,20 @@ def test_patched_model_matches_and_every_call_reaches_the_kernels(name, model_no
 
 @pytest.mark.parametrize("name", OPTIONLESS_MODELS)
 def test_calls_made_without_the_models_options_reach_the_kernels_while_it_runs(name, model_node, fake_gpu):
-    size, attention_calls = OPTIONLESS_MODELS[name]
+    attention_calls = OPTIONLESS_MODELS[name]
     model = build(name)
-    reference = sample(model, name, size=size)
+    reference = sample(model, name)
     assert fake_gpu.launches == []
     (patched,) = model_node.patch(model, True, True, "original backend")
-    latent = sample(patched, name, size=size)
+    latent = sample(patched, name)
     # This random model's latents reach ~900: float16 attention rounding alone moves them by ~4e-4 of that.
     torch.testing.assert_close(latent, reference, atol=1e-3 * float(reference.abs().max()), rtol=0)
     assert rdna_flash_attn.stats() == {"kernel": attention_calls, "fallback": 0, "fallback_reasons": {}}
     # the unpatched model, sampled after, runs ComfyUI's attention: the routing lasts a routed model's call
-    assert torch.equal(sample(model, name, size=size), reference)
+    assert torch.equal(sample(model, name), reference)
     assert len(fake_gpu.launches) == attention_calls
     (removed,) = model_node.patch(patched, False, True, "original backend")
-    assert torch.equal(sample(removed, name, size=size), reference)
+    assert torch.equal(sample(removed, name), reference)
     assert len(fake_gpu.launches) == attention_calls
 
 

@@ -136,7 +136,7 @@ def test_backward_through_the_patched_vae(training, vae, latent, vae_node, node_
     settings.training = training
     (patched,) = vae_node.patch(vae, True, "bf16", "off")
     z = latent.clone().requires_grad_()
-    with node_package.vae_patch._activated(patched.rdna_flash_attn_routing):
+    with node_package.routing.context_value(node_package.vae_patch._active, patched.rdna_flash_attn_routing):
         patched.first_stage_model.decode(z).square().mean().backward()
     reference_z = latent.clone().requires_grad_()
     vae.first_stage_model.decode(reference_z).square().mean().backward()
