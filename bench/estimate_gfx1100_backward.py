@@ -222,14 +222,16 @@ def paths(v) -> dict[str, tuple[int, int]]:
         base = rows * 2 + 4 * dim
         return {"sweep 0 (delta)": (2 * dim * tile // FRAG, base),
                 "sweep 1 (dQ)": (2 * dim * tile // FRAG + 2 * out * tile // FRAG, base + trans)}
-    # per query tile: Q rows, lse + delta, then per fragment the K (and V) operands not held in registers
+    # per query tile: Q rows, lse + delta + row sums (ABI 2), then per fragment the K (and V) operands
+    # not held in registers
     frags = tile // FRAG
+    stats = 3
     k_loads = 0 if v.d_pad <= variants.BWD_RESIDENT_K_MAX_D else 2 * dim
     v_loads = 0 if v.d_pad <= variants.BWD_RESIDENT_V_MAX_D else 2 * dim
     if v.fused:  # S and dP once, then dV and dK: Q, dO rows and both transposed chunks
-        return {"dK+dV": (frags * (2 * dim + 4 * out), 2 * rows + 2 * trans + 2 + frags * (k_loads + v_loads))}
-    return {"dV": (frags * (dim + 2 * out), rows + trans + 2 + frags * k_loads),
-            "dK": (frags * (2 * dim + 2 * out), 2 * rows + trans + 2 + frags * (k_loads + v_loads))}
+        return {"dK+dV": (frags * (2 * dim + 4 * out), 2 * rows + 2 * trans + stats + frags * (k_loads + v_loads))}
+    return {"dV": (frags * (dim + 2 * out), rows + trans + stats + frags * k_loads),
+            "dK": (frags * (2 * dim + 2 * out), 2 * rows + trans + stats + frags * (k_loads + v_loads))}
 
 
 def main_loop(cfg: Cfg) -> int:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The kernels' GPU checks on the NVIDIA test machine, one call: forward and backward test grids and
-# the custom-op tests through both emulated layers, then compute-sanitizer memcheck and racecheck on
-# a small forward+backward grid. Needs build/emu/ (python kernels/build.py --no-amd --emulate).
+# The kernels' GPU checks on the NVIDIA test machine, one call: forward, backward and mask / packed
+# batch / grouped-head test grids and the custom-op tests through both emulated layers, then
+# compute-sanitizer memcheck and racecheck on a small forward+backward grid. Needs build/emu/ (python kernels/build.py --no-amd --emulate).
 # Results go to ${OUT:-bench/out}. SKIP_FORWARD=1 / SKIP_API=1 leave those parts out.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -18,6 +18,7 @@ run_tests() {  # name, files...
 }
 [ -z "${SKIP_FORWARD:-}" ] && RDNA_FA_GRID_REPORT="$out/forward_grid.json" run_tests forward tests/gpu/test_forward.py
 RDNA_FA_BWD_GRID_REPORT="$out/backward_grid.json" run_tests backward tests/gpu/test_backward.py
+RDNA_FA_PROBLEM_GRID_REPORT="$out/problem_grids.json" run_tests problems tests/gpu/test_masks_varlen_gqa.py
 run_tests custom_ops tests/gpu/test_custom_ops.py
 [ -z "${SKIP_API:-}" ] && RDNA_FA_FORCE=1 run_tests api tests/gpu/test_api_gpu.py
 

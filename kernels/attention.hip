@@ -4,22 +4,23 @@
 #include "fa_fwd.h"
 #include "fa_bwd.h"
 
-#define RDNA_FA_FWD_INSTANCE(symbol, dtype, d_pad, waves, block_n, d_chunk, copy_loads)            \
+// MASKED: the variant that reads the argument block's attention mask; the others ignore it.
+#define RDNA_FA_FWD_INSTANCE(symbol, dtype, d_pad, waves, block_n, d_chunk, copy_loads, masked)    \
   RDNA_KERNEL(32 * (waves)) symbol(const rdna::FwdArgs args) {                                      \
     RDNA_LDS_ARRAY(rdna::u16, lds, (rdna::FwdShape<d_pad, waves, block_n, d_chunk>::kLdsElems));   \
-    rdna::fwd_body<rdna::dtype, d_pad, waves, block_n, d_chunk, copy_loads>(args, lds);            \
+    rdna::fwd_body<rdna::dtype, d_pad, waves, block_n, d_chunk, copy_loads, masked>(args, lds);    \
   }
 
-#define RDNA_FA_BWD_DKDV_INSTANCE(symbol, dtype, d_pad, waves, block_m, d_chunk)                   \
+#define RDNA_FA_BWD_DKDV_INSTANCE(symbol, dtype, d_pad, waves, block_m, d_chunk, masked)           \
   RDNA_KERNEL(32 * (waves)) symbol(const rdna::BwdArgs args) {                                      \
     RDNA_LDS_ARRAY(rdna::u16, lds, (rdna::DkdvShape<d_pad, waves, block_m, d_chunk>::kLdsElems));  \
-    rdna::dkdv_body<rdna::dtype, d_pad, waves, block_m, d_chunk>(args, lds);                       \
+    rdna::dkdv_body<rdna::dtype, d_pad, waves, block_m, d_chunk, masked>(args, lds);               \
   }
 
-#define RDNA_FA_BWD_DQ_INSTANCE(symbol, dtype, d_pad, waves, block_n, d_chunk)                     \
+#define RDNA_FA_BWD_DQ_INSTANCE(symbol, dtype, d_pad, waves, block_n, d_chunk, masked)             \
   RDNA_KERNEL(32 * (waves)) symbol(const rdna::BwdArgs args) {                                      \
     RDNA_LDS_ARRAY(rdna::u16, lds, (rdna::DqShape<d_pad, waves, block_n, d_chunk>::kLdsElems));    \
-    rdna::dq_body<rdna::dtype, d_pad, waves, block_n, d_chunk>(args, lds);                         \
+    rdna::dq_body<rdna::dtype, d_pad, waves, block_n, d_chunk, masked>(args, lds);                 \
   }
 
 #include "instances.inc"

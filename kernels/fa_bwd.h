@@ -16,11 +16,13 @@
 // fit beside the operands, so a workgroup makes either dV or dK and S is computed twice per key block.
 // dQ: each wave owns 16 queries, like the forward pass: S^T, dP^T with one query per lane; a first
 // sweep over the keys sums delta, a second one makes dS^T and dQ^T += K^T dS^T.
+// Grouped-query attention: a dK/dV workgroup sums over its key/value head's query heads in order,
+// so dK and dV stay deterministic without atomics. Masks and packed batches: see sequence.h.
 // K and V (dK/dV) or Q and dO (dQ) are private to a wave and read straight from global memory: K and
 // V once per kernel into registers where they fit (kResidentK, kResidentV), the rest per use; the
 // operands shared by the workgroup go through LDS.
 #pragma once
-#include "tiles.h"
+#include "sequence.h"
 
 namespace rdna {
 
@@ -43,11 +45,26 @@ struct BwdArgs {
   i64 dk_stride_b, dk_stride_h, dk_stride_s;
   i64 dv_stride_b, dv_stride_h, dv_stride_s;
   i64 lse_stride_b, lse_stride_h;  // lse and delta rows are contiguous
-  int seqlen_q, seqlen_k, head_dim, causal;
+  int seqlen_q, seqlen_k, head_dim;  // with cu_seqlens: the longest entry's lengths
+  int causal;                        // Causal (sequence.h)
   float scale_log2;  // softmax scale * log2(e)
   float scale;
   int blocks;  // row blocks along grid x (query blocks for dQ)
+  const void* mask;  // as in FwdArgs
+  i64 mask_stride_b, mask_stride_h, mask_stride_q, mask_stride_k;
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_k;
+  int mask_kind;
+  int kv_group;  // query heads per key/value head; the dK/dV grid runs over key/value heads
+  float* row_log2_sum;  // log2 of each row's recomputed probability sum (see below), layout of lse
 };
+
+// P recomputed from the stored lse sums to 1 only within rounding, and for a row at a huge bias
+// (sequence.h) only within a factor 2^7: float32 cannot hold log2(keys) beside a log-sum-exp near
+// 2^30. The dQ kernel sums each row's recomputed P in its first sweep and both kernels divide by
+// that sum (its log2 in row_log2_sum), so P sums to 1 as in the forward. Exponents are capped at
+// kMaxExponent so that such a row's sum stays finite before it is divided out.
+constexpr float kMaxExponent = 64.f;
 
 // dK/dV: a wave's K and V operands are the same for every query tile. Up to these padded head dims
 // they stay in registers beside the accumulators (gfx11 operands hold every value twice, so K and V
@@ -101,13 +118,14 @@ struct DkdvShape {
   static constexpr int kDoOffset = BLOCK_M * kRow;
   static constexpr int kQtOffset = kDoOffset + BLOCK_M * kRow;
   static constexpr int kDotOffset = kQtOffset + D_CHUNK * kTRow;
-  static constexpr int kStatsOffset = kDotOffset + D_CHUNK * kTRow;  // float lse_log2[BLOCK_M], delta[BLOCK_M]
-  static constexpr int kLdsElems = kStatsOffset + 4 * BLOCK_M;
+  // float lse_log2[BLOCK_M], delta[BLOCK_M], row_log2_sum[BLOCK_M]
+  static constexpr int kStatsOffset = kDotOffset + D_CHUNK * kTRow;
+  static constexpr int kLdsElems = kStatsOffset + 6 * BLOCK_M;
   static_assert(2 * kLdsElems <= 65536, "LDS over 64 KiB");
   static_assert(kBlockN * kStageRow <= kLdsElems, "gradient staging must fit in the LDS tiles");
 };
 
-template <class DT, int D_PAD, int WAVES, int BLOCK_M, int D_CHUNK>
+template <class DT, int D_PAD, int WAVES, int BLOCK_M, int D_CHUNK, bool HAS_MASK>
 RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
   using Shape = DkdvShape<D_PAD, WAVES, BLOCK_M, D_CHUNK>;
   constexpr int kQueryFrags = BLOCK_M / kFrag;
@@ -130,19 +148,18 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
   const int chunk = job % kChunks;
   const int k0 = block_id_x() / kJobs * Shape::kBlockN;  // block 0 sees the most queries when causal: first
   const int col0 = chunk * D_CHUNK;
-  const i64 head = block_id_y(), batch = block_id_z();
-  const u16* q = a.q + batch * a.q_stride_b + head * a.q_stride_h;
-  const u16* k = a.k + batch * a.k_stride_b + head * a.k_stride_h;
-  const u16* v = a.v + batch * a.v_stride_b + head * a.v_stride_h;
-  const u16* dout = a.dout + batch * a.do_stride_b + head * a.do_stride_h;
-  const float* lse = a.lse + batch * a.lse_stride_b + head * a.lse_stride_h;
-  const float* delta = a.delta + batch * a.lse_stride_b + head * a.lse_stride_h;
+  const i64 kv_head = block_id_y(), batch = block_id_z();
+  const Sequence seq = Sequence::of(a.cu_seqlens_q, a.cu_seqlens_k, batch, a.seqlen_q, a.seqlen_k, a.causal);
+  if (k0 >= seq.seqlen_k) return;  // a shorter entry of a packed batch: the whole workgroup leaves
+  const u16* k = a.k + batch * a.k_stride_b + kv_head * a.k_stride_h + seq.k_row0 * a.k_stride_s;
+  const u16* v = a.v + batch * a.v_stride_b + kv_head * a.v_stride_h + seq.k_row0 * a.v_stride_s;
   u16* q_lds = lds + Shape::kQOffset;
   u16* do_lds = lds + Shape::kDoOffset;
   u16* qt_lds = lds + Shape::kQtOffset;
   u16* dot_lds = lds + Shape::kDotOffset;
   float* lse_lds = reinterpret_cast<float*>(lds + Shape::kStatsOffset);
   float* delta_lds = lse_lds + BLOCK_M;
+  float* norm_lds = delta_lds + BLOCK_M;
 
   const int wave_key0 = k0 + wave * kFrag;
   const int key = wave_key0 + (lane & 15);
@@ -160,76 +177,90 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
   Isa::Operand k_ops[kHoldK ? kDimFrags : 1], v_ops[kHoldV ? kDimFrags : 1];
   #pragma unroll
   for (int d = 0; d < kDimFrags; ++d) {
-    if constexpr (kHoldK) k_ops[d] = load_operand_global(k, a.k_stride_s, wave_key0, a.seqlen_k, d * kFrag, a.head_dim, lane);
+    if constexpr (kHoldK) k_ops[d] = load_operand_global(k, a.k_stride_s, wave_key0, seq.seqlen_k, d * kFrag, a.head_dim, lane);
     if constexpr (kHoldV) {
-      if (make_dk) v_ops[d] = load_operand_global(v, a.v_stride_s, wave_key0, a.seqlen_k, d * kFrag, a.head_dim, lane);
+      if (make_dk) v_ops[d] = load_operand_global(v, a.v_stride_s, wave_key0, seq.seqlen_k, d * kFrag, a.head_dim, lane);
     }
   }
 
-  // Top-left causal: query i sees keys 0..i, so queries before this key block contribute nothing.
-  const int q_begin = a.causal ? k0 / BLOCK_M * BLOCK_M : 0;
-  for (int q0 = q_begin; q0 < a.seqlen_q; q0 += BLOCK_M) {
-    block_barrier();
-    load_rows<BLOCK_M, D_PAD, Shape::kRow, Shape::kThreads, true>(q_lds, q, a.q_stride_s, q0, a.seqlen_q, a.head_dim,
-                                                                  tid);
-    if (make_dk) {
-      load_rows<BLOCK_M, D_PAD, Shape::kRow, Shape::kThreads, true>(do_lds, dout, a.do_stride_s, q0, a.seqlen_q,
+  // Causal: query i sees keys 0..i + diagonal, so queries before this key block's first key minus the
+  // diagonal contribute nothing.
+  const int first_query = a.causal ? k0 - seq.diagonal : 0;
+  const int q_begin = first_query > 0 ? first_query / BLOCK_M * BLOCK_M : 0;
+  // Grouped-query attention: the group's query heads in a fixed order, into the same accumulators.
+  for (int group_head = 0; group_head < a.kv_group; ++group_head) {
+    const i64 head = kv_head * a.kv_group + group_head;
+    const u16* q = a.q + batch * a.q_stride_b + head * a.q_stride_h + seq.q_row0 * a.q_stride_s;
+    const u16* dout = a.dout + batch * a.do_stride_b + head * a.do_stride_h + seq.q_row0 * a.do_stride_s;
+    const i64 stats = batch * a.lse_stride_b + head * a.lse_stride_h + seq.q_row0;
+    const MaskView mask = MaskView::of(a.mask, a.mask_kind, a.mask_stride_b, a.mask_stride_h, a.mask_stride_q,
+                                       a.mask_stride_k, batch, head, seq);
+    for (int q0 = q_begin; q0 < seq.seqlen_q; q0 += BLOCK_M) {
+      block_barrier();
+      load_rows<BLOCK_M, D_PAD, Shape::kRow, Shape::kThreads, true>(q_lds, q, a.q_stride_s, q0, seq.seqlen_q,
                                                                     a.head_dim, tid);
-      load_transposed<BLOCK_M, D_CHUNK, Shape::kTRow, Shape::kThreads>(qt_lds, q, a.q_stride_s, q0, a.seqlen_q, col0,
-                                                                       a.head_dim, tid);
-    }
-    if (!make_dk || kBoth) {
-      load_transposed<BLOCK_M, D_CHUNK, Shape::kTRow, Shape::kThreads>(dot_lds, dout, a.do_stride_s, q0, a.seqlen_q,
-                                                                       col0, a.head_dim, tid);
-    }
-    for (int i = tid; i < BLOCK_M; i += Shape::kThreads) {
-      const bool valid = q0 + i < a.seqlen_q;
-      lse_lds[i] = valid ? lse[q0 + i] * kLog2e : kInf;  // +inf: padding rows get probability 0
-      delta_lds[i] = valid ? delta[q0 + i] : 0.f;
-    }
-    block_barrier();
+      if (make_dk) {
+        load_rows<BLOCK_M, D_PAD, Shape::kRow, Shape::kThreads, true>(do_lds, dout, a.do_stride_s, q0, seq.seqlen_q,
+                                                                      a.head_dim, tid);
+        load_transposed<BLOCK_M, D_CHUNK, Shape::kTRow, Shape::kThreads>(qt_lds, q, a.q_stride_s, q0, seq.seqlen_q,
+                                                                         col0, a.head_dim, tid);
+      }
+      if (!make_dk || kBoth) {
+        load_transposed<BLOCK_M, D_CHUNK, Shape::kTRow, Shape::kThreads>(dot_lds, dout, a.do_stride_s, q0, seq.seqlen_q,
+                                                                         col0, a.head_dim, tid);
+      }
+      for (int i = tid; i < BLOCK_M; i += Shape::kThreads) {
+        const bool valid = q0 + i < seq.seqlen_q;
+        lse_lds[i] = valid ? a.lse[stats + q0 + i] * kLog2e : kInf;  // +inf: padding rows get probability 0
+        delta_lds[i] = valid ? a.delta[stats + q0 + i] : 0.f;
+        norm_lds[i] = valid ? a.row_log2_sum[stats + q0 + i] : 0.f;
+      }
+      block_barrier();
 
-    // One query fragment at a time: unrolling this loop multiplies the live accumulators.
-    #pragma unroll 1
-    for (int qf = 0; qf < kQueryFrags; ++qf) {
-      v8f s_acc = zero_v8f(), dp_acc = zero_v8f();
-      #pragma unroll kDimSteps
-      for (int d = 0; d < kDimFrags; ++d) {
-        const Isa::Operand k_op = kHoldK ? k_ops[kHoldK ? d : 0]
-                                            : load_operand_global(k, a.k_stride_s, wave_key0, a.seqlen_k, d * kFrag,
-                                                                  a.head_dim, lane);
-        Isa::mma(dt, s_acc, load_operand<Shape::kRow>(q_lds + qf * kFrag * Shape::kRow, d * kFrag, lane), k_op);
-        if (make_dk) {
-          const Isa::Operand v_op = kHoldV ? v_ops[kHoldV ? d : 0]
-                                              : load_operand_global(v, a.v_stride_s, wave_key0, a.seqlen_k, d * kFrag,
+      // One query fragment at a time: unrolling this loop multiplies the live accumulators.
+      #pragma unroll 1
+      for (int qf = 0; qf < kQueryFrags; ++qf) {
+        v8f s_acc = zero_v8f(), dp_acc = zero_v8f();
+        #pragma unroll kDimSteps
+        for (int d = 0; d < kDimFrags; ++d) {
+          const Isa::Operand k_op = kHoldK ? k_ops[kHoldK ? d : 0]
+                                              : load_operand_global(k, a.k_stride_s, wave_key0, seq.seqlen_k, d * kFrag,
                                                                     a.head_dim, lane);
-          Isa::mma(dt, dp_acc, load_operand<Shape::kRow>(do_lds + qf * kFrag * Shape::kRow, d * kFrag, lane), v_op);
+          Isa::mma(dt, s_acc, load_operand<Shape::kRow>(q_lds + qf * kFrag * Shape::kRow, d * kFrag, lane), k_op);
+          if (make_dk) {
+            const Isa::Operand v_op = kHoldV ? v_ops[kHoldV ? d : 0]
+                                                : load_operand_global(v, a.v_stride_s, wave_key0, seq.seqlen_k, d * kFrag,
+                                                                      a.head_dim, lane);
+            Isa::mma(dt, dp_acc, load_operand<Shape::kRow>(do_lds + qf * kFrag * Shape::kRow, d * kFrag, lane), v_op);
+          }
         }
-      }
-      // Q and dO rows lie in key_slot order, so accumulator value s is query acc_key(lane, s).
-      const auto probability = [&](int s) {
-        const int row = qf * kFrag + Isa::acc_key(lane, s);
-        const bool visible = key < a.seqlen_k && (!a.causal || key <= q0 + row);
-        return visible ? exp2_approx(s_acc[s] * a.scale_log2 - lse_lds[row]) : 0.f;
-      };
-      const auto dS = [&](int s, float p) { return p * (dp_acc[s] - delta_lds[qf * kFrag + Isa::acc_key(lane, s)]); };
-      Isa::Operand high, rest;  // P (for dV) or dS (for dK) as a 16-bit value and what 16 bits lose
-      if constexpr (kBoth) {  // dV^T += dO^T P, then P turns into dS
-        #pragma unroll
-        for (int s = 0; s < 8; ++s) s_acc[s] = probability(s);
+        // Q and dO rows lie in key_slot order, so accumulator value s is query acc_key(lane, s).
+        const auto probability = [&](int s) {
+          const int row = qf * kFrag + Isa::acc_key(lane, s);
+          const bool visible = key < seq.visible_keys(a.causal, q0 + row);
+          const float bias = HAS_MASK ? mask.bias_log2(mask.row(q0 + row), key) : 0.f;
+          const float exponent = min_f32(fma_f32(s_acc[s], a.scale_log2, bias) - lse_lds[row], kMaxExponent);
+          return visible ? exp2_approx(exponent - norm_lds[row]) : 0.f;
+        };
+        const auto dS = [&](int s, float p) { return p * (dp_acc[s] - delta_lds[qf * kFrag + Isa::acc_key(lane, s)]); };
+        Isa::Operand high, rest;  // P (for dV) or dS (for dK) as a 16-bit value and what 16 bits lose
+        if constexpr (kBoth) {  // dV^T += dO^T P, then P turns into dS
+          #pragma unroll
+          for (int s = 0; s < 8; ++s) s_acc[s] = probability(s);
+          split_operands(dt, s_acc, lane, high, rest);
+          accumulate_split<kOutFrags, Shape::kTRow>(dt, dv_acc, dot_lds, qf * kFrag, high, rest, lane);
+          #pragma unroll
+          for (int s = 0; s < 8; ++s) s_acc[s] = dS(s, s_acc[s]);
+        } else {
+          #pragma unroll
+          for (int s = 0; s < 8; ++s) {
+            const float p = probability(s);
+            s_acc[s] = make_dk ? dS(s, p) : p;
+          }
+        }
         split_operands(dt, s_acc, lane, high, rest);
-        accumulate_split<kOutFrags, Shape::kTRow>(dt, dv_acc, dot_lds, qf * kFrag, high, rest, lane);
-        #pragma unroll
-        for (int s = 0; s < 8; ++s) s_acc[s] = dS(s, s_acc[s]);
-      } else {
-        #pragma unroll
-        for (int s = 0; s < 8; ++s) {
-          const float p = probability(s);
-          s_acc[s] = make_dk ? dS(s, p) : p;
-        }
+        accumulate_split<kOutFrags, Shape::kTRow>(dt, acc, make_dk ? qt_lds : dot_lds, qf * kFrag, high, rest, lane);
       }
-      split_operands(dt, s_acc, lane, high, rest);
-      accumulate_split<kOutFrags, Shape::kTRow>(dt, acc, make_dk ? qt_lds : dot_lds, qf * kFrag, high, rest, lane);
     }
   }
 
@@ -237,16 +268,18 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
   stage_transposed<DT, kOutFrags, Shape::kStageRow>(dt, lds + wave * kFrag * Shape::kStageRow, acc,
                                                     make_dk ? a.scale : 1.f, lane);
   block_barrier();
-  u16* grad = make_dk ? a.dk + batch * a.dk_stride_b + head * a.dk_stride_h
-                      : a.dv + batch * a.dv_stride_b + head * a.dv_stride_h;
-  store_rows<Shape::kBlockN, D_CHUNK, Shape::kStageRow, Shape::kThreads>(
-      grad, make_dk ? a.dk_stride_s : a.dv_stride_s, lds, k0, a.seqlen_k, col0, a.head_dim, tid);
+  const i64 grad_stride = make_dk ? a.dk_stride_s : a.dv_stride_s;
+  u16* grad = (make_dk ? a.dk + batch * a.dk_stride_b + kv_head * a.dk_stride_h
+                       : a.dv + batch * a.dv_stride_b + kv_head * a.dv_stride_h) + seq.k_row0 * grad_stride;
+  store_rows<Shape::kBlockN, D_CHUNK, Shape::kStageRow, Shape::kThreads>(grad, grad_stride, lds, k0, seq.seqlen_k, col0,
+                                                                         a.head_dim, tid);
   if constexpr (kBoth) {
     block_barrier();
     stage_transposed<DT, kOutFrags, Shape::kStageRow>(dt, lds + wave * kFrag * Shape::kStageRow, dv_acc, 1.f, lane);
     block_barrier();
     store_rows<Shape::kBlockN, D_CHUNK, Shape::kStageRow, Shape::kThreads>(
-        a.dv + batch * a.dv_stride_b + head * a.dv_stride_h, a.dv_stride_s, lds, k0, a.seqlen_k, col0, a.head_dim, tid);
+        a.dv + batch * a.dv_stride_b + kv_head * a.dv_stride_h + seq.k_row0 * a.dv_stride_s, a.dv_stride_s, lds, k0,
+        seq.seqlen_k, col0, a.head_dim, tid);
   }
 }
 
@@ -266,7 +299,7 @@ struct DqShape {
   static_assert(kBlockM * kStageRow <= kLdsElems, "gradient staging must fit in the LDS tiles");
 };
 
-template <class DT, int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK>
+template <class DT, int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK, bool HAS_MASK>
 RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
   using Shape = DqShape<D_PAD, WAVES, BLOCK_N, D_CHUNK>;
   constexpr int kKeyFrags = BLOCK_N / kFrag;
@@ -284,49 +317,58 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
   if (a.causal) q_block = a.blocks - 1 - q_block;  // longest rows first
   const int q0 = q_block * Shape::kBlockM;
   const int col0 = chunk * D_CHUNK;
-  const i64 head = block_id_y(), batch = block_id_z();
-  const u16* q = a.q + batch * a.q_stride_b + head * a.q_stride_h;
-  const u16* k = a.k + batch * a.k_stride_b + head * a.k_stride_h;
-  const u16* v = a.v + batch * a.v_stride_b + head * a.v_stride_h;
-  const u16* dout = a.dout + batch * a.do_stride_b + head * a.do_stride_h;
+  const i64 head = block_id_y(), batch = block_id_z(), kv_head = head / a.kv_group;
+  const Sequence seq = Sequence::of(a.cu_seqlens_q, a.cu_seqlens_k, batch, a.seqlen_q, a.seqlen_k, a.causal);
+  if (q0 >= seq.seqlen_q) return;  // a shorter entry of a packed batch: the whole workgroup leaves
+  const u16* q = a.q + batch * a.q_stride_b + head * a.q_stride_h + seq.q_row0 * a.q_stride_s;
+  const u16* k = a.k + batch * a.k_stride_b + kv_head * a.k_stride_h + seq.k_row0 * a.k_stride_s;
+  const u16* v = a.v + batch * a.v_stride_b + kv_head * a.v_stride_h + seq.k_row0 * a.v_stride_s;
+  const u16* dout = a.dout + batch * a.do_stride_b + head * a.do_stride_h + seq.q_row0 * a.do_stride_s;
+  const MaskView mask = MaskView::of(a.mask, a.mask_kind, a.mask_stride_b, a.mask_stride_h, a.mask_stride_q,
+                                     a.mask_stride_k, batch, head, seq);
   u16* k_lds = lds + Shape::kKOffset;
   u16* v_lds = lds + Shape::kVOffset;
   u16* kt_lds = lds + Shape::kKtOffset;
 
   const int wave_q0 = q0 + wave * kFrag;
   const int query = wave_q0 + (lane & 15);
-  const bool valid_query = query < a.seqlen_q;
-  const i64 stats = batch * a.lse_stride_b + head * a.lse_stride_h + query;
+  const int mask_row = mask.row(query);
+  const bool valid_query = query < seq.seqlen_q;
+  const i64 stats = batch * a.lse_stride_b + head * a.lse_stride_h + seq.q_row0 + query;
   const float lse_log2 = valid_query ? a.lse[stats] * kLog2e : __builtin_inff();
 
-  const int key_end = a.causal ? min_int(a.seqlen_k, q0 + Shape::kBlockM) : a.seqlen_k;
-  const int key_limit = a.causal ? min_int(a.seqlen_k, query + 1) : a.seqlen_k;
+  const int key_end = seq.visible_keys(a.causal, q0 + Shape::kBlockM - 1);
+  const int key_limit = seq.visible_keys(a.causal, query);
   v8f dq_acc[kOutFrags];
   #pragma unroll
   for (int f = 0; f < kOutFrags; ++f) dq_acc[f] = zero_v8f();
   // This lane's keys' share of rowsum(P * dP) and rowsum(P); the partner lane has the rest.
   float delta_share = 0.f, p_share = 0.f;
-  float delta = 0.f;
+  float delta = 0.f, norm = 0.f;
 
   // Sweep 0 sums delta, sweep 1 uses it: the same S^T and dP^T each time.
   #pragma unroll 1
   for (int sweep = 0; sweep < 2; ++sweep) {
     if (sweep == 1) {
-      // P recomputed from the stored lse sums to 1 only within rounding; dividing by its actual sum
-      // makes dP - delta vanish where it must (one visible key: the gradient is exactly zero).
+      // Dividing P by its actual sum (see kMaxExponent) also makes dP - delta vanish where it must
+      // (one visible key: the gradient is exactly zero).
       const float p_total = p_share + other_half(p_share);
       const float pdp_total = delta_share + other_half(delta_share);  // exchanges outside any branch
       delta = p_total > 0.f ? pdp_total / p_total : 0.f;
-      if (chunk == 0 && lane < 16 && valid_query) a.delta[stats] = delta;
+      norm = p_total > 0.f ? log2_approx(p_total) : 0.f;
+      if (chunk == 0 && lane < 16 && valid_query) {
+        a.delta[stats] = delta;
+        a.row_log2_sum[stats] = norm;
+      }
     }
     for (int key0 = 0; key0 < key_end; key0 += BLOCK_N) {
       block_barrier();
-      load_rows<BLOCK_N, D_PAD, Shape::kRow, Shape::kThreads, true>(k_lds, k, a.k_stride_s, key0, a.seqlen_k,
+      load_rows<BLOCK_N, D_PAD, Shape::kRow, Shape::kThreads, true>(k_lds, k, a.k_stride_s, key0, seq.seqlen_k,
                                                                     a.head_dim, tid);
-      load_rows<BLOCK_N, D_PAD, Shape::kRow, Shape::kThreads, true>(v_lds, v, a.v_stride_s, key0, a.seqlen_k,
+      load_rows<BLOCK_N, D_PAD, Shape::kRow, Shape::kThreads, true>(v_lds, v, a.v_stride_s, key0, seq.seqlen_k,
                                                                     a.head_dim, tid);
       if (sweep == 1)
-        load_transposed<BLOCK_N, D_CHUNK, Shape::kTRow, Shape::kThreads>(kt_lds, k, a.k_stride_s, key0, a.seqlen_k,
+        load_transposed<BLOCK_N, D_CHUNK, Shape::kTRow, Shape::kThreads>(kt_lds, k, a.k_stride_s, key0, seq.seqlen_k,
                                                                          col0, a.head_dim, tid);
       block_barrier();
 
@@ -335,9 +377,10 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
       for (int j = 0; j < kKeyFrags; ++j) s_acc[j] = dp_acc[j] = zero_v8f();
       #pragma unroll kDimUnroll
       for (int d = 0; d < kDimFrags; ++d) {
-        const Isa::Operand q_op = load_operand_global(q, a.q_stride_s, wave_q0, a.seqlen_q, d * kFrag, a.head_dim, lane);
-        const Isa::Operand do_op = load_operand_global(dout, a.do_stride_s, wave_q0, a.seqlen_q, d * kFrag, a.head_dim,
-                                                       lane);
+        const Isa::Operand q_op = load_operand_global(q, a.q_stride_s, wave_q0, seq.seqlen_q, d * kFrag, a.head_dim,
+                                                      lane);
+        const Isa::Operand do_op = load_operand_global(dout, a.do_stride_s, wave_q0, seq.seqlen_q, d * kFrag,
+                                                       a.head_dim, lane);
         #pragma unroll
         for (int j = 0; j < kKeyFrags; ++j) {
           Isa::mma(dt, s_acc[j], load_operand<Shape::kRow>(k_lds + j * kFrag * Shape::kRow, d * kFrag, lane), q_op);
@@ -350,7 +393,9 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
         #pragma unroll
         for (int s = 0; s < 8; ++s) {
           const int key = key0 + j * kFrag + Isa::acc_key(lane, s);
-          s_acc[j][s] = key < key_limit ? exp2_approx(s_acc[j][s] * a.scale_log2 - lse_log2) : 0.f;  // P^T
+          const float bias = HAS_MASK ? mask.bias_log2(mask_row, key) : 0.f;
+          const float exponent = min_f32(fma_f32(s_acc[j][s], a.scale_log2, bias) - lse_log2, kMaxExponent);
+          s_acc[j][s] = key < key_limit ? exp2_approx(exponent - norm) : 0.f;  // P^T
         }
         if (sweep == 0) {
           #pragma unroll
@@ -373,7 +418,8 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
   stage_transposed<DT, kOutFrags, Shape::kStageRow>(dt, lds + wave * kFrag * Shape::kStageRow, dq_acc, a.scale, lane);
   block_barrier();
   store_rows<Shape::kBlockM, D_CHUNK, Shape::kStageRow, Shape::kThreads>(
-      a.dq + batch * a.dq_stride_b + head * a.dq_stride_h, a.dq_stride_s, lds, q0, a.seqlen_q, col0, a.head_dim, tid);
+      a.dq + batch * a.dq_stride_b + head * a.dq_stride_h + seq.q_row0 * a.dq_stride_s, a.dq_stride_s, lds, q0,
+      seq.seqlen_q, col0, a.head_dim, tid);
 }
 
 }  // namespace rdna

@@ -5,11 +5,11 @@
 // lane holds one query's scores and the row statistics need one exchange between half-waves; then
 // O^T += V^T P^T with P^T built in registers from S^T (P never goes through LDS).
 #pragma once
-#include "tiles.h"
+#include "sequence.h"
 
 namespace rdna {
 
-// Kernel argument block; mirrored by rdna_flash_attn/ops/launch_args.py (ABI version 1).
+// Kernel argument block; mirrored by rdna_flash_attn/ops/launch_args.py (ABI version 2).
 struct FwdArgs {
   const u16* q;
   const u16* k;
@@ -21,9 +21,16 @@ struct FwdArgs {
   i64 v_stride_b, v_stride_h, v_stride_s;
   i64 o_stride_b, o_stride_h, o_stride_s;
   i64 lse_stride_b, lse_stride_h;
-  int seqlen_q, seqlen_k, head_dim, causal;
+  int seqlen_q, seqlen_k, head_dim;  // with cu_seqlens: the longest entry's lengths
+  int causal;        // Causal (sequence.h)
   float scale_log2;  // softmax scale * log2(e): scores go straight into exp2
   int q_blocks;
+  const void* mask;  // element (b, h, q, k) of an attention mask or bias; null for none
+  i64 mask_stride_b, mask_stride_h, mask_stride_q, mask_stride_k;
+  const int* cu_seqlens_q;  // packed variable-length batches (sequence.h); null otherwise
+  const int* cu_seqlens_k;
+  int mask_kind;  // MaskKind (sequence.h)
+  int kv_group;   // query heads per key/value head: 1, or more for grouped-query attention
 };
 
 // The LDS layout; rdna_flash_attn/runtime/variants.py computes the same size for the launcher.
@@ -155,7 +162,7 @@ RDNA_DEV int probability_shift(bf16, int seqlen_k) {
 }
 RDNA_DEV int probability_shift(f16, int) { return 0; }
 
-template <class DT, int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK, int COPY_LOADS>
+template <class DT, int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK, int COPY_LOADS, bool HAS_MASK>
 struct FwdLoop {
   using Shape = FwdShape<D_PAD, WAVES, BLOCK_N, D_CHUNK>;
   using Copy = TileCopy<BLOCK_N, D_PAD, D_CHUNK, Shape::kRow, Shape::kVtRow, Shape::kThreads, COPY_LOADS>;
@@ -169,7 +176,8 @@ struct FwdLoop {
   u16* k_lds;
   u16* vt_lds;
   const u16* wave_q_lds;
-  int tid, lane, col0, key_limit;
+  MaskView mask;
+  int tid, lane, col0, seqlen_k, mask_row, key_limit;
   float scale;       // softmax scale * log2(e), >= 0: a negative scale was folded into Q
   float prob_shift;  // probability_shift(): subtracted from every exponent
   v8f o_acc[kOutFrags];
@@ -178,13 +186,14 @@ struct FwdLoop {
   float exact_sum;  // the same before rounding, for the log-sum-exp
 
   // One key tile. MASKED: some key of the tile is past seqlen_k or (causal) past a query of this
-  // workgroup, so scores are masked per key; every other tile skips the per-score compare.
+  // workgroup, so scores are masked per key; every other tile skips the per-score compare. An
+  // attention mask is added to every tile's scores, already scaled.
   template <bool MASKED>
   RDNA_DEV void tile(int key0) {
     const DT dt{};
     const float kNegInf = -__builtin_inff();
     block_barrier();  // every wave is done with the previous tile
-    Copy::template copy<MASKED>(k_lds, vt_lds, k, a.k_stride_s, v, a.v_stride_s, key0, a.seqlen_k, col0, a.head_dim,
+    Copy::template copy<MASKED>(k_lds, vt_lds, k, a.k_stride_s, v, a.v_stride_s, key0, seqlen_k, col0, a.head_dim,
                                 tid);
     block_barrier();
 
@@ -202,6 +211,19 @@ struct FwdLoop {
     }
 
     // The maximum of the raw scores: scale >= 0, so scaling it gives the maximum of the scaled ones.
+    // With a mask the scores are scaled and biased first, and the step's scale is 1.
+    float step_scale = scale;
+    if constexpr (HAS_MASK) {
+      #pragma unroll
+      for (int j = 0; j < kKeyFrags; ++j) {
+        float bias[8];  // acc_key(lane, s) is acc_key(lane, 0) + s on both ISAs
+        mask.biases_log2(mask_row, key0 + j * kFrag + Isa::acc_key(lane, 0), bias);
+        #pragma unroll
+        for (int s = 0; s < 8; ++s) s_acc[j][s] = fma_f32(s_acc[j][s], scale, bias[s]);
+        compiler_fence();  // one fragment's mask loads in flight at a time: all of them would spill
+      }
+      step_scale = 1.f;
+    }
     float tile_max = kNegInf;
     #pragma unroll
     for (int j = 0; j < kKeyFrags; ++j)
@@ -211,7 +233,7 @@ struct FwdLoop {
         tile_max = max_f32(tile_max, s_acc[j][s]);
       }
     tile_max = max_f32(tile_max, other_half(tile_max));
-    const float new_max = max_f32(row_max, tile_max == kNegInf ? kNegInf : tile_max * scale);
+    const float new_max = max_f32(row_max, tile_max == kNegInf ? kNegInf : tile_max * step_scale);
     const float ref = new_max == kNegInf ? 0.f : new_max;  // a fully masked row must not give inf - inf
     const float rescale = exp2_approx(row_max - ref);
     row_max = new_max;
@@ -227,7 +249,7 @@ struct FwdLoop {
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const float x = s_acc[j][2 * w + h];
-          p[h] = exp2_approx(fma_f32(x, scale, -bias));
+          p[h] = exp2_approx(fma_f32(x, step_scale, -bias));
           // With a zero scale a masked score would give exp2(-inf * 0) = NaN.
           if (MASKED && x == kNegInf) p[h] = 0.f;
         }
@@ -253,9 +275,9 @@ struct FwdLoop {
   }
 };
 
-template <class DT, int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK, int COPY_LOADS>
+template <class DT, int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK, int COPY_LOADS, bool HAS_MASK>
 RDNA_DEV void fwd_body(const FwdArgs& a, u16* lds) {
-  using Loop = FwdLoop<DT, D_PAD, WAVES, BLOCK_N, D_CHUNK, COPY_LOADS>;
+  using Loop = FwdLoop<DT, D_PAD, WAVES, BLOCK_N, D_CHUNK, COPY_LOADS, HAS_MASK>;
   using Shape = typename Loop::Shape;
   constexpr int kChunks = D_PAD / D_CHUNK;
   const DT dt{};
@@ -267,14 +289,17 @@ RDNA_DEV void fwd_body(const FwdArgs& a, u16* lds) {
   const int chunk = block_id_x() % kChunks;
   int q_block = block_id_x() / kChunks;
   if (a.causal) q_block = a.q_blocks - 1 - q_block;  // longest rows first: better tail balance
-  const i64 head = block_id_y(), batch = block_id_z();
+  const i64 head = block_id_y(), batch = block_id_z(), kv_head = head / a.kv_group;
+  const Sequence seq = Sequence::of(a.cu_seqlens_q, a.cu_seqlens_k, batch, a.seqlen_q, a.seqlen_k, a.causal);
   const int q0 = q_block * Shape::kBlockM;
+  if (q0 >= seq.seqlen_q) return;  // a shorter entry of a packed batch: the whole workgroup leaves
   const int col0 = chunk * D_CHUNK;
 
-  const u16* q = a.q + batch * a.q_stride_b + head * a.q_stride_h;
+  const u16* q = a.q + batch * a.q_stride_b + head * a.q_stride_h + seq.q_row0 * a.q_stride_s;
   u16* q_lds = lds + Shape::kQOffset;
 
-  load_rows<Shape::kBlockM, D_PAD, Shape::kRow, Shape::kThreads>(q_lds, q, a.q_stride_s, q0, a.seqlen_q, a.head_dim, tid);
+  load_rows<Shape::kBlockM, D_PAD, Shape::kRow, Shape::kThreads>(q_lds, q, a.q_stride_s, q0, seq.seqlen_q, a.head_dim,
+                                                                 tid);
   // The tile loop takes row maxima of the raw scores, which needs a scale >= 0: a negative one
   // becomes a positive one on -Q. Each thread flips the rows it stored itself.
   if (a.scale_log2 < 0.f)
@@ -286,22 +311,35 @@ RDNA_DEV void fwd_body(const FwdArgs& a, u16* lds) {
       store16(p, t);
     }
 
-  Loop loop{a, a.k + batch * a.k_stride_b + head * a.k_stride_h, a.v + batch * a.v_stride_b + head * a.v_stride_h,
-            lds + Shape::kKOffset, lds + Shape::kVtOffset, q_lds + wave * kFrag * Shape::kRow, tid, lane, col0, 0,
-            a.scale_log2 < 0.f ? -a.scale_log2 : a.scale_log2, float(probability_shift(dt, a.seqlen_k))};
+  const int query = q0 + wave * kFrag + (lane & 15);
+  const MaskView mask = MaskView::of(a.mask, a.mask_kind, a.mask_stride_b, a.mask_stride_h, a.mask_stride_q,
+                                     a.mask_stride_k, batch, head, seq);
+  Loop loop{a,
+            a.k + batch * a.k_stride_b + kv_head * a.k_stride_h + seq.k_row0 * a.k_stride_s,
+            a.v + batch * a.v_stride_b + kv_head * a.v_stride_h + seq.k_row0 * a.v_stride_s,
+            lds + Shape::kKOffset,
+            lds + Shape::kVtOffset,
+            q_lds + wave * kFrag * Shape::kRow,
+            mask,
+            tid,
+            lane,
+            col0,
+            seq.seqlen_k,
+            mask.row(query),
+            seq.visible_keys(a.causal, query),
+            a.scale_log2 < 0.f ? -a.scale_log2 : a.scale_log2,
+            float(probability_shift(dt, seq.seqlen_k))};
   #pragma unroll
   for (int f = 0; f < Loop::kOutFrags; ++f) loop.o_acc[f] = zero_v8f();
   loop.row_max = kNegInf;
   loop.row_sum = 0.f;
   loop.exact_sum = 0.f;
 
-  // Top-left causal alignment (SDPA's): query i sees keys 0..i.
-  const int key_end = a.causal ? min_int(a.seqlen_k, q0 + Shape::kBlockM) : a.seqlen_k;
+  // Causal: query i sees keys 0..i + diagonal (0: SDPA's top-left alignment).
+  const int key_end = seq.visible_keys(a.causal, q0 + Shape::kBlockM - 1);
   const int key_tiles = (key_end + BLOCK_N - 1) / BLOCK_N;
   // Tiles every query of the workgroup sees whole: no per-score mask.
-  const int open_tiles = min_int(key_tiles, (a.causal ? min_int(a.seqlen_k, q0 + 1) : a.seqlen_k) / BLOCK_N);
-  const int query = q0 + wave * kFrag + (lane & 15);
-  loop.key_limit = a.causal ? min_int(a.seqlen_k, query + 1) : a.seqlen_k;
+  const int open_tiles = min_int(key_tiles, seq.visible_keys(a.causal, q0) / BLOCK_N);
 
   int tile = 0;
   for (; tile < open_tiles; ++tile) loop.template tile<false>(tile * BLOCK_N);
@@ -312,18 +350,20 @@ RDNA_DEV void fwd_body(const FwdArgs& a, u16* lds) {
   const float exact_total = loop.exact_sum + other_half(loop.exact_sum);
   const float inv_total = total > 0.f ? 1.f / total : 0.f;
   const float ref = loop.row_max == kNegInf ? 0.f : loop.row_max;
-  if (chunk == 0 && lane < 16 && query < a.seqlen_q)
-    a.lse[batch * a.lse_stride_b + head * a.lse_stride_h + query] =
-        (ref + loop.prob_shift + log2_approx(exact_total)) * kLn2;
+  // A row that sees no key (masked, or before a bottom-right diagonal) gives zeros, and +inf as its
+  // log-sum-exp (flash-attn's convention), which makes every probability the backward recomputes 0.
+  if (chunk == 0 && lane < 16 && query < seq.seqlen_q)
+    a.lse[batch * a.lse_stride_b + head * a.lse_stride_h + seq.q_row0 + query] =
+        exact_total > 0.f ? (ref + loop.prob_shift + log2_approx(exact_total)) * kLn2 : __builtin_inff();
 
   // Stage O through this wave's own Q rows, then write 16-byte rows: coalesced on both layouts.
   wave_barrier();  // every lane of the wave is done reading those rows
   stage_transposed<DT, Loop::kOutFrags, Shape::kRow>(dt, q_lds + wave * kFrag * Shape::kRow, loop.o_acc, inv_total,
                                                      lane);
   block_barrier();
-  store_rows<Shape::kBlockM, D_CHUNK, Shape::kRow, Shape::kThreads>(a.o + batch * a.o_stride_b + head * a.o_stride_h,
-                                                                    a.o_stride_s, q_lds, q0, a.seqlen_q, col0,
-                                                                    a.head_dim, tid);
+  store_rows<Shape::kBlockM, D_CHUNK, Shape::kRow, Shape::kThreads>(
+      a.o + batch * a.o_stride_b + head * a.o_stride_h + seq.q_row0 * a.o_stride_s, a.o_stride_s, q_lds, q0,
+      seq.seqlen_q, col0, a.head_dim, tid);
 }
 
 }  // namespace rdna

@@ -47,14 +47,24 @@ def _as_gpu(t):
     return t.as_subclass(_CudaLooking) if isinstance(t, torch.Tensor) and t.device.type == "cpu" else t
 
 
-def _math_attention(q, k, v, is_causal=False, scale=None):
-    """Attention in float32 (as a kernel accumulates), out in q's dtype, plus the log-sum-exp."""
+def _math_attention(q, k, v, is_causal=False, scale=None, attn_mask=None, bottom_right=False):
+    """Attention in float32 (as a kernel accumulates), out in q's dtype, plus the log-sum-exp: SDPA's
+    masks, key/value heads shared by groups of query heads, rows that see no key give zeros."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     scores = (q.float() @ k.float().transpose(-2, -1)) * scale
     if is_causal:
-        allowed = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+        shift = k.shape[-2] - q.shape[-2] if bottom_right else 0
+        allowed = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril(shift)
         scores = scores.masked_fill(~allowed, float("-inf"))
-    return (scores.softmax(-1) @ v.float()).to(q.dtype), scores.logsumexp(-1)
+    if attn_mask is not None:
+        scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
+                  else scores + attn_mask.float())
+    lse = scores.logsumexp(-1)
+    sees_no_key = (scores == float("-inf")).all(-1, keepdim=True)  # zeros there; NaN inputs stay NaN
+    probs = scores.softmax(-1).masked_fill(sees_no_key, 0.0)
+    return (probs @ v.float()).to(q.dtype), lse
 
 
 class FakeDevices:
@@ -79,6 +89,7 @@ class FakeDevices:
 
 
 _real_forward_refusal = ops.forward_refusal
+_real_varlen_refusal = ops.varlen_refusal
 
 
 class FakeKernels:
@@ -88,19 +99,20 @@ class FakeKernels:
         self.devices = FakeDevices()
         self.launches = []  # (q, k, v, is_causal, scale) of each plain forward launch
         self.differentiable_launches = 0
+        self.varlen_launches = 0
         self.prepared_launches = 0  # forward_launch calls: one per cached forward-only signature
         self.error = 0.0  # added to every output: a broken kernel
         self.raises: Exception | None = None
 
-    def forward_refusal(self, q, k, v, is_causal=False, scale=None):
-        return _real_forward_refusal(_as_gpu(q), _as_gpu(k), _as_gpu(v), is_causal, scale)
+    def forward_refusal(self, q, k, v, is_causal=False, scale=None, attn_mask=None):
+        return _real_forward_refusal(_as_gpu(q), _as_gpu(k), _as_gpu(v), is_causal, scale, _as_gpu(attn_mask))
 
-    def flash_attention_forward(self, q, k, v, is_causal=False, scale=None):
-        assert self.forward_refusal(q, k, v, is_causal, scale) is None, "launched on refused input"
+    def flash_attention_forward(self, q, k, v, is_causal=False, scale=None, *, attn_mask=None, bottom_right=False):
+        assert self.forward_refusal(q, k, v, is_causal, scale, attn_mask) is None, "launched on refused input"
         if self.raises is not None:
             raise self.raises
         self.launches.append((q, k, v, is_causal, scale))
-        out, lse = _math_attention(q, k, v, is_causal, scale)
+        out, lse = _math_attention(q, k, v, is_causal, scale, attn_mask, bottom_right)
         return out + self.error, lse
 
     def forward_launch(self, q, k, v, is_causal=False, scale=None):
@@ -109,10 +121,26 @@ class FakeKernels:
         self.prepared_launches += 1
         return lambda q, k, v: self.flash_attention_forward(q, k, v, is_causal, scale)
 
-    def flash_attention(self, q, k, v, is_causal=False, scale=None):
-        assert self.forward_refusal(q, k, v, is_causal, scale) is None, "launched on refused input"
+    def flash_attention(self, q, k, v, is_causal=False, scale=None, *, attn_mask=None, bottom_right=False):
+        assert self.forward_refusal(q, k, v, is_causal, scale, attn_mask) is None, "launched on refused input"
         self.differentiable_launches += 1
-        return _math_attention(q, k, v, is_causal, scale)[0] + self.error
+        return _math_attention(q, k, v, is_causal, scale, attn_mask, bottom_right)[0] + self.error
+
+    def flash_attention_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               is_causal=False, scale=None):
+        """Packed batches: each entry through _math_attention, causal bottom-right; (out, lse (H, total_q))."""
+        assert _real_varlen_refusal(*(_as_gpu(t) for t in (q, k, v, cu_seqlens_q, cu_seqlens_k)), max_seqlen_q,
+                                    max_seqlen_k) is None, "launched on refused input"
+        self.varlen_launches += 1
+        out, lse = torch.zeros_like(q), torch.full((q.shape[1], q.shape[0]), float("inf"))
+        offsets_q, offsets_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        for b in range(len(offsets_q) - 1):
+            rows, keys = slice(offsets_q[b], offsets_q[b + 1]), slice(offsets_k[b], offsets_k[b + 1])
+            if rows.stop > rows.start and keys.stop > keys.start:
+                entry = (t[span].transpose(0, 1)[None] for t, span in ((q, rows), (k, keys), (v, keys)))
+                entry_out, entry_lse = _math_attention(*entry, is_causal, scale, bottom_right=True)
+                out[rows], lse[:, rows] = entry_out[0].transpose(0, 1), entry_lse[0]
+        return out + self.error, lse
 
 
 @pytest.fixture
@@ -127,6 +155,7 @@ def untested_fake_gpu(monkeypatch) -> FakeKernels:
     monkeypatch.setattr(ops, "flash_attention_forward", kernels.flash_attention_forward)
     monkeypatch.setattr(ops, "forward_launch", kernels.forward_launch)
     monkeypatch.setattr(autograd, "flash_attention", kernels.flash_attention)
+    monkeypatch.setattr(autograd, "flash_attention_varlen", kernels.flash_attention_varlen)
     return kernels
 
 

@@ -25,9 +25,9 @@ REAL_FLASH_ATTENTION = autograd.flash_attention
 _op_runs: list[tuple] = []
 
 
-def _cpu_forward(q, k, v, is_causal, scale):
+def _cpu_forward(q, k, v, attn_mask, is_causal, scale, bottom_right):
     _op_runs.append(q.shape)
-    out, lse = _math_attention(q, k, v, is_causal, scale)
+    out, lse = _math_attention(q, k, v, is_causal, scale, attn_mask, bottom_right)
     return out.contiguous(), lse.contiguous()
 
 

@@ -42,6 +42,7 @@ def expected_launch(q, k, v, out, lse, is_causal=False, scale=None) -> tuple[str
     args = FwdArgs(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
                    *(s for t in (q, k, v, out) for s in t.stride()[:3]), lse.stride(0), lse.stride(1),
                    seq_q, k.shape[2], dim, int(is_causal), scale * 1.4426950408889634, blocks)
+    args.kv_group = heads // k.shape[1]
     return variant.symbol, (blocks * variant.d_chunks, heads, batch), bytes(args)
 
 

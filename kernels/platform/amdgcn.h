@@ -37,6 +37,8 @@ RDNA_DEV void block_barrier() {
 
 // A wave executes in lockstep, so ordering LDS between its own lanes needs only the compiler's word.
 RDNA_DEV void wave_barrier() { __builtin_amdgcn_wave_barrier(); }
+// Memory operations are not moved across it by the compiler; no instruction is emitted.
+RDNA_DEV void compiler_fence() { __asm__ volatile("" ::: "memory"); }
 
 RDNA_DEV u32x4 zero_u32x4() { return u32x4{0u, 0u, 0u, 0u}; }
 RDNA_DEV v8f zero_v8f() { return v8f{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}; }
@@ -44,6 +46,7 @@ RDNA_DEV v8f zero_v8f() { return v8f{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}; }
 RDNA_DEV float exp2_approx(float x) { return __builtin_amdgcn_exp2f(x); }
 RDNA_DEV float log2_approx(float x) { return __builtin_amdgcn_logf(x); }
 RDNA_DEV float max_f32(float a, float b) { return __builtin_fmaxf(a, b); }
+RDNA_DEV float min_f32(float a, float b) { return __builtin_fminf(a, b); }
 RDNA_DEV float fma_f32(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 RDNA_DEV float as_f32(u32 x) { return __builtin_bit_cast(float, x); }
 RDNA_DEV u32 as_u32(float x) { return __builtin_bit_cast(u32, x); }

@@ -50,6 +50,8 @@ RDNA_DEV int lane_id() { return threadIdx.x & 31; }
 RDNA_DEV void block_barrier() { __syncthreads(); }
 // A warp's lanes may run apart (independent thread scheduling); a wave's never do.
 RDNA_DEV void wave_barrier() { __syncwarp(); }
+// Memory operations are not moved across it by the compiler; no instruction is emitted.
+RDNA_DEV void compiler_fence() { asm volatile("" ::: "memory"); }
 
 RDNA_DEV u32x4 zero_u32x4() { return u32x4{{0u, 0u, 0u, 0u}}; }
 RDNA_DEV v8f zero_v8f() { return v8f{{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}}; }
@@ -57,6 +59,7 @@ RDNA_DEV v8f zero_v8f() { return v8f{{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}}; 
 RDNA_DEV float exp2_approx(float x) { return exp2f(x); }
 RDNA_DEV float log2_approx(float x) { return log2f(x); }
 RDNA_DEV float max_f32(float a, float b) { return fmaxf(a, b); }
+RDNA_DEV float min_f32(float a, float b) { return fminf(a, b); }
 RDNA_DEV float fma_f32(float a, float b, float c) { return fmaf(a, b, c); }
 RDNA_DEV float as_f32(u32 x) { return __uint_as_float(x); }
 RDNA_DEV u32 as_u32(float x) { return __float_as_uint(x); }

@@ -85,6 +85,6 @@ class InterpretedLibrary:
             # AMD LDS is static: the launch allocates the descriptor's group segment and no more
             # (KernelLibrary passes 0 dynamic bytes for a code object).
             lds_bytes = program.descriptor.group_segment_fixed_size
-            regions = [tensor_region(i, t) for i, t in enumerate(buffers)]
+            regions = [tensor_region(i, t) for i, t in enumerate(buffers) if t is not None]  # None: no mask or cu_seqlens
             trace = self.traces.setdefault(variant.symbol, KernelTrace(variant.symbol))
             Dispatch(kernel, grid, block, lds_bytes, segment, regions, trace).run()

@@ -29,6 +29,13 @@ def _f32_bits(value: float) -> int:
     return struct.unpack("<I", struct.pack("<f", value))[0]
 
 
+def _cvt_u32(value: float) -> int:
+    """Float to u32 as v_cvt_u32_f32 and s_cvt_u32_f32: truncated, clamped to [0, 2^32 - 1], NaN to 0."""
+    if value != value:
+        return 0
+    return int(min(max(value, 0.0), float(M32)))
+
+
 def _s64(x: int) -> int:
     x &= M64
     return x - (1 << 64) if x >> 63 else x
@@ -96,6 +103,8 @@ _BINARY = {
     "s_lshl3_add_u32": lambda a, b, c: (((a << 3) + b) & M32, int((a << 3) + b > M32)),
     "s_lshl4_add_u32": lambda a, b, c: (((a << 4) + b) & M32, int((a << 4) + b > M32)),
     "s_absdiff_i32": lambda a, b, c: (abs(_s32(a) - _s32(b)) & M32, int(a != b)),
+    # gfx12's scalar float multiply (the compiler's integer division): exact in a Python float, rounded once.
+    "s_mul_f32": lambda a, b, c: (_f32_bits(_f32(a) * _f32(b)), None),
 }
 for _width, _mask in (("b32", M32), ("b64", M64)):
     _BINARY.update({
@@ -138,6 +147,7 @@ _UNARY = {
     "s_ctz_i32_b32": lambda a: ((a & -a).bit_length() - 1 & M32 if a else M32, None),
     "s_clz_i32_u32": lambda a: (32 - a.bit_length() if a else M32, None),
     "s_cvt_f32_u32": lambda a: (_f32_bits(float(a)), None),  # exact in a Python float, rounded once to f32
+    "s_cvt_u32_f32": lambda a: (_cvt_u32(_f32(a)), None),
 }
 
 # Saveexec: exec, source -> new exec (the old exec goes to the destination; SCC = new exec != 0).

@@ -119,6 +119,9 @@ OPS = {
     "exp_f32": (("f32",), "f32", _exact(np.exp2)),
     "log_f32": (("f32",), "f32", _exact(np.log2)),
     "rcp_f32": (("f32",), "f32", _exact(lambda x: 1.0 / x)),
+    # The reciprocal of the compiler's integer division (the kernels' head / kv_group): v_rcp_f32's
+    # value; its flag only changes which exceptions are signalled.
+    "rcp_iflag_f32": (("f32",), "f32", _exact(lambda x: 1.0 / x)),
     "rsq_f32": (("f32",), "f32", _exact(lambda x: 1.0 / np.sqrt(x))),
     "sqrt_f32": (("f32",), "f32", _exact(np.sqrt)),
     "ldexp_f32": (("f32", "i32"), "f32", lambda a, e: np.ldexp(_f64(a), np.clip(e, -1000, 1000)).astype(np.float32)),

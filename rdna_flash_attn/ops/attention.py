@@ -1,7 +1,10 @@
 """Tensor-level entry to the kernels: the checks that keep bad input off the GPU, and the launch.
 
 Tensors are (batch, heads, seq, head_dim) views with unit stride in head_dim; both (B, H, S, D) and
-(B, S, H, D) memory layouts run as they are, with no copy, padding or transpose on the host.
+(B, S, H, D) memory layouts run as they are, with no copy, padding or transpose on the host. Masks
+(bool or additive, anything broadcastable to (batch, heads, seq_q, seq_k)) are read where they lie,
+broadcast dimensions with stride 0; key/value heads may be fewer than query heads (grouped-query
+attention) without being repeated; packed variable-length batches run through the varlen functions.
 """
 
 from __future__ import annotations
@@ -13,22 +16,26 @@ import torch
 
 from ..runtime import artifacts, device as devices, loader, variants
 from ..runtime.loader import KernelUnavailable
-from .launch_args import BwdArgs, FwdArgs
+from .launch_args import (BwdArgs, CAUSAL_BOTTOM_RIGHT, CAUSAL_TOP_LEFT, FwdArgs, MASK_BF16, MASK_BOOL, MASK_F16,
+                          MASK_F32, MASK_NONE, NOT_CAUSAL)
 
-__all__ = ["KernelUnavailable", "forward_refusal", "artifact_info", "forward_launch",
-           "flash_attention_forward", "flash_attention_backward", "kernel_layout"]
+__all__ = ["KernelUnavailable", "forward_refusal", "mask_refusal", "varlen_refusal", "artifact_info", "forward_launch",
+           "flash_attention_forward", "flash_attention_backward", "flash_attention_varlen_forward",
+           "flash_attention_varlen_backward", "kernel_layout"]
 
 _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
+_MASK_KINDS = {torch.bool: MASK_BOOL, torch.float16: MASK_F16, torch.bfloat16: MASK_BF16, torch.float32: MASK_F32}
 _SUPPORTED_HEAD_DIMS = frozenset(variants.SUPPORTED_HEAD_DIMS)
 _VECTOR_ELEMS = 8  # the kernels move 16-byte vectors of 16-bit values
 _MAX_GRID_YZ = 65535
 _MAX_SEQLEN = 2**31 - 1024
+_EMPTY = "empty tensor"
 LOG2_E = 1.4426950408889634  # the kernels take the softmax scale in base 2
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 KERNEL_DEVICE_TYPE = "cuda"  # ROCm and ZLUDA builds of torch name AMD GPUs "cuda" as well
 
 
-def forward_refusal(q, k, v, is_causal: bool = False, scale: float | None = None) -> str | None:
+def forward_refusal(q, k, v, is_causal: bool = False, scale: float | None = None, attn_mask=None) -> str | None:
     """Why the forward kernel cannot take these arguments, or None. Metadata only, no GPU work."""
     tensors = (("query", q), ("key", k), ("value", v))
     for name, t in tensors:
@@ -45,8 +52,10 @@ def forward_refusal(q, k, v, is_causal: bool = False, scale: float | None = None
         return "query, key and value must be on one GPU"
     if q.shape[0] != k.shape[0] or q.shape[0] != v.shape[0]:
         return "batch sizes differ"
-    if q.shape[1] != k.shape[1] or q.shape[1] != v.shape[1]:
-        return "head counts differ (grouped-query attention is not supported)"
+    if k.shape[1] != v.shape[1]:
+        return "key and value head counts differ"
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        return "query heads are not a multiple of key/value heads"
     if k.shape[2] != v.shape[2]:
         return "key and value have different sequence lengths"
     head_dim = q.shape[3]
@@ -55,7 +64,7 @@ def forward_refusal(q, k, v, is_causal: bool = False, scale: float | None = None
     if head_dim not in _SUPPORTED_HEAD_DIMS:
         return f"head dim {head_dim} is not supported (multiples of 8 up to 256, or 320, 384, 512)"
     if q.numel() == 0 or k.numel() == 0:
-        return "empty tensor"
+        return _EMPTY
     if max(q.shape[2], k.shape[2]) > _MAX_SEQLEN:
         return "sequence longer than 2^31"
     if q.shape[0] > _MAX_GRID_YZ or q.shape[1] > _MAX_GRID_YZ:
@@ -66,7 +75,73 @@ def forward_refusal(q, k, v, is_causal: bool = False, scale: float | None = None
             return reason
     if scale is not None and not math.isfinite(scale):
         return "softmax scale is not finite"
+    return mask_refusal(attn_mask, q, k)
+
+
+def mask_refusal(attn_mask, q, k) -> str | None:
+    """Why the kernels cannot take this attn_mask for (B, H, Sq, D) q and (B, Hk, Sk, D) k, or None.
+    SDPA's rules: bool (True takes part) or an additive bias in float32 or the query's dtype,
+    broadcastable to (B, H, Sq, Sk); anything else falls back to SDPA, which gives its own error."""
+    if attn_mask is None:
+        return None
+    if not isinstance(attn_mask, torch.Tensor):
+        return "attn_mask is not a tensor"
+    if attn_mask.is_nested or attn_mask.layout is not torch.strided:
+        return "attn_mask is nested or sparse"
+    if attn_mask.dtype not in (torch.bool, torch.float32, q.dtype):
+        return f"attn_mask dtype {attn_mask.dtype} is neither bool, float32 nor the query's"
+    if attn_mask.device != q.device:
+        return "attn_mask is on another device than the query"
+    if attn_mask.requires_grad and torch.is_grad_enabled():
+        return "attn_mask requires grad (the kernels give no gradient for a mask)"
+    target = _mask_target(q, k)
+    if not 2 <= attn_mask.dim() <= 4:
+        return f"attn_mask is {attn_mask.dim()}-D (SDPA takes 2-D to 4-D masks)"
+    if any(size not in (1, full) for size, full in zip(_padded_shape(attn_mask), target)):
+        return f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to {target}"
+    if variants.padded_head_dim(q.shape[3]) not in variants.MASKED_PADDED_HEAD_DIMS:
+        return (f"attn_mask with head dim {q.shape[3]} (masked kernels take head dims "
+                f"{', '.join(map(str, variants.MASKED_HEAD_DIMS))})")
+    mask = kernel_mask(attn_mask, q, k)
+    if sum(abs(stride) * (size - 1) for stride, size in zip(mask.stride()[2:], target[2:])) >= 2**31:
+        return "attn_mask rows span more than 2^31 elements"  # the kernels' offsets in a (batch, head) are 32-bit
     return None
+
+
+def _mask_target(q, k) -> tuple[int, int, int, int]:
+    return q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+
+
+def _padded_shape(attn_mask: torch.Tensor) -> tuple[int, ...]:
+    return (1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)
+
+
+def kernel_mask(attn_mask: torch.Tensor, q, k) -> torch.Tensor:
+    """attn_mask as the (B, H, Sq, Sk) view the kernels read: broadcast dimensions get stride 0, no copy."""
+    return attn_mask[(None,) * (4 - attn_mask.dim())].expand(_mask_target(q, k))
+
+
+def _causal_code(is_causal: bool, bottom_right: bool) -> int:
+    if not is_causal:
+        return NOT_CAUSAL
+    return CAUSAL_BOTTOM_RIGHT if bottom_right else CAUSAL_TOP_LEFT
+
+
+def _set_problem(args, q, k, attn_mask: torch.Tensor | None, cu_seqlens_q=None, cu_seqlens_k=None) -> None:
+    """The fields both argument blocks share past ABI 1: the mask, the head grouping, the packed batch."""
+    args.kv_group = q.shape[1] // k.shape[1]
+    if attn_mask is not None:
+        mask = kernel_mask(attn_mask, q, k)
+        args.mask, args.mask_kind = mask.data_ptr(), _MASK_KINDS[mask.dtype]
+        args.mask_stride_b, args.mask_stride_h, args.mask_stride_q, args.mask_stride_k = mask.stride()
+    else:
+        args.mask, args.mask_kind = None, MASK_NONE
+    if cu_seqlens_q is not None:
+        # Every entry of a packed batch starts from the same base, at its cu_seqlens row.
+        args.cu_seqlens_q, args.cu_seqlens_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
+        for field, _ in args._fields_:
+            if field.endswith("_stride_b") and not field.startswith(("lse", "mask")):
+                setattr(args, field, 0)
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -156,25 +231,29 @@ class _ForwardLaunch:
 
     __slots__ = ("launcher", "args", "device", "dtype", "out_size", "out_stride", "lse_size")
 
-    def __init__(self, library: loader.KernelLibrary, q, k, v, is_causal: bool, scale: float | None):
+    def __init__(self, library: loader.KernelLibrary, q, k, v, is_causal: bool, scale: float | None,
+                 bottom_right: bool = False, masked: bool = False):
         batch, heads, seq_q, head_dim = q.shape
-        variant = variants.fwd_variant(_DTYPES[q.dtype], head_dim)
+        variant = variants.fwd_variant(_DTYPES[q.dtype], head_dim, masked)
         q_blocks = -(-seq_q // variant.block_rows)
         self.device, self.dtype = q.device, q.dtype
         self.out_size, self.out_stride = output_layout(q)
         self.lse_size = (batch, heads, seq_q)  # contiguous: strides (heads * seq_q, seq_q, 1)
         self.launcher = library.launcher(variant, (q_blocks * variant.d_chunks, heads, batch), q.device)
         self.args = FwdArgs(0, 0, 0, 0, 0, *_strides(q, k, v), *self.out_stride[:3], heads * seq_q, seq_q,
-                            seq_q, k.shape[2], head_dim, int(bool(is_causal)),
+                            seq_q, k.shape[2], head_dim, _causal_code(is_causal, bottom_right),
                             _softmax_scale(head_dim, scale) * LOG2_E, q_blocks)
+        _set_problem(self.args, q, k, None)
 
-    def __call__(self, q, k, v):
+    def __call__(self, q, k, v, attn_mask: torch.Tensor | None = None):
         out = torch.empty_strided(self.out_size, self.out_stride, dtype=self.dtype, device=self.device)
         lse = torch.empty(self.lse_size, dtype=torch.float32, device=self.device)
         args = FwdArgs.from_buffer_copy(self.args)  # a copy per call: launches may run on several threads
         args.q, args.k, args.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
         args.o, args.lse = out.data_ptr(), lse.data_ptr()
-        self.launcher(args, (q, k, v, out, lse))
+        if attn_mask is not None:
+            _set_problem(args, q, k, attn_mask)
+        self.launcher(args, (q, k, v, out, lse, attn_mask))
         return out, lse
 
 
@@ -188,9 +267,9 @@ def forget_launches() -> None:
 
 
 def forward_launch(q, k, v, is_causal: bool = False, scale: float | None = None) -> _ForwardLaunch:
-    """A prepared forward launch: launch(q, k, v) -> (out, lse) on tensors of this call's signature
-    (device, dtypes, shapes, strides, 16-byte aligned storage) skips every check and lookup. The
-    dispatcher keeps one per cached route. Raises ValueError for input the kernels refuse."""
+    """A prepared forward launch without a mask: launch(q, k, v) -> (out, lse) on tensors of this
+    call's signature (device, dtypes, shapes, strides, 16-byte aligned storage) skips every check and
+    lookup. The dispatcher keeps one per cached route. Raises ValueError for input the kernels refuse."""
     reason = forward_refusal(q, k, v, is_causal, scale)
     if reason is not None:
         raise ValueError(reason)
@@ -198,33 +277,40 @@ def forward_launch(q, k, v, is_causal: bool = False, scale: float | None = None)
 
 
 def flash_attention_forward(q, k, v, is_causal: bool = False, scale: float | None = None,
-                            out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
-    """(out, lse): out like q, lse (batch, heads, seq_q) float32 natural-log log-sum-exp.
+                            out: torch.Tensor | None = None, lse: torch.Tensor | None = None, *,
+                            attn_mask: torch.Tensor | None = None, bottom_right: bool = False):
+    """(out, lse): out like q, lse (batch, heads, seq_q) float32 natural-log log-sum-exp (+inf for a
+    row that sees no key; its output is zeros, as SDPA gives).
 
-    `out` and `lse` may be given to be written in place. A call whose signature passed the checks
+    `attn_mask`: SDPA's (see mask_refusal). `bottom_right`: a causal mask aligned to the bottom-right
+    corner (flash-attn's) rather than SDPA's top-left; the same when seq_q == seq_k. `out` and `lse`
+    may be given to be written in place. A call without a mask whose signature passed the checks
     before, with 16-byte aligned inputs, reuses that launch: no checks, lookups or packing again."""
     signature = None
-    if out is None and lse is None and type(q) is torch.Tensor and (scale is None or type(scale) is float):
+    if (out is None and lse is None and attn_mask is None and not bottom_right and type(q) is torch.Tensor
+            and (scale is None or type(scale) is float)):
         signature = _launch_signature(q, k, v, is_causal, scale)
         launch = _forward_launches.get(signature) if signature is not None else None
         if launch is not None:
             return launch(q, k, v)
-    reason = forward_refusal(q, k, v, is_causal, scale) or _output_refusal(q, out, lse)
+    reason = forward_refusal(q, k, v, is_causal, scale, attn_mask) or _output_refusal(q, out, lse)
     if reason is not None:  # before the library loads: bad arguments are named whatever the device
         raise ValueError(reason)
-    launch = _ForwardLaunch(loader.library_for(q.device), q, k, v, is_causal, scale)
+    launch = _ForwardLaunch(loader.library_for(q.device), q, k, v, is_causal, scale, bottom_right,
+                            attn_mask is not None)
     if out is None and lse is None:
         if signature is not None:
             if len(_forward_launches) >= _MAX_CACHED_SIGNATURES:
                 _forward_launches.clear()
             _forward_launches[signature] = launch
-        return launch(q, k, v)
+        return launch(q, k, v, attn_mask)
     args = FwdArgs.from_buffer_copy(launch.args)
     args.q, args.k, args.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
     args.o, args.lse = out.data_ptr(), lse.data_ptr()
     args.o_stride_b, args.o_stride_h, args.o_stride_s = out.stride()[:3]
     args.lse_stride_b, args.lse_stride_h = lse.stride(0), lse.stride(1)
-    launch.launcher(args, (q, k, v, out, lse))
+    _set_problem(args, q, k, attn_mask)
+    launch.launcher(args, (q, k, v, out, lse, attn_mask))
     return out, lse
 
 
@@ -245,36 +331,130 @@ def _launch_signature(q, k, v, is_causal, scale) -> tuple | None:
         return None
 
 
-def flash_attention_backward(dout, q, k, v, lse, is_causal: bool = False, scale: float | None = None):
-    """(dq, dk, dv) in the inputs' dtypes and memory orders, from the forward's lse.
+def flash_attention_backward(dout, q, k, v, lse, is_causal: bool = False, scale: float | None = None, *,
+                             attn_mask: torch.Tensor | None = None, bottom_right: bool = False):
+    """(dq, dk, dv) in the inputs' dtypes and memory orders, from the forward's lse; dk and dv have
+    the key/value heads (summed over each one's query heads in a fixed order).
 
     Two launches: dQ per query block, which also writes delta = rowsum(P * dP), then dK/dV per key
     block. No workgroup writes memory another one reads or writes within a launch, so the result is
     bitwise reproducible."""
-    reason = forward_refusal(q, k, v, is_causal, scale) or forward_refusal(dout, k, v)
+    reason = forward_refusal(q, k, v, is_causal, scale, attn_mask) or forward_refusal(dout, k, v)
     if reason is None and dout.shape != q.shape:
         reason = "dout must match the query's shape"
     if reason is None and (lse.shape != q.shape[:3] or lse.dtype != torch.float32 or not lse.is_contiguous()):
         reason = "lse must be the forward's contiguous float32 (batch, heads, seq_q) log-sum-exp"
     if reason is not None:
         raise ValueError(reason)
-    library = loader.library_for(q.device)
-    batch, heads, seq_q, head_dim = q.shape
-    seq_k = k.shape[2]
-    dtype = _DTYPES[q.dtype]
     dq, dk, dv = output_like(q), output_like(k), output_like(v)
-    delta = torch.empty_like(lse)  # same layout as lse: the kernels share its strides
+    _launch_backward(dout, q, k, v, lse, dq, dk, dv, _causal_code(is_causal, bottom_right), scale, attn_mask,
+                     q.shape[0], q.shape[2], k.shape[2], (lse.stride(0), lse.stride(1)))
+    return dq, dk, dv
+
+
+def _launch_backward(dout, q, k, v, lse, dq, dk, dv, causal: int, scale, attn_mask, batch: int, seq_q: int,
+                     seq_k: int, lse_strides: tuple[int, int], cu_seqlens_q=None, cu_seqlens_k=None) -> None:
+    """The dQ then the dK/dV launch on (B, H, S, D) views (batch stride 0 for packed batches)."""
+    library = loader.library_for(q.device)
+    heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[3]
+    dtype = _DTYPES[q.dtype]
+    delta, row_log2_sum = torch.empty_like(lse), torch.empty_like(lse)  # lse's layout: the kernels share its strides
     softmax_scale = _softmax_scale(head_dim, scale)
     args = BwdArgs(q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), lse.data_ptr(), delta.data_ptr(),
                    dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), *_strides(q, k, v, dout, dq, dk, dv),
-                   lse.stride(0), lse.stride(1), seq_q, seq_k, head_dim, int(bool(is_causal)),
-                   softmax_scale * LOG2_E, softmax_scale, 0)
-    dq_kernel = variants.bwd_variant("dq", dtype, head_dim)
-    dkdv = variants.bwd_variant("dkdv", dtype, head_dim)
-    buffers = (q, k, v, dout, lse, delta, dq, dk, dv)
+                   *lse_strides, seq_q, seq_k, head_dim, causal, softmax_scale * LOG2_E, softmax_scale, 0)
+    _set_problem(args, q, k, attn_mask, cu_seqlens_q, cu_seqlens_k)
+    args.row_log2_sum = row_log2_sum.data_ptr()
+    masked = attn_mask is not None
+    dq_kernel = variants.bwd_variant("dq", dtype, head_dim, masked)
+    dkdv = variants.bwd_variant("dkdv", dtype, head_dim, masked)
+    buffers = (q, k, v, dout, lse, delta, dq, dk, dv, attn_mask, cu_seqlens_q, cu_seqlens_k, row_log2_sum)
     with _device_guard(q.device):
         args.blocks = -(-seq_q // dq_kernel.block_rows)
         library.launch(dq_kernel, (args.blocks * dq_kernel.jobs_per_block, heads, batch), args, buffers)
         args.blocks = -(-seq_k // dkdv.block_rows)
-        library.launch(dkdv, (args.blocks * dkdv.jobs_per_block, heads, batch), args, buffers)
-    return dq, dk, dv
+        library.launch(dkdv, (args.blocks * dkdv.jobs_per_block, kv_heads, batch), args, buffers)
+
+
+# --- packed variable-length batches (flash-attn's varlen layout) ---------------------------------------
+
+
+def varlen_refusal(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> str | None:
+    """Why the kernels cannot take this packed batch, or None: q (total_q, heads, head_dim), k and v
+    (total_k, kv_heads, head_dim), int32 cumulative lengths (batch + 1,) on the same GPU."""
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            return f"{name} must be a 3-D (total_tokens, heads, head_dim) tensor"
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1 or not t.is_contiguous():
+            return f"{name} must be a contiguous 1-D int32 tensor"
+        if t.device != q.device:
+            return f"{name} is on another device than the query"
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0] or cu_seqlens_q.shape[0] < 2:
+        return "cu_seqlens_q and cu_seqlens_k must both hold batch + 1 >= 2 offsets"
+    if cu_seqlens_q.shape[0] - 1 > _MAX_GRID_YZ:
+        return "batch above 65535"
+    if not (0 <= int(max_seqlen_q) <= _MAX_SEQLEN and 0 <= int(max_seqlen_k) <= _MAX_SEQLEN):
+        return "max_seqlen_q or max_seqlen_k is negative or above 2^31"
+    reason = forward_refusal(*_batch_views(q, k, v))
+    return None if reason == _EMPTY else reason  # no query or no key at all: nothing to launch
+
+
+def _nothing_to_launch(q, k, max_seqlen_q: int, max_seqlen_k: int) -> bool:
+    return q.shape[0] == 0 or k.shape[0] == 0 or int(max_seqlen_q) == 0 or int(max_seqlen_k) == 0
+
+
+def _batch_views(*packed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(total, heads, dim) tensors as (1, heads, total, dim) views, the kernels' layout for a packed batch."""
+    return tuple(t.unsqueeze(0).transpose(1, 2) for t in packed)
+
+
+def flash_attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                                   is_causal: bool = False, scale: float | None = None):
+    """(out, lse) for a packed batch: entry b's queries are rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of
+    q (total_q, heads, head_dim), its keys those of k and v (total_k, kv_heads, head_dim). out is
+    like q; lse is (heads, total_q) float32, flash-attn's varlen layout. A causal mask is aligned to
+    each entry's bottom-right corner (flash-attn's). As in flash-attn, the lengths are trusted: no
+    entry may be longer than max_seqlen_q / max_seqlen_k (checking would cost a device sync)."""
+    reason = varlen_refusal(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if reason is not None:
+        raise ValueError(reason)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    if _nothing_to_launch(q, k, max_seqlen_q, max_seqlen_k):  # no row sees a key
+        return out.zero_(), lse.fill_(float("inf"))
+    q4, k4, v4, o4 = _batch_views(q, k, v, out)
+    batch, heads, head_dim = cu_seqlens_q.shape[0] - 1, q.shape[1], q.shape[2]
+    library = loader.library_for(q.device)
+    variant = variants.fwd_variant(_DTYPES[q.dtype], head_dim)
+    q_blocks = -(-int(max_seqlen_q) // variant.block_rows)
+    args = FwdArgs(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), *_strides(q4, k4, v4, o4),
+                   0, lse.stride(0), int(max_seqlen_q), int(max_seqlen_k), head_dim,
+                   _causal_code(is_causal, True), _softmax_scale(head_dim, scale) * LOG2_E, q_blocks)
+    _set_problem(args, q4, k4, None, cu_seqlens_q, cu_seqlens_k)
+    buffers = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    with _device_guard(q.device):
+        library.launch(variant, (q_blocks * variant.d_chunks, heads, batch), args, buffers)
+    return out, lse
+
+
+def flash_attention_varlen_backward(dout, q, k, v, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                                    max_seqlen_k: int, is_causal: bool = False, scale: float | None = None):
+    """(dq, dk, dv), packed like q, k and v, from flash_attention_varlen_forward's lse."""
+    reason = varlen_refusal(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if reason is None and (dout.shape != q.shape or dout.dtype != q.dtype or dout.stride(-1) != 1):
+        reason = "dout must match the query's shape and dtype, contiguous in head_dim"
+    if reason is None and (lse.shape != (q.shape[1], q.shape[0]) or lse.dtype != torch.float32
+                           or not lse.is_contiguous()):
+        reason = "lse must be the varlen forward's contiguous float32 (heads, total_q) log-sum-exp"
+    if reason is not None:
+        raise ValueError(reason)
+    dout = kernel_layout(dout.unsqueeze(0)).squeeze(0)
+    grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    if _nothing_to_launch(q, k, max_seqlen_q, max_seqlen_k):
+        return tuple(grad.zero_() for grad in grads)
+    views = _batch_views(q, k, v, dout, *grads)
+    _launch_backward(views[3], *views[:3], lse, *views[4:], _causal_code(is_causal, True), scale, None,
+                     cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k), (0, lse.stride(0)),
+                     cu_seqlens_q, cu_seqlens_k)
+    return grads

@@ -26,19 +26,22 @@ def _free_op_namespace(base: str = "rdna_flash_attn") -> str:
     return namespace
 
 
-def _forward(q, k, v, is_causal, scale):
+def _forward(q, k, v, attn_mask, is_causal, scale, bottom_right):
     kernel_q, kernel_k, kernel_v = (attention.kernel_layout(t) for t in (q, k, v))
+    problem = {"attn_mask": attn_mask, "bottom_right": bottom_right}
     if kernel_q is q:
-        return attention.flash_attention_forward(kernel_q, kernel_k, kernel_v, is_causal, scale)
+        return attention.flash_attention_forward(kernel_q, kernel_k, kernel_v, is_causal, scale, **problem)
     # A copied query may lie in another memory order than q: the output keeps q's, as the fake
     # implementation promises a compiled graph.
     out, lse = attention.output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
-    return attention.flash_attention_forward(kernel_q, kernel_k, kernel_v, is_causal, scale, out=out, lse=lse)
+    return attention.flash_attention_forward(kernel_q, kernel_k, kernel_v, is_causal, scale, out=out, lse=lse,
+                                             **problem)
 
 
-def _backward(dout, q, k, v, lse, is_causal, scale):
-    grads = attention.flash_attention_backward(attention.kernel_layout(dout), *(attention.kernel_layout(t) for t in (q, k, v)),
-                                         lse, is_causal, scale)
+def _backward(dout, q, k, v, lse, attn_mask, is_causal, scale, bottom_right):
+    grads = attention.flash_attention_backward(attention.kernel_layout(dout),
+                                               *(attention.kernel_layout(t) for t in (q, k, v)), lse, is_causal, scale,
+                                               attn_mask=attn_mask, bottom_right=bottom_right)
     return tuple(_in_memory_order_of(grad, t) for grad, t in zip(grads, (q, k, v)))
 
 
@@ -55,56 +58,91 @@ if HAS_CUSTOM_OP:
     OP_NAMESPACE = _free_op_namespace()
 
     @torch.library.custom_op(f"{OP_NAMESPACE}::fwd", mutates_args=(), device_types="cuda")
-    def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return _forward(q, k, v, is_causal, scale)
+    def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
+                scale: float | None, bottom_right: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return _forward(q, k, v, attn_mask, is_causal, scale, bottom_right)
 
     @_fwd_op.register_fake
-    def _(q, k, v, is_causal, scale):
+    def _(q, k, v, attn_mask, is_causal, scale, bottom_right):
         return attention.output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
     @torch.library.custom_op(f"{OP_NAMESPACE}::bwd", mutates_args=(), device_types="cuda")
     def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
-                is_causal: bool, scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _backward(dout, q, k, v, lse, is_causal, scale)
+                attn_mask: torch.Tensor | None, is_causal: bool, scale: float | None,
+                bottom_right: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _backward(dout, q, k, v, lse, attn_mask, is_causal, scale, bottom_right)
 
     @_bwd_op.register_fake
-    def _(dout, q, k, v, lse, is_causal, scale):
+    def _(dout, q, k, v, lse, attn_mask, is_causal, scale, bottom_right):
         return attention.output_like(q), attention.output_like(k), attention.output_like(v)
 
     def _setup_context(ctx, inputs, output):
-        q, k, v, is_causal, scale = inputs
-        ctx.save_for_backward(q, k, v, output[1])  # the backward needs only the lse, not the output
-        ctx.is_causal, ctx.scale = is_causal, scale
+        q, k, v, attn_mask, is_causal, scale, bottom_right = inputs
+        ctx.save_for_backward(q, k, v, output[1], attn_mask)  # the backward needs the lse, not the output
+        ctx.is_causal, ctx.scale, ctx.bottom_right = is_causal, scale, bottom_right
         ctx.mark_non_differentiable(output[1])
 
     def _fwd_backward(ctx, dout, _dlse):
-        q, k, v, lse = ctx.saved_tensors
-        dq, dk, dv = _bwd_op(dout, q, k, v, lse, ctx.is_causal, ctx.scale)
-        return dq, dk, dv, None, None
+        q, k, v, lse, attn_mask = ctx.saved_tensors
+        dq, dk, dv = _bwd_op(dout, q, k, v, lse, attn_mask, ctx.is_causal, ctx.scale, ctx.bottom_right)
+        return dq, dk, dv, None, None, None, None
 
     _fwd_op.register_autograd(_fwd_backward, setup_context=_setup_context)
 
-    def flash_attention(q, k, v, is_causal: bool = False, scale: float | None = None) -> torch.Tensor:
-        """Attention through the kernels, differentiable in q, k and v; (B, H, S, D) views."""
-        return _fwd_op(q, k, v, bool(is_causal), None if scale is None else float(scale))[0]
+    def flash_attention(q, k, v, is_causal: bool = False, scale: float | None = None, *,
+                        attn_mask: torch.Tensor | None = None, bottom_right: bool = False) -> torch.Tensor:
+        """Attention through the kernels, differentiable in q, k and v; (B, H, S, D) views, SDPA's
+        attn_mask (not differentiated), fewer key/value heads than query heads allowed."""
+        return _fwd_op(q, k, v, attn_mask, bool(is_causal), None if scale is None else float(scale),
+                       bool(bottom_right))[0]
 
 else:
 
     class _FlashAttention(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, k, v, is_causal, scale):
-            out, lse = _forward(q, k, v, is_causal, scale)
-            ctx.save_for_backward(q, k, v, lse)
-            ctx.is_causal, ctx.scale = is_causal, scale
+        def forward(ctx, q, k, v, attn_mask, is_causal, scale, bottom_right):
+            out, lse = _forward(q, k, v, attn_mask, is_causal, scale, bottom_right)
+            ctx.save_for_backward(q, k, v, lse, attn_mask)
+            ctx.is_causal, ctx.scale, ctx.bottom_right = is_causal, scale, bottom_right
             return out
 
         @staticmethod
         def backward(ctx, dout):
-            q, k, v, lse = ctx.saved_tensors
-            dq, dk, dv = _backward(dout, q, k, v, lse, ctx.is_causal, ctx.scale)
-            return dq, dk, dv, None, None
+            q, k, v, lse, attn_mask = ctx.saved_tensors
+            dq, dk, dv = _backward(dout, q, k, v, lse, attn_mask, ctx.is_causal, ctx.scale, ctx.bottom_right)
+            return dq, dk, dv, None, None, None, None
 
-    def flash_attention(q, k, v, is_causal: bool = False, scale: float | None = None) -> torch.Tensor:
-        """Attention through the kernels, differentiable in q, k and v; (B, H, S, D) views."""
-        return _FlashAttention.apply(q, k, v, bool(is_causal), None if scale is None else float(scale))
+    def flash_attention(q, k, v, is_causal: bool = False, scale: float | None = None, *,
+                        attn_mask: torch.Tensor | None = None, bottom_right: bool = False) -> torch.Tensor:
+        """Attention through the kernels, differentiable in q, k and v; (B, H, S, D) views, SDPA's
+        attn_mask (not differentiated), fewer key/value heads than query heads allowed."""
+        return _FlashAttention.apply(q, k, v, attn_mask, bool(is_causal), None if scale is None else float(scale),
+                                     bool(bottom_right))
+
+
+class _VarlenAttention(torch.autograd.Function):
+    """Packed variable-length batches (flash-attn's varlen layout); an autograd.Function: torch.compile
+    breaks the graph around it."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale):
+        q, k, v = (attention.kernel_layout(t.unsqueeze(0)).squeeze(0) for t in (q, k, v))
+        out, lse = attention.flash_attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                            max_seqlen_k, is_causal, scale)
+        ctx.save_for_backward(q, k, v, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.problem = (max_seqlen_q, max_seqlen_k, is_causal, scale)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        grads = attention.flash_attention_varlen_backward(dout, q, k, v, lse, cu_seqlens_q, cu_seqlens_k, *ctx.problem)
+        return (*grads, None, None, None, None, None, None)
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                           is_causal: bool = False, scale: float | None = None):
+    """(out, lse) of attention.flash_attention_varlen_forward, differentiable in q, k and v."""
+    return _VarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                                  bool(is_causal), None if scale is None else float(scale))

@@ -1,6 +1,7 @@
 """Kernel argument blocks, field for field as the kernels declare them (kernels/fa_fwd.h, fa_bwd.h).
 
-A change here or there is an ABI change: bump variants.ABI_VERSION with it.
+A change here or there is an ABI change: bump variants.ABI_VERSION with it. The codes for `causal` and
+`mask_kind` are kernels/sequence.h's.
 """
 
 import ctypes
@@ -22,6 +23,12 @@ class FwdArgs(ctypes.Structure):
         ("causal", ctypes.c_int32),
         ("scale_log2", ctypes.c_float),
         ("q_blocks", ctypes.c_int32),
+        ("mask", ctypes.c_void_p),
+        *((f"mask_stride_{d}", ctypes.c_int64) for d in "bhqk"),
+        ("cu_seqlens_q", ctypes.c_void_p),
+        ("cu_seqlens_k", ctypes.c_void_p),
+        ("mask_kind", ctypes.c_int32),
+        ("kv_group", ctypes.c_int32),
     ]
 
 
@@ -40,4 +47,15 @@ class BwdArgs(ctypes.Structure):
         ("scale_log2", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("blocks", ctypes.c_int32),
+        ("mask", ctypes.c_void_p),
+        *((f"mask_stride_{d}", ctypes.c_int64) for d in "bhqk"),
+        ("cu_seqlens_q", ctypes.c_void_p),
+        ("cu_seqlens_k", ctypes.c_void_p),
+        ("mask_kind", ctypes.c_int32),
+        ("kv_group", ctypes.c_int32),        ("row_log2_sum", ctypes.c_void_p),
     ]
+
+
+# kernels/sequence.h's Causal and MaskKind.
+NOT_CAUSAL, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2
+MASK_NONE, MASK_BOOL, MASK_F16, MASK_BF16, MASK_F32 = 0, 1, 2, 3, 4

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 DTYPES = ("f16", "bf16")
 WAVE_SIZE = 32
 FRAG = 16  # WMMA tile edge on both gfx11 and gfx12
@@ -36,6 +36,12 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 PADDED_HEAD_DIMS = tuple(sorted({padded_head_dim(d) for d in SUPPORTED_HEAD_DIMS}))
+# Head dims with masked variants (those of the models that mask: 64, 96, 128 and up to 224): at the
+# others the mask's loads beside the accumulators spill registers on gfx11 (python -m rdna_flash_attn
+# report --check), and their masked calls fall back.
+MASKED_PADDED_HEAD_DIMS = (64, 96, 128, 160, 192, 224)
+MASKED_HEAD_DIMS = tuple(d for d in SUPPORTED_HEAD_DIMS if padded_head_dim(d) in MASKED_PADDED_HEAD_DIMS)
+_MASKED_SUFFIX = "_masked"
 
 # Preferred (waves per workgroup, keys per LDS tile), best first; the first that fits LDS wins.
 _TILE_PREFERENCE = ((4, 64), (4, 32), (2, 32), (2, 16), (1, 16))
@@ -43,8 +49,8 @@ _TILE_PREFERENCE = ((4, 64), (4, 32), (2, 32), (2, 16), (1, 16))
 
 # Global loads a forward thread keeps in flight per K/V copy batch (4 VGPRs each): as many as fit
 # beside the O accumulators without spilling. The exceptions are what `python -m rdna_flash_attn report
-# --check` found spilling at 8 on gfx1100 with clang 19.
-_FWD_COPY_LOADS_EXCEPTIONS = {224: 4, 320: 2}
+# --check` found spilling at 8 on gfx1100 with clang 19 (320: at 2 since the packed-batch arguments).
+_FWD_COPY_LOADS_EXCEPTIONS = {224: 4, 320: 1}
 
 
 def fwd_copy_loads(d_pad: int, d_chunk: int) -> int:
@@ -81,31 +87,36 @@ class FwdVariant(_WaveTiled):
     block_n: int
     d_chunk: int
     copy_loads: int  # global loads in flight per thread and K/V copy batch
+    masked: bool = False  # reads the attention mask (kernels/sequence.h); the others ignore it
 
     @property
     def symbol(self) -> str:
-        return f"rdna_fa_fwd_{self.dtype}_d{self.d_pad}"
+        return f"rdna_fa_fwd_{self.dtype}_d{self.d_pad}" + _MASKED_SUFFIX * self.masked
 
     @property
     def lds_bytes(self) -> int:
         return 2 * lds_elems_fwd(self.waves, self.block_n, self.d_pad, self.d_chunk)
 
 
-def _fwd_variant(dtype: str, d_pad: int) -> FwdVariant:
+def _fwd_variant(dtype: str, d_pad: int, masked: bool = False) -> FwdVariant:
     chunks = -(-d_pad // MAX_O_CHUNK)
     d_chunk = d_pad // chunks
+    # A masked tile's bias loads sit beside its scores: 64-key tiles spill on gfx11.
     for waves, block_n in _TILE_PREFERENCE:
+        if masked and block_n > 32:
+            continue
         if 2 * lds_elems_fwd(waves, block_n, d_pad, d_chunk) <= LDS_LIMIT:
-            return FwdVariant(dtype, d_pad, waves, block_n, d_chunk, fwd_copy_loads(d_pad, d_chunk))
+            return FwdVariant(dtype, d_pad, waves, block_n, d_chunk, fwd_copy_loads(d_pad, d_chunk), masked)
     raise ValueError(f"no tile shape fits LDS for head dim {d_pad}")
 
 
-FWD_VARIANTS = tuple(_fwd_variant(dt, d) for dt in DTYPES for d in PADDED_HEAD_DIMS)
+FWD_VARIANTS = tuple(_fwd_variant(dt, d, masked) for masked in (False, True) for dt in DTYPES
+                     for d in (PADDED_HEAD_DIMS if not masked else MASKED_PADDED_HEAD_DIMS))
 FWD_BY_SYMBOL = {v.symbol: v for v in FWD_VARIANTS}
 
 
-def fwd_variant(dtype: str, head_dim: int) -> FwdVariant:
-    return FWD_BY_SYMBOL[f"rdna_fa_fwd_{dtype}_d{padded_head_dim(head_dim)}"]
+def fwd_variant(dtype: str, head_dim: int, masked: bool = False) -> FwdVariant:
+    return FWD_BY_SYMBOL[f"rdna_fa_fwd_{dtype}_d{padded_head_dim(head_dim)}" + _MASKED_SUFFIX * masked]
 
 
 def _grad_chunk(d_pad: int) -> int:
@@ -115,8 +126,8 @@ def _grad_chunk(d_pad: int) -> int:
 
 
 def lds_elems_dkdv(block_m: int, d_pad: int, d_chunk: int) -> int:
-    """Mirrors DkdvShape in kernels/fa_bwd.h: Q, dO rows; Q^T, dO^T chunks; lse and delta floats."""
-    return 2 * block_m * (d_pad + LDS_ROW_PAD) + 2 * d_chunk * (block_m + LDS_ROW_PAD) + 4 * block_m
+    """Mirrors DkdvShape in kernels/fa_bwd.h: Q, dO rows; Q^T, dO^T chunks; lse, delta and row-sum floats."""
+    return 2 * block_m * (d_pad + LDS_ROW_PAD) + 2 * d_chunk * (block_m + LDS_ROW_PAD) + 6 * block_m
 
 
 def lds_elems_dq(block_n: int, d_pad: int, d_chunk: int) -> int:
@@ -134,10 +145,11 @@ class BwdVariant(_WaveTiled):
     waves: int
     block_tile: int  # rows of the streamed operand per LDS tile
     d_chunk: int
+    masked: bool = False
 
     @property
     def symbol(self) -> str:
-        return f"rdna_fa_bwd_{self.kind}_{self.dtype}_d{self.d_pad}"
+        return f"rdna_fa_bwd_{self.kind}_{self.dtype}_d{self.d_pad}" + _MASKED_SUFFIX * self.masked
 
     @property
     def fused(self) -> bool:
@@ -155,34 +167,35 @@ class BwdVariant(_WaveTiled):
         return 2 * lds(self.block_tile, self.d_pad, self.d_chunk)
 
 
-def _bwd_variant(kind: str, dtype: str, d_pad: int) -> BwdVariant:
+def _bwd_variant(kind: str, dtype: str, d_pad: int, masked: bool = False) -> BwdVariant:
     d_chunk = _grad_chunk(d_pad)
     lds = lds_elems_dkdv if kind == "dkdv" else lds_elems_dq
     # dQ keeps S^T and dP^T of the whole key tile live beside its accumulators: past 64 gradient
     # columns a 64-key tile spills on gfx11.
-    tiles = (32, 16) if kind == "dq" and d_chunk > 64 else (64, 32, 16)
+    tiles = (32, 16) if kind == "dq" and (d_chunk > 64 or masked) else (64, 32, 16)
     for tile in tiles:
         staging = BWD_WAVES * FRAG * (d_chunk + LDS_ROW_PAD)
         elems = lds(tile, d_pad, d_chunk)
         if 2 * elems <= LDS_LIMIT and staging <= elems:
-            return BwdVariant(kind, dtype, d_pad, BWD_WAVES, tile, d_chunk)
+            return BwdVariant(kind, dtype, d_pad, BWD_WAVES, tile, d_chunk, masked)
     raise ValueError(f"no backward tile shape fits LDS for head dim {d_pad}")
 
 
-BWD_VARIANTS = tuple(_bwd_variant(kind, dt, d) for kind in ("dkdv", "dq") for dt in DTYPES for d in PADDED_HEAD_DIMS)
+BWD_VARIANTS = tuple(_bwd_variant(kind, dt, d, masked) for masked in (False, True) for kind in ("dkdv", "dq")
+                     for dt in DTYPES for d in (PADDED_HEAD_DIMS if not masked else MASKED_PADDED_HEAD_DIMS))
 BWD_BY_SYMBOL = {v.symbol: v for v in BWD_VARIANTS}
 ALL_SYMBOLS = tuple(FWD_BY_SYMBOL) + tuple(BWD_BY_SYMBOL)
 
 
-def bwd_variant(kind: str, dtype: str, head_dim: int) -> BwdVariant:
-    return BWD_BY_SYMBOL[f"rdna_fa_bwd_{kind}_{dtype}_d{padded_head_dim(head_dim)}"]
+def bwd_variant(kind: str, dtype: str, head_dim: int, masked: bool = False) -> BwdVariant:
+    return BWD_BY_SYMBOL[f"rdna_fa_bwd_{kind}_{dtype}_d{padded_head_dim(head_dim)}" + _MASKED_SUFFIX * masked]
 
 
 def instantiation_lines() -> str:
     """C preprocessor lines that instantiate every variant; the build writes them to a header."""
     lines = [f"RDNA_FA_FWD_INSTANCE({v.symbol}, {v.dtype}, {v.d_pad}, {v.waves}, {v.block_n}, {v.d_chunk}, "
-             f"{v.copy_loads})"
+             f"{v.copy_loads}, {str(v.masked).lower()})"
              for v in FWD_VARIANTS]
     lines += [f"RDNA_FA_BWD_{v.kind.upper()}_INSTANCE({v.symbol}, {v.dtype}, {v.d_pad}, {v.waves}, {v.block_tile}, "
-              f"{v.d_chunk})" for v in BWD_VARIANTS]
+              f"{v.d_chunk}, {str(v.masked).lower()})" for v in BWD_VARIANTS]
     return "\n".join(lines) + "\n"

@@ -1,4 +1,9 @@
-"""fp64 attention reference and the error yardstick: PyTorch's math SDPA in the input dtype."""
+"""fp64 attention reference and the error yardstick: PyTorch's math SDPA in the input dtype.
+
+Masks follow SDPA (bool: True takes part; float: added to the scores), a causal mask is top-left
+aligned unless bottom_right (flash-attn's), fewer key/value heads than query heads are shared by
+groups (enable_gqa), and a row that sees no key gives zeros, as SDPA's math backend does.
+"""
 
 import math
 
@@ -6,37 +11,65 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
-def attention_fp64(q, k, v, is_causal=False, scale=None):
-    """Exact attention in float64 on (B, H, S, D) tensors; returns (out, lse)."""
+def additive_mask(attn_mask, dtype=torch.float64):
+    """attn_mask as a float bias: bool False becomes -inf."""
+    if attn_mask is None or attn_mask.dtype != torch.bool:
+        return None if attn_mask is None else attn_mask.to(dtype)
+    return torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill(~attn_mask, float("-inf"))
+
+
+def causal_mask(seq_q, seq_k, bottom_right=False, device="cuda"):
+    """True where a query sees a key: top-left (SDPA) or bottom-right (flash-attn) aligned."""
+    shift = seq_k - seq_q if bottom_right else 0
+    return torch.ones(seq_q, seq_k, dtype=torch.bool, device=device).tril(diagonal=shift)
+
+
+def _shared_heads(q, k, v):
+    group = q.shape[1] // k.shape[1]
+    return (k, v) if group == 1 else (k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
+
+
+def attention_fp64(q, k, v, is_causal=False, scale=None, attn_mask=None, bottom_right=False):
+    """Exact attention in float64 on (B, H, S, D) tensors; returns (out, lse). Differentiable."""
     q, k, v = (t.double() for t in (q, k, v))
+    k, v = _shared_heads(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = (q @ k.transpose(-1, -2)) * scale
     if is_causal:
-        rows, cols = scores.shape[-2:]
-        mask = torch.ones(rows, cols, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(~causal_mask(*scores.shape[-2:], bottom_right, q.device), float("-inf"))
+    if attn_mask is not None:
+        scores = scores + additive_mask(attn_mask)
     lse = torch.logsumexp(scores, dim=-1)
-    return torch.softmax(scores, dim=-1) @ v, lse
+    seen = torch.isfinite(lse)[..., None]
+    row_max = torch.where(seen, scores.amax(-1, keepdim=True), torch.zeros_like(lse[..., None])).detach()
+    weights = torch.exp(scores - row_max)  # 0 for every key of a row that sees none
+    total = weights.sum(-1, keepdim=True)
+    probs = weights / torch.where(seen, total, torch.ones_like(total))
+    return probs @ v, lse
 
 
-def sdpa_math(q, k, v, is_causal=False, scale=None):
+def sdpa_math(q, k, v, is_causal=False, scale=None, attn_mask=None, bottom_right=False):
+    """PyTorch's math SDPA in the inputs' dtype (a bottom-right causal mask passed as attn_mask)."""
+    if is_causal and bottom_right:
+        attn_mask, is_causal = causal_mask(q.shape[2], k.shape[2], True, q.device), False
+    extra = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
     with sdpa_kernel(SDPBackend.MATH):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                                                scale=scale, **extra)
 
 
 def max_error(a, b):
     return (a.double() - b.double()).abs().max().item()
 
 
-def grads_fp64(q, k, v, dout, is_causal=False, scale=None):
+def grads_fp64(q, k, v, dout, is_causal=False, scale=None, attn_mask=None, bottom_right=False):
     """dq, dk, dv of exact attention in float64."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out, _ = attention_fp64(q, k, v, is_causal, scale)
+    out, _ = attention_fp64(q, k, v, is_causal, scale, attn_mask, bottom_right)
     return torch.autograd.grad(out, (q, k, v), dout.double())
 
 
-def grads_sdpa_math(q, k, v, dout, is_causal=False, scale=None):
+def grads_sdpa_math(q, k, v, dout, is_causal=False, scale=None, attn_mask=None, bottom_right=False):
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    with sdpa_kernel(SDPBackend.MATH):
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+    out = sdpa_math(q, k, v, is_causal, scale, attn_mask, bottom_right)
     return torch.autograd.grad(out, (q, k, v), dout)

@@ -11,7 +11,7 @@ import torch
 
 os.environ["RDNA_FA_EMULATE"] = sys.argv[1] if len(sys.argv) > 1 else "gfx11"
 
-from rdna_flash_attn.ops.autograd import flash_attention  # noqa: E402  (the layer is chosen before the first load)
+from rdna_flash_attn.ops.autograd import flash_attention, flash_attention_varlen  # noqa: E402  (layer chosen first)
 
 
 def main() -> int:
@@ -23,6 +23,19 @@ def main() -> int:
                    for seq in (seq_q, seq_k, seq_k))
         out = flash_attention(q, k, v, causal)
         grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    # Masks (key padding and full, bool and additive), grouped key/value heads, a packed batch.
+    for dtype, head_dim, masked in itertools.product((torch.float16, torch.bfloat16), (64, 128, 160), (False, True)):
+        q = torch.randn(2, 4, 77, head_dim, dtype=dtype, device="cuda", requires_grad=True)
+        k, v = (torch.randn(2, 2, 33, head_dim, dtype=dtype, device="cuda", requires_grad=True) for _ in range(2))
+        mask = torch.rand(2, 1, 77 if masked else 1, 33, device="cuda") < 0.8
+        out = flash_attention(q, k, v, attn_mask=mask if masked else mask.to(dtype).log())
+        grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        cu = torch.tensor([0, 17, 17, 77], dtype=torch.int32, device="cuda")
+        packed = [q.detach()[0].transpose(0, 1).contiguous().requires_grad_() for _ in range(3)]  # (77, 4, d)
+        out_varlen, _ = flash_attention_varlen(*packed, cu, cu, 60, 60, True)
+        grads += torch.autograd.grad(out_varlen, packed, torch.randn_like(out_varlen))
         torch.cuda.synchronize()
         assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
     print(f"sanitize grid done on emulated {os.environ['RDNA_FA_EMULATE']}")

@@ -20,7 +20,8 @@ from rdna_flash_attn.runtime import loader as runtime, variants
 from rdna_flash_attn.dispatch import selftest
 from rdna_flash_attn.config import settings
 
-from ..test_api import BAD_CALLS, naive_flash_attn, outcome, random_call
+from ..test_api import BAD_CALLS, outcome, random_call
+from ..test_flash_attn_compat import reference as naive_flash_attn
 from .conftest import GPU
 from .reference import attention_fp64, grads_fp64, grads_sdpa_math, max_error, sdpa_math
 
@@ -230,9 +231,9 @@ def test_patch_sdpa_routes_torch_sdpa(launches):
     [
         (dict(q_len=300, k_len=300), {}, True),
         (dict(q_len=300, k_len=300), {"causal": True}, True),
-        (dict(q_len=100, k_len=300), {"causal": True}, False),
+        (dict(q_len=100, k_len=300), {"causal": True}, True),  # bottom-right: a mask
         (dict(q_len=300, k_len=300, heads=8, kv_heads=2), {}, True),
-        (dict(q_len=300, k_len=300), {"window_size": (32, 32)}, False),
+        (dict(q_len=300, k_len=300), {"window_size": (32, 32)}, True),
     ],
 )
 def test_flash_attn_func(launches, shape, kwargs, on_kernels):
@@ -244,13 +245,13 @@ def test_flash_attn_func(launches, shape, kwargs, on_kernels):
     if on_kernels:
         assert launches[0][0].data_ptr() == q.data_ptr()  # the caller's memory, no copy
     k_full, v_full = (t.repeat_interleave(heads // kv_heads, dim=2) for t in (k, v))
-    expected = naive_flash_attn(q.cpu(), k_full.cpu(), v_full.cpu(), causal=kwargs.get("causal", False),
-                                window=kwargs.get("window_size", (-1, -1)))
+    expected, _ = naive_flash_attn(q.cpu(), k_full.cpu(), v_full.cpu(), causal=kwargs.get("causal", False),
+                                   window=kwargs.get("window_size", (-1, -1)))
     torch.testing.assert_close(out.cpu().double(), expected, atol=4e-3, rtol=0)
 
 
 def test_explain(launches):
     q = torch.randn(1, 2, 64, 64, device=GPU, dtype=torch.bfloat16)
     assert rfa.explain(q, q, q).startswith("runs on the kernels")
-    assert "attn_mask" in rfa.explain(q, q, q, attn_mask=torch.ones(64, 64, dtype=torch.bool, device=GPU))
+    assert "mask" in rfa.explain(q, q, q, attn_mask=torch.ones(64, 64, dtype=torch.bool, device=GPU))
     assert not launches

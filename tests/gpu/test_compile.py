@@ -107,15 +107,16 @@ def test_compiled_training_step_matches_sdpa(kernel_runs):
         assert error <= 0.02 * scale, (name, error, scale)
 
 
-def test_unsupported_call_compiles_to_sdpa(kernel_runs):
+@pytest.mark.parametrize("width, on_kernels", [(128, True), (80, False)])  # head dim 64: masked kernels; 40: none
+def test_masked_call_compiles_to_the_kernels_op_where_one_exists(kernel_runs, width, on_kernels):
     torch.manual_seed(0)
-    model = SelfAttention(rfa.scaled_dot_product_attention)
-    x = torch.randn(1, 64, 128, device=GPU, dtype=torch.float16)
+    model = SelfAttention(rfa.scaled_dot_product_attention, width=width)
+    x = torch.randn(1, 64, width, device=GPU, dtype=torch.float16)
     mask = torch.rand(64, 64, device=GPU) > 0.5
     graphs = Graphs()
     with torch.no_grad():
         out = torch.compile(model, backend=graphs, fullgraph=True)(x, attn_mask=mask)
         model.attention = F.scaled_dot_product_attention
         expected = model(x, attn_mask=mask)
-    assert graphs.ops == [False] and not kernel_runs
+    assert graphs.ops == [on_kernels] and bool(kernel_runs) is on_kernels
     torch.testing.assert_close(out, expected, atol=5e-3, rtol=5e-3)

@@ -84,6 +84,7 @@ def _forward_launch(target, seq_q=64, seq_k=64, head_dim=64):
     strides = [s for t in (q, k, v, out) for s in t.stride()[:3]]
     args = FwdArgs(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), *strides,
                    lse.stride(0), lse.stride(1), seq_q, seq_k, head_dim, 0, 0.18, -(-seq_q // variant.block_rows))
+    args.kv_group = 1
     return library, variant, args, (q, k, v, out, lse)
 
 

@@ -126,3 +126,88 @@ def test_backward_code_object_matches_fp64(case):
         assert torch.isfinite(grad).all(), f"{name}: non-finite"
         error, bound = max_error(grad, ref), max(2 * max_error(base, ref), 1e-6)
         assert error <= bound, f"{name}: error {error:.3e} > 2 x SDPA math's"
+
+
+def _key_padding(batch, seq_k, dtype, generator):
+    """(B, 1, 1, Sk) additive mask with ragged key lengths, the last entry's keys all masked."""
+    lengths = torch.randint(1, seq_k + 1, (batch,), generator=generator)
+    lengths[-1] = 0
+    keep = torch.arange(seq_k)[None, :] < lengths[:, None]
+    return torch.zeros(batch, 1, 1, seq_k, dtype=dtype).masked_fill(~keep[:, None, None, :], float("-inf"))
+
+
+# (target, dtype, head dim, seq_q, seq_k, what): the kernel paths past ABI 1, forward and backward.
+PROBLEM_CASES = (
+    ("gfx1100", "f16", 64, 33, 77, "key_padding"),
+    ("gfx1201", "bf16", 128, 20, 40, "key_padding"),
+    ("gfx1100", "bf16", 96, 17, 33, "bool_mask"),
+    ("gfx1201", "f16", 160, 33, 17, "bool_mask"),
+    ("gfx1100", "f16", 64, 20, 33, "grouped_heads"),
+    ("gfx1201", "bf16", 160, 17, 9, "grouped_heads"),
+    ("gfx1100", "bf16", 64, 33, 17, "bottom_right"),
+    ("gfx1201", "f16", 40, 9, 20, "bottom_right"),
+)
+
+
+@pytest.mark.parametrize("backward", (False, True), ids=("fwd", "bwd"))
+@pytest.mark.parametrize("case", PROBLEM_CASES, ids=_case_id)
+def test_masked_grouped_and_bottom_right_code_objects_match_fp64(case, backward):
+    target, dtype_name, head_dim, seq_q, seq_k, what = case
+    dtype = DTYPES[dtype_name]
+    generator = torch.Generator().manual_seed(hash(case) % 2**31)
+    kv_heads = 1 if what == "grouped_heads" else 2
+    q, dout = (make_inputs(seq_q, head_dim, dtype, "bshd", generator) for _ in range(2))
+    k, v = (make_inputs(seq_k, head_dim, dtype, "bhsd", generator, heads=kv_heads) for _ in range(2))
+    mask = None
+    if what == "key_padding":
+        mask = _key_padding(2, seq_k, torch.float32 if dtype_name == "f16" else dtype, generator)
+    elif what == "bool_mask":
+        mask = torch.rand(1, 2, seq_q, seq_k, generator=generator) < 0.7
+        mask[0, 0, :3] = False  # rows that see no key give zeros
+    causal, bottom_right = what == "bottom_right", what == "bottom_right"
+    problem = dict(attn_mask=mask, bottom_right=bottom_right)
+    with runtime.explicit_library(library(target)):
+        out, lse = ops.flash_attention_forward(q, k, v, causal, **problem)
+        grads = ops.flash_attention_backward(dout, q, k, v, lse, causal, **problem) if backward else None
+    if not backward:
+        ref, _ = attention_fp64(q, k, v, causal, None, mask, bottom_right)
+        error, baseline = max_error(out, ref), max_error(sdpa_math(q, k, v, causal, None, mask, bottom_right), ref)
+        assert torch.isfinite(out).all() and error <= 2 * baseline, f"error {error:.3e} vs SDPA math's {baseline:.3e}"
+        return
+    reference = grads_fp64(q, k, v, dout, causal, None, mask, bottom_right)
+    baseline = grads_sdpa_math(q, k, v, dout, causal, None, mask, bottom_right)
+    for name, grad, ref, base in zip(("dq", "dk", "dv"), grads, reference, baseline):
+        assert grad.shape == ref.shape and torch.isfinite(grad).all(), f"{name}: shape or non-finite"
+        error, bound = max_error(grad, ref), max(2 * max_error(base, ref), 1e-6)
+        assert error <= bound, f"{name}: error {error:.3e} > 2 x SDPA math's"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_varlen_code_objects_match_fp64_per_entry(target):
+    """A packed batch of three entries (one without queries), forward and backward, causal bottom-right."""
+    dtype = torch.float16 if target == "gfx1100" else torch.bfloat16
+    generator = torch.Generator().manual_seed(11)
+    lengths_q, lengths_k = [17, 0, 5], [9, 20, 33]
+    heads, head_dim = 2, 64
+    q, dout = (torch.randn(sum(lengths_q), heads, head_dim, dtype=dtype, generator=generator) for _ in range(2))
+    k, v = (torch.randn(sum(lengths_k), heads, head_dim, dtype=dtype, generator=generator) for _ in range(2))
+    cu_q, cu_k = (torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+                  for lengths in (lengths_q, lengths_k))
+    with runtime.explicit_library(library(target)):
+        out, lse = ops.flash_attention_varlen_forward(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), True)
+        grads = ops.flash_attention_varlen_backward(dout, q, k, v, lse, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                                    True)
+    for b in range(3):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if lengths_q[b] == 0:
+            continue
+        entry = [t[span].transpose(0, 1).unsqueeze(0) for t, span in ((q, rows), (k, keys), (v, keys))]
+        ref, _ = attention_fp64(*entry, True, bottom_right=True)
+        got = out[rows].transpose(0, 1).unsqueeze(0)
+        assert max_error(got, ref) <= 2 * max_error(sdpa_math(*entry, True, bottom_right=True), ref)
+        entry_dout = dout[rows].transpose(0, 1).unsqueeze(0)
+        reference = grads_fp64(*entry, entry_dout, True, bottom_right=True)
+        baseline = grads_sdpa_math(*entry, entry_dout, True, bottom_right=True)
+        for grad, span, ref, base in zip(grads, (rows, keys, keys), reference, baseline):
+            error = max_error(grad[span].transpose(0, 1).unsqueeze(0), ref)
+            assert error <= max(2 * max_error(base, ref), 1e-6)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import rdna_flash_attn
-from rdna_flash_attn.runtime import artifacts, build_facts, loader as runtime
+from rdna_flash_attn.runtime import artifacts, build_facts, loader as runtime, variants
 from rdna_flash_attn.tools import rebuild
 
 from .conftest import REPO_PREBUILT, fallback_reason_of_one_call
@@ -30,8 +30,9 @@ def make_local_build(target: str, source: str = "gfx1100") -> artifacts.Path:
 
 @pytest.mark.parametrize("text, expected", [
     ("{not json", "is unreadable"),
-    (json.dumps({"abi_version": 1}), "has no targets table"),
-    (json.dumps({"abi_version": 1, "targets": {"gfx1100": {"sha256": "00"}}}), "malformed entry for gfx1100"),
+    (json.dumps({"abi_version": variants.ABI_VERSION}), "has no targets table"),
+    (json.dumps({"abi_version": variants.ABI_VERSION, "targets": {"gfx1100": {"sha256": "00"}}}),
+     "malformed entry for gfx1100"),
 ])
 def test_corrupt_manifest_is_a_clear_reason_and_sdpa_runs(prebuilt_copy, amd_gpu, text, expected):
     (prebuilt_copy / "manifest.json").write_text(text)

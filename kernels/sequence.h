@@ -1,0 +1,104 @@
+// What the forward and backward kernels share about one (batch, head) of a launch: where its rows
+// lie in packed variable-length batches, its causal diagonal, and its attention mask.
+#pragma once
+#include "tiles.h"
+
+namespace rdna {
+
+// Kernel argument codes; mirrored by rdna_flash_attn/ops/launch_args.py.
+enum Causal : int { kNotCausal = 0, kCausalTopLeft = 1, kCausalBottomRight = 2 };
+enum MaskKind : int { kMaskNone = 0, kMaskBool = 1, kMaskF16 = 2, kMaskBf16 = 3, kMaskF32 = 4 };
+
+// One batch entry's queries and keys. Packed batches (cu_seqlens, flash-attn's varlen layout) give
+// entry b the rows cu_seqlens[b] .. cu_seqlens[b + 1] of a batch stride 0 tensor; otherwise every
+// entry has the launch's lengths and starts at row 0.
+struct Sequence {
+  int q_row0, k_row0, seqlen_q, seqlen_k;
+  int diagonal;  // key index a query sees last is query + diagonal (causal only)
+
+  static RDNA_DEV Sequence of(const int* cu_seqlens_q, const int* cu_seqlens_k, i64 batch, int seqlen_q,
+                              int seqlen_k, int causal) {
+    Sequence s{0, 0, seqlen_q, seqlen_k, 0};
+    if (cu_seqlens_q) {
+      s.q_row0 = cu_seqlens_q[batch];
+      s.seqlen_q = cu_seqlens_q[batch + 1] - s.q_row0;
+      s.k_row0 = cu_seqlens_k[batch];
+      s.seqlen_k = cu_seqlens_k[batch + 1] - s.k_row0;
+    }
+    // Bottom-right alignment (flash-attn's): the last query sees the last key.
+    s.diagonal = causal == kCausalBottomRight ? s.seqlen_k - s.seqlen_q : 0;
+    return s;
+  }
+
+  // Keys [0, visible_keys(query)) are visible to `query`: its causal limit, clamped to [0, seqlen_k].
+  RDNA_DEV int visible_keys(int causal, int query) const {
+    if (!causal) return seqlen_k;
+    const int end = query + 1 + diagonal;
+    return end < 0 ? 0 : min_int(end, seqlen_k);
+  }
+};
+
+constexpr float kBiasFloor = -1073741824.f;  // -2^30, in log2 units
+
+// An attention mask or bias of one (batch, head) in any dtype SDPA takes, read as an additive bias in
+// the kernels' log2 units: a bool mask's False is -inf, a float bias is scaled by log2(e). Offsets
+// within a (batch, head) are 32-bit (the launcher checks they fit): fewer registers beside the
+// accumulators.
+struct MaskView {
+  const unsigned char* base;  // element (0, 0) of this (batch, head); null: no mask
+  int stride_q, stride_k;     // in elements; 0 along broadcast dimensions
+  int kind;
+  int last_q, last_k;         // reads are clamped here: padding rows and keys are masked elsewhere
+
+  static RDNA_DEV MaskView of(const void* mask, int kind, i64 stride_b, i64 stride_h, i64 stride_q, i64 stride_k,
+                              i64 batch, i64 head, const Sequence& seq) {
+    // Null without a mask. The select also makes the pointer generic: its flat loads take a 64-bit
+    // VGPR address, where global loads of the four mask dtypes keep their bases in SGPRs and spill
+    // 40 of them on gfx11 (report --check).
+    const int bytes = kind == kMaskBool ? 1 : kind == kMaskF32 ? 4 : 2;
+    const unsigned char* base =
+        mask ? static_cast<const unsigned char*>(mask) + (batch * stride_b + head * stride_h) * bytes : nullptr;
+    return MaskView{base, int(stride_q), int(stride_k), kind, seq.seqlen_q - 1, seq.seqlen_k - 1};
+  }
+
+  // The offset of a query's row, for bias_log2.
+  RDNA_DEV int row(int query) const { return min_int(query, last_q) * stride_q; }
+
+  // Element i of this (batch, head) (i counted from base, in elements) as a bias in log2 units.
+  RDNA_DEV float bias_at(int i) const {
+    if (kind == kMaskBool) return base[i] ? 0.f : -__builtin_inff();
+    if (kind == kMaskF16) return scaled(from_bits(f16{}, reinterpret_cast<const u16*>(base)[i]));
+    if (kind == kMaskBf16) return scaled(from_bits(bf16{}, reinterpret_cast<const u16*>(base)[i]));
+    return scaled(reinterpret_cast<const float*>(base)[i]);
+  }
+
+  RDNA_DEV float bias_log2(int row_offset, int key) const {
+    return bias_at(row_offset + min_int(key, last_k) * stride_k);
+  }
+
+  // The biases of keys key0 .. key0 + 7 of one row. Keys in a row (stride 1, the usual case) are 8
+  // loads from one address; otherwise one load at a time, so that no more than one address is live
+  // beside the accumulators.
+  RDNA_DEV void biases_log2(int row_offset, int key0, float (&out)[8]) const {
+    if (stride_k == 1 && key0 + 7 <= last_k) {
+      #pragma unroll
+      for (int s = 0; s < 8; ++s) out[s] = bias_at(row_offset + key0 + s);
+      return;
+    }
+    #pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      out[s] = bias_log2(row_offset, key0 + s);
+      compiler_fence();
+    }
+  }
+
+  // A finite bias stays finite, and no lower than -2^30: a row whose keys all carry huge finite
+  // biases (a dtype's lowest, -1e9) then averages them as SDPA's float32 does, instead of giving
+  // zeros, and its scores keep magnitudes whose log-sum-exp float32 holds within 2^7 (the backward
+  // renormalises the rest, fa_bwd.h). Finite biases below -2^30 / log2(e) = -7.4e8 count alike.
+  static RDNA_DEV float scaled(float value) {
+    return value == -__builtin_inff() ? value : max_f32(value * kLog2e, kBiasFloor);
+  }
+};
+
+}  // namespace rdna
