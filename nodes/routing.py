@@ -129,6 +129,16 @@ def fallback_name(options: RoutingOptions) -> str:
     return "ComfyUI's PyTorch attention" if options.fallback == FALLBACK_PYTORCH else "ComfyUI's attention"
 
 
+def _sdpa_mask(mask):
+    """A ComfyUI backend's mask as SDPA's: ComfyUI reads a 2-D mask as (queries, keys) and a 3-D one
+    as (batch, queries, keys), where SDPA would broadcast a 3-D one over batches."""
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        mask = mask[None]
+    if isinstance(mask, torch.Tensor) and mask.dim() == 3:
+        mask = mask[:, None]
+    return mask
+
+
 def kernel_attention(named: dict, extra: dict, options: RoutingOptions) -> torch.Tensor | str:
     """The kernels' result for one ComfyUI backend call, or the reason it falls back."""
     core = core_or_reason()
@@ -157,11 +167,17 @@ def kernel_attention(named: dict, extra: dict, options: RoutingOptions) -> torch
         if k4 is None or v4 is None:
             return refuse("k or v is neither (batch, tokens, heads * head dim) nor (batch, tokens, heads, head dim)",
                           fallback)
+    mask = named.get("mask")
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+        # ComfyUI's backends disagree on bool masks (its basic attention reads them as key padding);
+        # its models pass additive ones.
+        return refuse("bool mask in a ComfyUI attention call (ComfyUI's backends read them in different ways)",
+                      fallback)
     # attn_precision=torch.float32 (SD2.x) asks for softmax in float32: the kernels accumulate and
     # normalise in float32 whatever their input type, so it needs no fallback.
     out = core.attention_or_reason(
-        q4, k4, v4, attn_mask=named.get("mask"), scale=extra.get("scale"), enable_gqa=extra.get("enable_gqa", False),
-        fallback_name=fallback,
+        q4, k4, v4, attn_mask=_sdpa_mask(mask), scale=extra.get("scale"),
+        enable_gqa=extra.get("enable_gqa", False), fallback_name=fallback,
     )
     if isinstance(out, str) or named.get("skip_output_reshape", False):
         return out

@@ -95,8 +95,8 @@ FALLBACKS = {
     # name: (make (args, kwargs), a word the reason must contain)
     "3-D inputs": (lambda: ([t[0] for t in qkv()], {}), "4-D"),
     "5-D inputs": (lambda: ([t.unsqueeze(0) for t in qkv()], {}), "4-D"),
-    "bool mask": (lambda: (qkv(), {"attn_mask": torch.ones(40, 40, dtype=torch.bool)}), "attn_mask"),
-    "additive mask": (lambda: (qkv(), {"attn_mask": torch.zeros(40, 40, dtype=torch.float16)}), "attn_mask"),
+    "mask at a head dim without masked kernels": (
+        lambda: (qkv(dim=40), {"attn_mask": torch.ones(40, 40, dtype=torch.bool)}), "masked kernels"),
     "dropout": (lambda: (qkv(), {"dropout_p": 0.1}), "dropout"),
     "dropout as a tensor": (lambda: (qkv(), {"dropout_p": torch.tensor(0.0)}), "dropout"),
     "scale as a tensor": (lambda: (qkv(), {"scale": torch.tensor(0.5)}), "scale"),
@@ -105,7 +105,6 @@ FALLBACKS = {
     "head dim 12": (lambda: (qkv(dim=12), {}), "head dim"),
     "head dim 264": (lambda: (qkv(dim=264), {}), "head dim"),
     "value head dim differs": (lambda: (qkv()[:2] + [torch.randn(2, 3, 40, 32, dtype=torch.float16)], {}), "head dim"),
-    "grouped-query": (lambda: ([qkv(heads=4)[0]] + qkv(heads=2)[1:], {"enable_gqa": True}), "head counts"),
     "broadcast batch": (lambda: ([qkv(batch=2)[0]] + qkv(batch=1)[1:], {}), "batch"),
     "empty query": (lambda: (qkv(q_len=0), {}), "empty"),
     "empty keys": (lambda: (qkv(k_len=0), {}), "empty"),
@@ -539,3 +538,62 @@ def test_an_explicit_library_serves_ops_callers_not_the_dispatcher(caplog):
     assert rfa.stats()["kernel"] == 0 and rfa.stats()["fallback"] == 2
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not any("failed" in reason for reason in rfa.stats()["fallback_reasons"])
+
+
+# --- masks and grouped key/value heads on the kernels ----------------------------------------------
+
+
+@pytest.mark.parametrize("mask_shape, dtype", [
+    ((40, 40), torch.bool), ((2, 1, 1, 40), torch.float16), ((1, 40), torch.float32), ((2, 3, 40, 40), torch.bool)])
+def test_masks_run_on_the_kernels_with_sdpas_result(fake_gpu, mask_shape, dtype):
+    q, k, v = qkv()
+    generator = torch.Generator().manual_seed(3)
+    if dtype == torch.bool:
+        mask = torch.rand(mask_shape, generator=generator) < 0.7
+    else:
+        mask = torch.zeros(mask_shape, dtype=dtype).masked_fill(torch.rand(mask_shape, generator=generator) < 0.3,
+                                                                float("-inf"))
+    with torch.no_grad():
+        out = rfa.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                  attn_mask=mask if dtype == torch.bool else mask.float())
+    assert rfa.stats() == {"kernel": 1, "fallback": 0, "fallback_reasons": {}}
+    torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=0)
+    assert "mask" in rfa.explain(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    ({"attn_mask": torch.zeros(40, 40, dtype=torch.bfloat16)}, "attn_mask dtype"),
+    ({"attn_mask": torch.zeros(3, 40)}, "broadcast"),
+    ({"attn_mask": torch.ones(40, 40, dtype=torch.bool), "is_causal": True}, "is_causal")])
+def test_masks_sdpa_refuses_get_sdpas_own_error(fake_gpu, kwargs, word):
+    q, k, v = qkv()
+    expected = outcome_type(F.scaled_dot_product_attention, q, k, v, **kwargs)
+    assert outcome_type(rfa.scaled_dot_product_attention, q, k, v, **kwargs) is expected
+    assert word in only_reason()
+
+
+def outcome_type(fn, *args, **kwargs):
+    try:
+        return type(fn(*args, **kwargs))
+    except Exception as exc:
+        return type(exc)
+
+
+def test_mask_that_needs_a_gradient_falls_back(fake_gpu):
+    q, k, v = qkv()
+    bias = torch.zeros(40, 40, dtype=torch.float16, requires_grad=True)
+    rfa.scaled_dot_product_attention(q, k, v, attn_mask=bias).float().sum().backward()
+    assert "requires grad" in only_reason() and bias.grad is not None
+
+
+def test_grouped_heads_run_on_the_kernels_only_with_enable_gqa(fake_gpu):
+    q, (k, v) = qkv(heads=4)[0], qkv(heads=2)[1:]
+    with torch.no_grad():
+        out = rfa.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
+    torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=0)
+    assert fake_gpu.launches[0][1].shape[1] == 2  # key/value heads as given: not repeated in memory
+    with pytest.raises(RuntimeError):
+        rfa.scaled_dot_product_attention(q, k, v)  # SDPA's own error without enable_gqa
+    assert "enable_gqa" in rfa.stats()["fallback_reasons"].popitem()[0]

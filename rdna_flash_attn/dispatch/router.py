@@ -66,6 +66,7 @@ class KernelCall(NamedTuple):
     scale: float | None
     out_dtype: torch.dtype  # what SDPA would have returned
     backward: bool  # autograd needs the differentiable op
+    attn_mask: torch.Tensor | None = None
 
 
 class Route(NamedTuple):
@@ -222,12 +223,14 @@ def _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
         return "nested or sparse tensors"
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return "inputs are not 4-D (batch, heads, tokens, head dim)"
-    if attn_mask is not None:
-        return "attn_mask given (the kernels have no mask support)"
     if type(dropout_p) not in (float, int) or dropout_p != 0:
         return "dropout_p is not 0"
     if type(is_causal) is not bool or type(enable_gqa) is not bool:
         return "is_causal or enable_gqa is not a bool"
+    if is_causal and attn_mask is not None:
+        return "attn_mask and is_causal both given"  # SDPA raises its own error for these
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        return "key/value heads differ from query heads and enable_gqa is False"
     if scale is not None and type(scale) not in (float, int):
         return "scale is not a Python number"
     if key.shape[2] != value.shape[2]:
@@ -251,7 +254,7 @@ def _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
     if run_dtype is not None:
         query, key, value = query.to(run_dtype), key.to(run_dtype), value.to(run_dtype)
     scale = None if scale is None else float(scale)
-    refusal = attention.forward_refusal(query, key, value, is_causal, scale)
+    refusal = attention.forward_refusal(query, key, value, is_causal, scale, attn_mask)
     if refusal:
         return refusal
     if tracing:
@@ -319,7 +322,7 @@ def plan(
     if isinstance(route, str):
         return route
     query, key, value, scale = _kernel_inputs(route, query, key, value, scale)
-    return KernelCall(query, key, value, is_causal, scale, route.out_dtype, route.backward)
+    return KernelCall(query, key, value, is_causal, scale, route.out_dtype, route.backward, attn_mask)
 
 
 def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False) -> str:
@@ -329,6 +332,10 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *
     if isinstance(call, str):
         return f"falls back to PyTorch SDPA: {call}"
     kind = "causal" if call.is_causal else "non-causal"
+    if call.attn_mask is not None:
+        kind += f", {'bool' if call.attn_mask.dtype == torch.bool else 'additive'} mask"
+    if call.key.shape[1] != call.query.shape[1]:
+        kind += f", {call.query.shape[1] // call.key.shape[1]} query heads per key/value head"
     grad = ", forward and backward" if call.backward else ""
     return f"runs on the kernels: {call.query.dtype}, head dim {call.query.shape[-1]}, {kind}{grad}"
 
@@ -370,13 +377,14 @@ def _kernel_inputs(route: Route, query, key, value, scale):
     return query, key, value, None if scale is None else float(scale)
 
 
-def _run(route: Route, query, key, value, is_causal: bool, scale, signature: tuple | None = None,
+def _run(route: Route, query, key, value, attn_mask, is_causal: bool, scale, signature: tuple | None = None,
          tracing: bool = False) -> torch.Tensor:
-    """The kernels' result on `route`. An eager forward-only call of a cached signature runs the
-    route's prepared launch, preparing it (and caching the route with it) the first time."""
+    """The kernels' result on `route`. An eager forward-only call of a cached signature (never one
+    with a mask) runs the route's prepared launch, preparing it (and caching the route with it) the
+    first time."""
     query, key, value, scale = _kernel_inputs(route, query, key, value, scale)
     if route.backward or tracing:  # the custom op: differentiable, and what a graph can hold
-        out = autograd.flash_attention(query, key, value, is_causal, scale)
+        out = autograd.flash_attention(query, key, value, is_causal, scale, attn_mask=attn_mask)
     elif route.launch is not None:
         out, _lse = route.launch(query, key, value)
     elif signature is not None:
@@ -385,7 +393,7 @@ def _run(route: Route, query, key, value, is_causal: bool, scale, signature: tup
         _remember(signature, route._replace(launch=launch), generation)
         out, _lse = launch(query, key, value)
     else:
-        out, _lse = attention.flash_attention_forward(query, key, value, is_causal, scale)
+        out, _lse = attention.flash_attention_forward(query, key, value, is_causal, scale, attn_mask=attn_mask)
     return out if out.dtype == route.out_dtype else out.to(route.out_dtype)
 
 
@@ -408,28 +416,67 @@ def attention_or_reason(
     logged once, with `fallback_name`: what the caller runs instead); the caller then runs its own
     fallback. For hosts whose fallback is their own attention backend rather than PyTorch SDPA.
     Calls inside compiled graphs are decided once per graph and not counted."""
-    global _kernel_calls
     if _is_compiling():
         route = _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if isinstance(route, str):
             _note_traced_fallback(route, fallback_name)
             return route
-        return _run(route, query, key, value, is_causal, scale, tracing=True)
+        return _run(route, query, key, value, attn_mask, is_causal, scale, tracing=True)
     signature, route = _signed_route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if not isinstance(route, str):
-        try:
-            out = _run(route, query, key, value, is_causal, scale, signature)
-        except KernelUnavailable as exc:
-            route = str(exc)
-        except Exception as exc:  # a kernel-side bug must cost speed, never the host's run
-            route = f"the kernels failed ({type(exc).__name__}: {exc}); off for {query.device}"
-            log.exception("kernel call failed on %s; the kernels are now off for that device", query.device)
-            _disable_device(query.device, route)
-        else:
-            _kernel_calls += 1
-            return out
-    _note_fallback(route, fallback_name)
-    return route
+    if isinstance(route, str):
+        _note_fallback(route, fallback_name)
+        return route
+    return _counted(lambda: _run(route, query, key, value, attn_mask, is_causal, scale, signature), query.device,
+                    fallback_name)
+
+
+def _counted(run, device: torch.device, fallback_name: str):
+    """run()'s result, counted as a kernel call; or, when the kernels fail, the reason (counted as a
+    fallback, and a failure other than an unavailable library turns the kernels off for the device)."""
+    global _kernel_calls
+    try:
+        out = run()
+    except KernelUnavailable as exc:
+        reason = str(exc)
+    except Exception as exc:  # a kernel-side bug must cost speed, never the host's run
+        reason = f"the kernels failed ({type(exc).__name__}: {exc}); off for {device}"
+        log.exception("kernel call failed on %s; the kernels are now off for that device", device)
+        _disable_device(device, reason)
+    else:
+        _kernel_calls += 1
+        return out
+    _note_fallback(reason, fallback_name)
+    return reason
+
+
+def _varlen_refusal(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> str | None:
+    if settings.disable:
+        return "disabled (RDNA_FA_DISABLE / settings.disable)"
+    if any(type(t) is not torch.Tensor for t in (q, k, v)):
+        return "query, key and value are not all plain torch.Tensor objects"
+    if _is_compiling():
+        return "packed variable-length batches are not traced by torch.compile"
+    refusal = device_refusal(q.device)
+    if refusal:
+        return refusal
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad) and not settings.training:
+        return "gradients needed and RDNA_FA_TRAINING=0"
+    return (attention.varlen_refusal(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+            or selftest_refusal(q.device))
+
+
+def varlen_attention_or_reason(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                               is_causal: bool = False, scale: float | None = None, *,
+                               fallback_name: str = "the caller's attention"):
+    """(out, lse) of a packed variable-length batch (flash-attn's varlen layout, causal aligned
+    bottom-right per entry) through the kernels, differentiable; else the reason they cannot take it
+    (counted and logged once, as attention_or_reason does)."""
+    reason = _varlen_refusal(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if reason is not None:
+        _note_fallback(reason, fallback_name)
+        return reason
+    return _counted(lambda: autograd.flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                            max_seqlen_k, is_causal, scale), q.device, fallback_name)
 
 
 def scaled_dot_product_attention(

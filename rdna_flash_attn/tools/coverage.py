@@ -78,25 +78,36 @@ class ReferenceLibrary:
         return self._gradients if variant.kind == "dq" else lambda args, buffers: None
 
     @staticmethod
-    def _attention(q, k, v, causal: bool, scale: float):
+    def _attention(q, k, v, causal: bool, scale: float, mask: torch.Tensor | None):
+        group = q.shape[1] // k.shape[1]  # grouped key/value heads
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         scores = (q.float() @ k.float().transpose(-2, -1)) * scale
         if causal:
             allowed = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
             scores = scores.masked_fill(~allowed, float("-inf"))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
         return scores.softmax(-1) @ v.float(), scores.logsumexp(-1)
 
+    @staticmethod
+    def _mask(args, extra_buffers) -> torch.Tensor | None:
+        """The attention mask among a launch's extra buffers (the ops put it first)."""
+        if args.cu_seqlens_q:
+            raise NotImplementedError("the coverage stand-in computes no packed variable-length batches")
+        return extra_buffers[0] if args.mask else None
+
     def _forward(self, args, buffers) -> None:
-        q, k, v, out, lse = buffers
-        result, logsumexp = self._attention(q, k, v, bool(args.causal), args.scale_log2 / LOG2_E)
+        q, k, v, out, lse, *extra = buffers
+        result, logsumexp = self._attention(q, k, v, bool(args.causal), args.scale_log2 / LOG2_E, self._mask(args, extra))
         out.copy_(result)
         lse.copy_(logsumexp)
         self.flops += attention_flops(q, k)
 
     def _gradients(self, args, buffers) -> None:
-        q, k, v, dout, _lse, delta, dq, dk, dv = buffers
+        q, k, v, dout, _lse, delta, dq, dk, dv, *extra = buffers
         leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
         with torch.enable_grad():
-            out, _ = self._attention(*leaves, bool(args.causal), args.scale)
+            out, _ = self._attention(*leaves, bool(args.causal), args.scale, self._mask(args, extra))
             grads = torch.autograd.grad(out, leaves, dout.float())
         for target, grad in zip((dq, dk, dv), grads):
             target.copy_(grad)

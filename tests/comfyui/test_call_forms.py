@@ -65,26 +65,45 @@ def test_supported_call_forms_run_on_the_kernels(form, attention, routed, fake_g
     assert rdna_flash_attn.stats()["kernel"] == 1 and rdna_flash_attn.stats()["fallback"] == 0
 
 
-MASKS = {
-    "2-D bool": lambda: torch.rand(64, 7, generator=torch.Generator().manual_seed(5)) > 0.3,
-    "3-D additive": lambda: torch.randn(2, 64, 7, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16),
-    "4-D bool": lambda: torch.rand(2, 1, 64, 7, generator=torch.Generator().manual_seed(5)) > 0.3,
+MASKS = {  # additive, as ComfyUI's models pass them
+    "2-D": lambda: torch.randn(64, 7, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16),
+    "3-D": lambda: torch.randn(2, 64, 7, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16),
+    "4-D key padding": lambda: torch.zeros(2, 1, 1, 7, dtype=torch.bfloat16).index_fill_(-1, torch.tensor([5, 6]),
+                                                                                          float("-inf")),
 }
 
 
 @pytest.mark.parametrize("mask", MASKS)
-def test_masked_calls_run_the_original_backend_and_say_why_once(mask, attention, routed, fake_gpu, log_records):
-    q, k, v = flat_qkv()
+def test_masked_calls_run_on_the_kernels_as_comfyui_reads_the_mask(mask, attention, routed, fake_gpu):
+    q, k, v = flat_qkv(head_dim=64)
     mask = MASKS[mask]()
+    expected = attention.optimized_attention_masked(q, k, v, 8, mask, transformer_options={})
+    out = attention.optimized_attention_masked(q, k, v, 8, mask, transformer_options=routed)
+    torch.testing.assert_close(out.float(), expected.float(), atol=BF16_TOLERANCE, rtol=BF16_TOLERANCE)
+    assert len(fake_gpu.launches) == 1 and rdna_flash_attn.stats()["fallback"] == 0
+
+
+def test_masked_calls_without_masked_kernels_run_the_original_backend_and_say_why_once(attention, routed, fake_gpu,
+                                                                                       log_records):
+    q, k, v = flat_qkv()  # head dim 16: no masked kernel
+    mask = MASKS["2-D"]()
     expected = attention.optimized_attention_masked(q, k, v, 8, mask, transformer_options={})
     for _ in range(2):
         out = attention.optimized_attention_masked(q, k, v, 8, mask, transformer_options=routed)
         assert torch.equal(out, expected)
     assert fake_gpu.launches == []
-    assert rdna_flash_attn.stats()["fallback_reasons"] == {"attn_mask given (the kernels have no mask support)": 2}
+    ((reason, count),) = rdna_flash_attn.stats()["fallback_reasons"].items()
+    assert count == 2 and reason.startswith("attn_mask with head dim 16")
     assert [r.getMessage() for r in log_records.records].count(
-        "RDNA Flash Attention: not using the kernels: attn_mask given (the kernels have no mask support) "
-        "(ComfyUI's attention runs these calls)") == 1
+        f"RDNA Flash Attention: not using the kernels: {reason} (ComfyUI's attention runs these calls)") == 1
+
+
+def test_bool_masks_run_the_original_backend(attention, routed, node_package, fake_gpu):
+    q, k, v = flat_qkv(head_dim=64)
+    mask = torch.rand(2, 1, 64, 7, generator=torch.Generator().manual_seed(5)) > 0.3
+    expected = attention.optimized_attention_masked(q, k, v, 8, mask, transformer_options={})
+    assert torch.equal(attention.optimized_attention_masked(q, k, v, 8, mask, transformer_options=routed), expected)
+    assert fake_gpu.launches == [] and "bool mask" in next(iter(node_package.routing.comfy_fallbacks))
 
 
 def test_unsupported_head_dim_runs_the_original_backend(attention, routed, fake_gpu, log_records):
@@ -198,13 +217,16 @@ def test_scale_is_honoured(node_package, fake_gpu):
     assert fake_gpu.launches[0][4] == 0.3
 
 
-def test_grouped_query_attention_falls_back(node_package, fake_gpu):
+def test_grouped_query_attention_runs_on_the_kernels_without_repeating_heads(node_package, fake_gpu):
     override = node_package.model_patch.make_override(node_package.routing.RoutingOptions())
     seen = []
     q = randn(1, 8, 16, 16)
     k, v = randn(1, 2, 16, 16, seed=1), randn(1, 2, 16, 16, seed=2)
-    override(spy_backend(seen), q, k, v, 8, skip_reshape=True, enable_gqa=True)
-    assert len(seen) == 1 and seen[0]["enable_gqa"] is True and fake_gpu.launches == []
+    out = override(spy_backend(seen), q, k, v, 8, skip_reshape=True, enable_gqa=True)
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
+    torch.testing.assert_close(out.float().unflatten(-1, (8, 16)).transpose(1, 2), expected,
+                               atol=BF16_TOLERANCE, rtol=BF16_TOLERANCE)
+    assert seen == [] and fake_gpu.launches[0][1].shape[1] == 2
 
 
 def test_low_precision_attention_false_keeps_float32_off_16_bit_kernels(node_package, fake_gpu):
