@@ -9,6 +9,11 @@ early, so the program's import order (ZLUDA set-up, environment tweaks before `i
 own; a Python program that never imports torch pays the reading of this file and one finder on
 sys.meta_path that answers every import with a name comparison.
 
+With RDNA_FA_FLASH_ATTN=1 at interpreter start, install() also puts rdna_flash_attn's stand-in for
+Dao-AILab's flash-attn (the flash_attn_shim folder beside this file: flash-attn 2.8.3's Python API on
+the dispatcher) first on sys.path, so that `import flash_attn` finds it, unless a real flash-attn is
+importable: that one is always used instead.
+
 Interpreter start must never fail because of this: every error is logged once and swallowed. The
 hook loads this file by its path, without importing the package (whose `__init__` imports torch), so
 nothing here may import torch or the package at module level.
@@ -17,11 +22,15 @@ nothing here may import torch or the package at module level.
 from __future__ import annotations
 
 import importlib.abc
+import importlib.util
 import logging
 import os
 import sys
 
 ENV_VAR = "RDNA_FA_PATCH_SDPA"
+FLASH_ATTN_ENV_VAR = "RDNA_FA_FLASH_ATTN"
+# The folder that goes on sys.path: it holds the `flash_attn` package and its 2.8.3 metadata.
+FLASH_ATTN_SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flash_attn_shim")
 LOGGER_NAME = "rdna_flash_attn"  # the same as config.LOGGER_NAME; config imports torch, this must not
 
 log = logging.getLogger(LOGGER_NAME)
@@ -33,6 +42,47 @@ def requested(environ=None) -> bool:
     """Whether the environment asks for the override (RDNA_FA_PATCH_SDPA=1/true/yes/on)."""
     environ = os.environ if environ is None else environ
     return environ.get(ENV_VAR, "").strip().lower() in _TRUE_WORDS
+
+
+def flash_attn_requested(environ=None) -> bool:
+    """Whether the environment asks for the flash-attn stand-in (RDNA_FA_FLASH_ATTN=1/true/yes/on)."""
+    environ = os.environ if environ is None else environ
+    return environ.get(FLASH_ATTN_ENV_VAR, "").strip().lower() in _TRUE_WORDS
+
+
+def _same_folder(a: str, b: str) -> bool:
+    return os.path.normcase(os.path.realpath(a)) == os.path.normcase(os.path.realpath(b))
+
+
+def real_flash_attn() -> str | None:
+    """Where `import flash_attn` finds a flash-attn other than the stand-in, or None."""
+    spec = importlib.util.find_spec("flash_attn")
+    if spec is None:
+        return None
+    folders = list(spec.submodule_search_locations or [os.path.dirname(spec.origin or "")])
+    if folders and all(_same_folder(os.path.dirname(folder), FLASH_ATTN_SHIM_DIR) for folder in folders):
+        return None
+    return spec.origin or folders[0]
+
+
+def provide_flash_attn(environ=None, position: int = 0) -> str | None:
+    """When RDNA_FA_FLASH_ATTN asks for it, put the stand-in's folder on sys.path at `position` (at
+    interpreter start 0, before which Python then puts the program's own folder), unless a real
+    flash-attn is importable: then that one stays, and where it lies is returned. Never raises."""
+    if not flash_attn_requested(environ):
+        return None
+    try:
+        real = real_flash_attn()
+        if real is not None:
+            log.info("%s is set, but flash-attn is installed (%s): it is used, not rdna_flash_attn's stand-in",
+                     FLASH_ATTN_ENV_VAR, real)
+            return real
+        if not any(_same_folder(entry or os.curdir, FLASH_ATTN_SHIM_DIR) for entry in sys.path):
+            sys.path.insert(position, FLASH_ATTN_SHIM_DIR)
+    except Exception as exc:  # never into interpreter start
+        log.warning("%s is set but the flash-attn stand-in could not be put on sys.path: %s: %s",
+                    FLASH_ATTN_ENV_VAR, type(exc).__name__, exc)
+    return None
 
 
 def _enable_now() -> None:
@@ -55,8 +105,6 @@ class _AfterTorchImport(importlib.abc.MetaPathFinder):
         if not requested():
             return None
         try:
-            import importlib.util
-
             spec = importlib.util.find_spec("torch")
         except Exception as exc:
             log.warning("%s: could not look up torch: %s: %s", ENV_VAR, type(exc).__name__, exc)
@@ -77,8 +125,10 @@ class _AfterTorchImport(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Install the override now if torch is already imported and RDNA_FA_PATCH_SDPA asks for it, else
-    decide right after torch's import. Never raises."""
+    """Put the flash-attn stand-in on sys.path if RDNA_FA_FLASH_ATTN asks for it; install the override
+    now if torch is already imported and RDNA_FA_PATCH_SDPA asks for it, else decide right after
+    torch's import. Never raises."""
+    provide_flash_attn()
     try:
         if "torch" in sys.modules:
             if requested():

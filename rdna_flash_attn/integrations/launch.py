@@ -11,8 +11,13 @@ sys.argv, its folder first on sys.path, its exit code and its exceptions. Code t
 diffusers' default processors and "native" backend, OneTrainer) then runs attention on the kernels
 where supported, backward included unless --no-training.
 
+--flash-attn also gives code written for Dao-AILab's flash-attn (`import flash_attn`, flash-attn 2.8.3's
+API: HunyuanVideo, Wan, Lumina 2, sd-scripts' flash attention option, diffusers' "flash" backend)
+rdna_flash_attn's stand-in for it, unless a real flash-attn is installed, which is then used.
+
 The environment passes the choice on to child Python processes (RDNA_FA_PATCH_SDPA=1, and
-RDNA_FA_TRAINING=0 with --no-training), which the installed package's .pth hook honours.
+RDNA_FA_TRAINING=0 with --no-training), which the installed package's .pth hook honours; with
+--flash-attn also RDNA_FA_FLASH_ATTN=1 and the stand-in's folder first on PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from pathlib import Path
 
 from ..config import settings
 from ..dispatch import router, sdpa_patch
-from .autoload import ENV_VAR as PATCH_ENV_VAR
+from .autoload import ENV_VAR as PATCH_ENV_VAR, FLASH_ATTN_ENV_VAR, FLASH_ATTN_SHIM_DIR, provide_flash_attn
 
 _OPTIONS_WITH_VALUE = ("--stats",)
 # Distributed launchers put the worker's rank right after the module they run (DeepSpeed:
@@ -44,7 +49,7 @@ _SD_SCRIPTS_ATTENTION_OPTIONS = ("--sdpa", "--xformers", "--mem_eff_attn")
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m rdna_flash_attn.launch",
-        usage="%(prog)s [--no-training] [--stats FILE] [--quiet] (script.py | -m module) [arguments...]",
+        usage="%(prog)s [--no-training] [--flash-attn] [--stats FILE] [--quiet] (script.py | -m module) [arguments...]",
         description=__doc__.split("\n\n")[0],
         epilog="Everything after the script (or -m module) is passed to it unchanged.",
     )
@@ -52,6 +57,12 @@ def _parser() -> argparse.ArgumentParser:
         "--no-training",
         action="store_true",
         help="calls that need gradients run on PyTorch SDPA (the same as RDNA_FA_TRAINING=0)",
+    )
+    parser.add_argument(
+        "--flash-attn",
+        action="store_true",
+        help="`import flash_attn` gets rdna_flash_attn's flash-attn 2.8.3 API, unless flash-attn is installed "
+             "(the same as RDNA_FA_FLASH_ATTN=1)",
     )
     parser.add_argument(
         "--stats",
@@ -109,6 +120,20 @@ def sd_scripts_attention_hint(script: str, args: list[str]) -> str | None:
             "(or sdpa = true in its config file), and the kernels cannot reach that: add --sdpa")
 
 
+def _provide_flash_attn() -> str:
+    """Make `import flash_attn` find the stand-in here and in child processes, unless a real flash-attn is
+    importable; the status line's words for what `import flash_attn` gives."""
+    os.environ[FLASH_ATTN_ENV_VAR] = "1"
+    real = provide_flash_attn(position=1)  # right after the target's folder, as interpreter start puts it
+    if real is not None:
+        return f"`import flash_attn` gives the installed flash-attn ({real})"
+    # Workers of DeepSpeed and accelerate are fresh interpreters: they find it through PYTHONPATH.
+    inherited = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    if FLASH_ATTN_SHIM_DIR not in inherited:
+        os.environ["PYTHONPATH"] = os.pathsep.join([FLASH_ATTN_SHIM_DIR, *inherited])
+    return "`import flash_attn` gives rdna_flash_attn's flash-attn 2.8.3 API"
+
+
 def _option_values(args: list[str], name: str) -> list[str]:
     """Every value of option `name` in `args`, as `name value` or `name=value`."""
     values = [arg.split("=", 1)[1] for arg in args if arg.startswith(name + "=")]
@@ -126,22 +151,23 @@ def main(argv: list[str] | None = None) -> None:
     if options.stats is not None:
         # At interpreter exit: after the script returns, calls sys.exit or raises, alike.
         atexit.register(_write_stats, options.stats.resolve())
+    sys.argv = list(target)  # for -m, runpy puts the module's file path in argv[0], as python -m does
+    # As `python script.py` / `python -m module`: the script's folder (or the working one) first, not ours.
+    sys.path[0] = os.getcwd() if module is not None else os.path.dirname(os.path.abspath(target[0]))
+    # Once sys.path[0] is the target's: a flash_attn package beside the script counts as installed.
+    flash_attn = _provide_flash_attn() if options.flash_attn else None
     if not options.quiet:
         backward = "on" if settings.training else "off"
         print(
-            f"rdna_flash_attn: torch SDPA routed through the dispatcher (kernels where supported, backward {backward})",
+            f"rdna_flash_attn: torch SDPA routed through the dispatcher (kernels where supported, backward {backward})"
+            + (f"; {flash_attn}" if flash_attn else ""),
             file=sys.stderr,
         )
 
     if module is not None:
-        sys.argv = list(target)  # runpy puts the module's file path in argv[0], as python -m does
-        sys.path[0] = os.getcwd()
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     else:
         hint = sd_scripts_attention_hint(target[0], target[1:])
         if hint and not options.quiet:
             print(hint, file=sys.stderr)
-        script = os.path.abspath(target[0])
-        sys.argv = list(target)
-        sys.path[0] = os.path.dirname(script)  # as `python script.py`: the script's folder, not ours
-        runpy.run_path(script, run_name="__main__")
+        runpy.run_path(os.path.abspath(target[0]), run_name="__main__")

@@ -10,7 +10,8 @@ import torch
 
 from ..config import Settings, settings
 from ..dispatch import router, selftest
-from ..runtime import artifacts, device as devices, loader
+from ..integrations import autoload
+from ..runtime import artifacts, device as devices, loader, variants
 from ..version import __version__
 from . import rebuild
 
@@ -86,6 +87,18 @@ def _doctor_code_objects() -> None:
         _line("compiler", f"{compiler.path} ({compiler.version})")
 
 
+def _flash_attn_line() -> None:
+    """Which `flash_attn` code written for Dao-AILab's package gets in this environment."""
+    real = autoload.real_flash_attn()
+    if real is not None:
+        _line("flash_attn", f"a real flash-attn at {real} (the stand-in is never used over it)")
+    elif autoload.flash_attn_requested():
+        _line("flash_attn", f"the stand-in on the kernels ({autoload.FLASH_ATTN_ENV_VAR} is set)")
+    else:
+        _line("flash_attn", f"none: the launcher's --flash-attn or {autoload.FLASH_ATTN_ENV_VAR}=1 provides a stand-in "
+                            "on the kernels")
+
+
 def doctor(_args: argparse.Namespace) -> int:
     """Everything detected, and why anything is off."""
     _line("rdna_flash_attn", __version__)
@@ -93,6 +106,9 @@ def doctor(_args: argparse.Namespace) -> int:
     _line("torch", f"{torch.__version__} (HIP {torch.version.hip or '-'}, CUDA {torch.version.cuda or '-'})")
     _line("backward", "kernels" if settings.training else "PyTorch SDPA (RDNA_FA_TRAINING=0)")
     _line("float32 inputs", "PyTorch SDPA" if settings.fp32_cast == "off" else f"kernels in {settings.fp32_cast}")
+    _line("attention masks", f"kernels at head dims {', '.join(map(str, variants.MASKED_HEAD_DIMS))}; "
+                             "PyTorch SDPA at the others")
+    _flash_attn_line()
     _line("self-test cache", selftest.cache_dir() / selftest.CACHE_FILE_NAME)
     _doctor_code_objects()
     print("settings:")
