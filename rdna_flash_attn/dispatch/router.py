@@ -209,16 +209,31 @@ def _kernel_dtypes(query, key, value) -> tuple[torch.dtype | None, torch.dtype] 
     return None, query.dtype  # as given: attention.forward_refusal judges the dtypes
 
 
+def _settings_or_type_refusal(tensors) -> str | None:
+    """The first checks of every route: the kernels turned off, and tensors that are not plain ones."""
+    if settings.disable:
+        return "disabled (RDNA_FA_DISABLE / settings.disable)"
+    if any(type(t) is not torch.Tensor for t in tensors):
+        return "query, key and value are not all plain torch.Tensor objects"
+    return None
+
+
+def _needs_gradients(query, key, value) -> bool:
+    return torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+
+
+_TRAINING_OFF = "gradients needed and RDNA_FA_TRAINING=0"
+
+
 def _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> Route | str:
     """The route for these SDPA arguments, or the reason the call falls back to SDPA. Reads
     metadata and settings (and casts the inputs where the route would, to judge the cast tensors),
     so torch.compile can trace it; the per-device verdicts come from cached facts or, the first
     time, from a call run eagerly at trace time."""
-    if settings.disable:
-        return "disabled (RDNA_FA_DISABLE / settings.disable)"
     tensors = (query, key, value)
-    if any(type(t) is not torch.Tensor for t in tensors):
-        return "query, key and value are not all plain torch.Tensor objects"
+    refusal = _settings_or_type_refusal(tensors)
+    if refusal:
+        return refusal
     if any(t.is_nested or t.layout is not torch.strided for t in tensors):
         return "nested or sparse tensors"
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
@@ -248,9 +263,9 @@ def _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
     if isinstance(dtypes, str):
         return dtypes
     run_dtype, out_dtype = dtypes
-    backward = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    backward = _needs_gradients(query, key, value)
     if backward and not settings.training:
-        return "gradients needed and RDNA_FA_TRAINING=0"
+        return _TRAINING_OFF
     if run_dtype is not None:
         query, key, value = query.to(run_dtype), key.to(run_dtype), value.to(run_dtype)
     scale = None if scale is None else float(scale)
@@ -450,17 +465,16 @@ def _counted(run, device: torch.device, fallback_name: str):
 
 
 def _varlen_refusal(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> str | None:
-    if settings.disable:
-        return "disabled (RDNA_FA_DISABLE / settings.disable)"
-    if any(type(t) is not torch.Tensor for t in (q, k, v)):
-        return "query, key and value are not all plain torch.Tensor objects"
+    refusal = _settings_or_type_refusal((q, k, v))
+    if refusal:
+        return refusal
     if _is_compiling():
         return "packed variable-length batches are not traced by torch.compile"
     refusal = device_refusal(q.device)
     if refusal:
         return refusal
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad) and not settings.training:
-        return "gradients needed and RDNA_FA_TRAINING=0"
+    if _needs_gradients(q, k, v) and not settings.training:
+        return _TRAINING_OFF
     return (attention.varlen_refusal(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
             or selftest_refusal(q.device))
 

@@ -19,7 +19,6 @@ import math
 
 import torch
 
-from ..config import settings
 from ..dispatch import router
 from ..ops import attention as ops
 
@@ -335,13 +334,6 @@ def _refuse_private(function: str, dropout_p, softcap) -> None:
         raise NotImplementedError(f"rdna_flash_attn's {function} does not support softcap (tanh soft-capping)")
 
 
-def _kernels_take(q, k, v, is_causal: bool, scale: float, mask) -> bool:
-    """Whether the kernels run this forward, judged as the dispatcher judges a device and a call."""
-    return (not settings.disable and router.device_refusal(q.device) is None
-            and ops.forward_refusal(q, k, v, is_causal, scale, mask) is None
-            and router.selftest_refusal(q.device) is None)
-
-
 def _row_blocks(q, k):
     """Slices of query rows, each holding at most _MATH_BLOCK_SCORES scores."""
     batch, heads, seq_q = q.shape[:3]
@@ -420,7 +412,10 @@ def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_l
     causal_only = alibi_slopes is None and left < 0 and right == 0  # the kernels align it bottom-right themselves
     mask = None if causal_only else _attn_mask(q4, k4, left, right, alibi_slopes)
     with torch.no_grad():
-        if _kernels_take(q4, k4, v4, causal_only, scale, mask):
+        # The dispatcher's decision, as for a call of SDPA (whose causal alignment differs, not its
+        # checks), taken only where it runs the tensors as they are: no cast.
+        call = router.plan(q4, k4, v4, mask, 0.0, causal_only, scale, k4.shape[1] != q4.shape[1])
+        if not isinstance(call, str) and call.query.dtype == q4.dtype:
             out, lse = ops.flash_attention_forward(q4, k4, v4, causal_only, scale, attn_mask=mask, bottom_right=True)
         else:
             out, lse = _math_forward(q4, k4, v4, scale, _attn_mask(q4, k4, left, right, alibi_slopes))

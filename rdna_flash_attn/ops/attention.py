@@ -309,7 +309,8 @@ def flash_attention_forward(q, k, v, is_causal: bool = False, scale: float | Non
     args.o, args.lse = out.data_ptr(), lse.data_ptr()
     args.o_stride_b, args.o_stride_h, args.o_stride_s = out.stride()[:3]
     args.lse_stride_b, args.lse_stride_h = lse.stride(0), lse.stride(1)
-    _set_problem(args, q, k, attn_mask)
+    if attn_mask is not None:
+        _set_problem(args, q, k, attn_mask)
     launch.launcher(args, (q, k, v, out, lse, attn_mask))
     return out, lse
 

@@ -6,29 +6,34 @@ A change here or there is an ABI change: bump variants.ABI_VERSION with it. The 
 
 import ctypes
 
+# Fields both blocks have, in this order: the row statistics' strides and the problem's shape.
+_SHAPE_FIELDS = [
+    ("lse_stride_b", ctypes.c_int64),
+    ("lse_stride_h", ctypes.c_int64),
+    ("seqlen_q", ctypes.c_int32),
+    ("seqlen_k", ctypes.c_int32),
+    ("head_dim", ctypes.c_int32),
+    ("causal", ctypes.c_int32),
+    ("scale_log2", ctypes.c_float),
+]
+# Both blocks' fields since ABI 2: the mask, packed batches, grouped key/value heads.
+_PROBLEM_FIELDS = [
+    ("mask", ctypes.c_void_p),
+    *((f"mask_stride_{d}", ctypes.c_int64) for d in "bhqk"),
+    ("cu_seqlens_q", ctypes.c_void_p),
+    ("cu_seqlens_k", ctypes.c_void_p),
+    ("mask_kind", ctypes.c_int32),
+    ("kv_group", ctypes.c_int32),
+]
+
 
 class FwdArgs(ctypes.Structure):
     _fields_ = [
-        ("q", ctypes.c_void_p),
-        ("k", ctypes.c_void_p),
-        ("v", ctypes.c_void_p),
-        ("o", ctypes.c_void_p),
-        ("lse", ctypes.c_void_p),
+        *((name, ctypes.c_void_p) for name in ("q", "k", "v", "o", "lse")),
         *((f"{t}_stride_{d}", ctypes.c_int64) for t in "qkvo" for d in "bhs"),
-        ("lse_stride_b", ctypes.c_int64),
-        ("lse_stride_h", ctypes.c_int64),
-        ("seqlen_q", ctypes.c_int32),
-        ("seqlen_k", ctypes.c_int32),
-        ("head_dim", ctypes.c_int32),
-        ("causal", ctypes.c_int32),
-        ("scale_log2", ctypes.c_float),
+        *_SHAPE_FIELDS,
         ("q_blocks", ctypes.c_int32),
-        ("mask", ctypes.c_void_p),
-        *((f"mask_stride_{d}", ctypes.c_int64) for d in "bhqk"),
-        ("cu_seqlens_q", ctypes.c_void_p),
-        ("cu_seqlens_k", ctypes.c_void_p),
-        ("mask_kind", ctypes.c_int32),
-        ("kv_group", ctypes.c_int32),
+        *_PROBLEM_FIELDS,
     ]
 
 
@@ -38,21 +43,11 @@ class BwdArgs(ctypes.Structure):
     _fields_ = [
         *((name, ctypes.c_void_p) for name in ("q", "k", "v", "dout", "lse", "delta", "dq", "dk", "dv")),
         *((f"{t}_stride_{d}", ctypes.c_int64) for t in ("q", "k", "v", "do", "dq", "dk", "dv") for d in "bhs"),
-        ("lse_stride_b", ctypes.c_int64),
-        ("lse_stride_h", ctypes.c_int64),
-        ("seqlen_q", ctypes.c_int32),
-        ("seqlen_k", ctypes.c_int32),
-        ("head_dim", ctypes.c_int32),
-        ("causal", ctypes.c_int32),
-        ("scale_log2", ctypes.c_float),
+        *_SHAPE_FIELDS,
         ("scale", ctypes.c_float),
         ("blocks", ctypes.c_int32),
-        ("mask", ctypes.c_void_p),
-        *((f"mask_stride_{d}", ctypes.c_int64) for d in "bhqk"),
-        ("cu_seqlens_q", ctypes.c_void_p),
-        ("cu_seqlens_k", ctypes.c_void_p),
-        ("mask_kind", ctypes.c_int32),
-        ("kv_group", ctypes.c_int32),        ("row_log2_sum", ctypes.c_void_p),
+        *_PROBLEM_FIELDS,
+        ("row_log2_sum", ctypes.c_void_p),
     ]
 
 
