@@ -130,12 +130,10 @@ def fallback_name(options: RoutingOptions) -> str:
 
 
 def _sdpa_mask(mask):
-    """A ComfyUI backend's mask as SDPA's: ComfyUI reads a 2-D mask as (queries, keys) and a 3-D one
-    as (batch, queries, keys), where SDPA would broadcast a 3-D one over batches."""
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-        mask = mask[None]
+    """A ComfyUI backend's mask as SDPA's: ComfyUI reads a 3-D mask as (batch, queries, keys), where
+    SDPA would read its first dimension as heads (2-D and 4-D ones mean the same to both)."""
     if isinstance(mask, torch.Tensor) and mask.dim() == 3:
-        mask = mask[:, None]
+        return mask[:, None]
     return mask
 
 

@@ -28,14 +28,14 @@ def _free_op_namespace(base: str = "rdna_flash_attn") -> str:
 
 def _forward(q, k, v, attn_mask, is_causal, scale, bottom_right):
     kernel_q, kernel_k, kernel_v = (attention.kernel_layout(t) for t in (q, k, v))
-    problem = {"attn_mask": attn_mask, "bottom_right": bottom_right}
     if kernel_q is q:
-        return attention.flash_attention_forward(kernel_q, kernel_k, kernel_v, is_causal, scale, **problem)
+        return attention.flash_attention_forward(kernel_q, kernel_k, kernel_v, is_causal, scale, attn_mask=attn_mask,
+                                                 bottom_right=bottom_right)
     # A copied query may lie in another memory order than q: the output keeps q's, as the fake
     # implementation promises a compiled graph.
     out, lse = attention.output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
     return attention.flash_attention_forward(kernel_q, kernel_k, kernel_v, is_causal, scale, out=out, lse=lse,
-                                             **problem)
+                                             attn_mask=attn_mask, bottom_right=bottom_right)
 
 
 def _backward(dout, q, k, v, lse, attn_mask, is_causal, scale, bottom_right):
