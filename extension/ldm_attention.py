@@ -97,7 +97,7 @@ def cross_attention_forward(cls: type, replaced, hooks: HostHooks):
 
     def attend(self, x, context, mask):
         """The attention output (B, N, H*D) before to_out, or None: run `replaced` instead."""
-        if not sdpa_fallback and (mask is not None or not toggles.unet):
+        if not sdpa_fallback and not toggles.unet:
             return None
         q = self.to_q(x)
         context_k, context_v = hooks.apply_hypernetworks(x if context is None else context)
@@ -107,15 +107,11 @@ def cross_attention_forward(cls: type, replaced, hooks: HostHooks):
         if hooks.upcast_attn():
             q, k, v = q.float(), k.float(), v.float()
         q, k, v = (_heads_first(t, self.heads) for t in (q, k, v))
-        key_mask = None
-        if mask is not None:
-            key_mask = _key_mask(mask, q.shape[0], k.shape[2])
-            if key_mask is None:
-                return None
-            out = "attention mask"  # ldm's masks are never passed to the kernels
-        else:
-            out = (rdna_flash_attn.attention_or_reason(q, k, v, fallback_name=_fallback_name(sdpa_fallback))
-                   if toggles.unet else "UNet setting off")
+        key_mask = None if mask is None else _key_mask(mask, q.shape[0], k.shape[2])
+        if mask is not None and key_mask is None:
+            return None
+        out = (rdna_flash_attn.attention_or_reason(q, k, v, attn_mask=key_mask, fallback_name=_fallback_name(sdpa_fallback))
+               if toggles.unet else "UNet setting off")
         if isinstance(out, str):
             if not sdpa_fallback:
                 return None

@@ -95,6 +95,25 @@ def test_masks_toggles_and_unsupported_calls_go_to_forge(backend, fake_gpu):
     assert "head dim" in next(iter(rdna_flash_attn.stats()["fallback_reasons"]))
 
 
+def test_float_masks_every_backend_reads_alike_run_on_the_kernels(backend, fake_gpu):
+    """4-D and 2-D additive masks mean the same to each of Forge's backends and to SDPA; 3-D ones
+    (heads or batch first, by backend) and bool ones (key padding in some) stay with Forge."""
+    entry.setup()
+    unet = sys.modules["backend.nn.unet"]
+    generator = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, n, 320, generator=generator).half() for n in (16, 77, 77))
+    padding = torch.zeros(2, 1, 1, 77, dtype=torch.float16)
+    padding[0, ..., 50:] = float("-inf")
+    bias = torch.randn(16, 77, generator=generator).half()
+    for mask in (padding, bias):
+        out = unet.cross_attention(q, k, v, 5, mask)  # head dim 64
+        torch.testing.assert_close(out.float(), reference_attention(q, k, v, 5, mask.float()), **KERNEL_TOL)
+    assert len(fake_gpu.launches) == 2 and backend.calls["attention_function"] == 0
+    unet.cross_attention(q, k, v, 5, bias[None])
+    unet.cross_attention(q, k, v, 5, padding == 0)
+    assert len(fake_gpu.launches) == 2 and backend.calls["attention_function"] == 2
+
+
 def test_a_failure_in_our_code_is_logged_once_and_forge_runs_the_call(backend, fake_gpu, monkeypatch, log_records):
     def broken(*args, **kwargs):
         raise RuntimeError("wrapper broke")

@@ -169,10 +169,22 @@ def test_a_mask_runs_on_sdpa_with_ldms_meaning(patch, fake_gpu, sdpa_calls):
     patch.apply()
     with torch.no_grad():
         out = module(x, context, mask=mask), module(x, context, mask=no_key_left)
-    assert not fake_gpu.launches and rdna_flash_attn.stats()["fallback"] == 0
+    assert not fake_gpu.launches and rdna_flash_attn.stats()["fallback"] == 1  # float32: refused by the kernels
     assert sdpa_calls == [(2, 8, 64, 40)]
     torch.testing.assert_close(out[0], reference[0], **EXACT_TOL)
     torch.testing.assert_close(out[1], reference[1], **EXACT_TOL)
+
+
+def test_a_key_mask_runs_on_the_kernels_at_a_masked_head_dim(patch, fake_gpu):
+    module = cross_attention(heads=5, dim_head=64)
+    x, context = torch.randn(2, 64, 320).half(), torch.randn(2, 77, 96).half()
+    mask = torch.rand(2, 77, generator=torch.Generator().manual_seed(4)) > 0.3
+    reference = original(module, x, context, mask=mask)
+    patch.apply()
+    with torch.no_grad():
+        out = module(x, context, mask=mask)
+    assert len(fake_gpu.launches) == 1 and rdna_flash_attn.stats()["fallback"] == 0
+    torch.testing.assert_close(out.float(), reference, **KERNEL_TOL)
 
 
 def test_a_mask_goes_to_an_optimization_installed_before_unchanged(patch, fake_gpu):
