@@ -390,11 +390,12 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
       // K and V rows lie in key_slot order, so accumulator value s is key acc_key(lane, s).
       #pragma unroll
       for (int j = 0; j < kKeyFrags; ++j) {
+        float bias[8] = {};  // acc_key(lane, s) is acc_key(lane, 0) + s on both ISAs
+        if constexpr (HAS_MASK) mask.biases_log2(mask_row, key0 + j * kFrag + Isa::acc_key(lane, 0), bias);
         #pragma unroll
         for (int s = 0; s < 8; ++s) {
           const int key = key0 + j * kFrag + Isa::acc_key(lane, s);
-          const float bias = HAS_MASK ? mask.bias_log2(mask_row, key) : 0.f;
-          const float exponent = min_f32(fma_f32(s_acc[j][s], a.scale_log2, bias) - lse_log2, kMaxExponent);
+          const float exponent = min_f32(fma_f32(s_acc[j][s], a.scale_log2, bias[s]) - lse_log2, kMaxExponent);
           s_acc[j][s] = key < key_limit ? exp2_approx(exponent - norm) : 0.f;  // P^T
         }
         if (sweep == 0) {

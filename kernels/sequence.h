@@ -77,19 +77,30 @@ struct MaskView {
   }
 
   // The biases of keys key0 .. key0 + 7 of one row. Keys in a row (stride 1, the usual case) are 8
-  // loads from one address; otherwise one load at a time, so that no more than one address is live
-  // beside the accumulators.
+  // loads from one address, the dtype chosen once for all eight so that they are issued together and
+  // share one wait (chosen per element, each load waited for its own round trip); otherwise one load
+  // at a time, so that no more than one address is live beside the accumulators.
   RDNA_DEV void biases_log2(int row_offset, int key0, float (&out)[8]) const {
     if (stride_k == 1 && key0 + 7 <= last_k) {
-      #pragma unroll
-      for (int s = 0; s < 8; ++s) out[s] = bias_at(row_offset + key0 + s);
-      return;
+      const int i = row_offset + key0;
+      const u16* halves = reinterpret_cast<const u16*>(base) + i;
+      if (kind == kMaskBool) return eight(out, [&](int s) { return base[i + s] ? 0.f : -__builtin_inff(); });
+      if (kind == kMaskF16) return eight(out, [&](int s) { return scaled(from_bits(f16{}, halves[s])); });
+      if (kind == kMaskBf16) return eight(out, [&](int s) { return scaled(from_bits(bf16{}, halves[s])); });
+      const float* floats = reinterpret_cast<const float*>(base) + i;
+      return eight(out, [&](int s) { return scaled(floats[s]); });
     }
     #pragma unroll
     for (int s = 0; s < 8; ++s) {
       out[s] = bias_log2(row_offset, key0 + s);
       compiler_fence();
     }
+  }
+
+  template <typename Value>
+  static RDNA_DEV void eight(float (&out)[8], Value value) {
+    #pragma unroll
+    for (int s = 0; s < 8; ++s) out[s] = value(s);
   }
 
   // A finite bias stays finite, and no lower than -2^30: a row whose keys all carry huge finite

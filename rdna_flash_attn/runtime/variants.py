@@ -36,10 +36,10 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 PADDED_HEAD_DIMS = tuple(sorted({padded_head_dim(d) for d in SUPPORTED_HEAD_DIMS}))
-# Head dims with masked variants (those of the models that mask: 64, 96, 128 and up to 224): at the
-# others the mask's loads beside the accumulators spill registers on gfx11 (python -m rdna_flash_attn
-# report --check), and their masked calls fall back.
-MASKED_PADDED_HEAD_DIMS = (64, 96, 128, 160, 192, 224)
+# Head dims with masked variants: at the others (odd multiples of 16 from 80, and 256 and up) the
+# masked kernels spill registers on gfx11 (python -m rdna_flash_attn report --check), and their
+# masked calls fall back.
+MASKED_PADDED_HEAD_DIMS = (16, 32, 48, 64, 96, 128, 160, 192, 224)
 MASKED_HEAD_DIMS = tuple(d for d in SUPPORTED_HEAD_DIMS if padded_head_dim(d) in MASKED_PADDED_HEAD_DIMS)
 _MASKED_SUFFIX = "_masked"
 
@@ -101,10 +101,7 @@ class FwdVariant(_WaveTiled):
 def _fwd_variant(dtype: str, d_pad: int, masked: bool = False) -> FwdVariant:
     chunks = -(-d_pad // MAX_O_CHUNK)
     d_chunk = d_pad // chunks
-    # A masked tile's bias loads sit beside its scores: 64-key tiles spill on gfx11.
     for waves, block_n in _TILE_PREFERENCE:
-        if masked and block_n > 32:
-            continue
         if 2 * lds_elems_fwd(waves, block_n, d_pad, d_chunk) <= LDS_LIMIT:
             return FwdVariant(dtype, d_pad, waves, block_n, d_chunk, fwd_copy_loads(d_pad, d_chunk), masked)
     raise ValueError(f"no tile shape fits LDS for head dim {d_pad}")
@@ -172,7 +169,7 @@ def _bwd_variant(kind: str, dtype: str, d_pad: int, masked: bool = False) -> Bwd
     lds = lds_elems_dkdv if kind == "dkdv" else lds_elems_dq
     # dQ keeps S^T and dP^T of the whole key tile live beside its accumulators: past 64 gradient
     # columns a 64-key tile spills on gfx11.
-    tiles = (32, 16) if kind == "dq" and (d_chunk > 64 or masked) else (64, 32, 16)
+    tiles = (32, 16) if kind == "dq" and d_chunk > 64 else (64, 32, 16)
     for tile in tiles:
         staging = BWD_WAVES * FRAG * (d_chunk + LDS_ROW_PAD)
         elems = lds(tile, d_pad, d_chunk)

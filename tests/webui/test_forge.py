@@ -81,7 +81,7 @@ def test_masks_toggles_and_unsupported_calls_go_to_forge(backend, fake_gpu):
     entry.setup()
     unet, vae = sys.modules["backend.nn.unet"], sys.modules["backend.nn.vae"]
     q, k, v = torch.randn(1, 16, 320).half(), torch.randn(1, 77, 320).half(), torch.randn(1, 77, 320).half()
-    mask = torch.zeros(1, 1, 16, 77, dtype=torch.float16)
+    mask = torch.zeros(1, 16, 77, dtype=torch.float16)  # 3-D: Forge's backends read it in two ways
     mask[..., 40:] = float("-inf")
     out = unet.cross_attention(q, k, v, 8, mask)
     torch.testing.assert_close(out.float(), reference_attention(q, k, v, 8, mask.float()), **KERNEL_TOL)

@@ -47,7 +47,7 @@ def test_detected_as_reforge_and_the_unet_runs_on_the_kernels(ldm_patched, fake_
 def test_refused_calls_run_the_hosts_function_with_their_own_arguments(ldm_patched, fake_gpu):
     entry.setup()
     q, k, v = qkv()
-    mask = torch.zeros(64, 77, dtype=torch.half)
+    mask = torch.ones(64, 77, dtype=torch.bool)  # bool: some of reForge's backends read it as key padding
     ldm_patched.cross_attention(q, k, v, 8, mask=mask)
     assert fake_gpu.launches == [] and ldm_patched.calls["optimized_attention"] == 1
     # Forge Classic's functions take (q, k, v, heads, mask=None) only: nothing else is passed on.
