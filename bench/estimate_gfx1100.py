@@ -128,7 +128,7 @@ def classify(op: str) -> str:
         return "lds_read"
     if op.startswith(("ds_store", "ds_write")):
         return "lds_write"
-    if op.startswith(("global_load", "buffer_load")):
+    if op.startswith(("global_load", "buffer_load", "flat_load")):
         return "global_load"
     if op.startswith(("global_store", "buffer_store")):
         return "global_store"
@@ -264,6 +264,19 @@ def count_tile(body: list[Insn], main: tuple[int, int], loops: list[InnerLoop]) 
     return tally(items)
 
 
+def waits_to_zero(i: Insn) -> tuple[bool, bool]:
+    """Whether a wait drains the vector-memory loads and the LDS counter: gfx11 "s_waitcnt vmcnt(0)
+    lgkmcnt(0)"; gfx12 "s_wait_loadcnt 0x0", "s_wait_dscnt 0x0", and their combined
+    s_wait_loadcnt_dscnt (loads in bits 13:8, LDS in bits 5:0)."""
+    if i.op == "s_waitcnt":
+        return "vmcnt(0)" in i.args, "lgkmcnt(0)" in i.args
+    to_zero = i.args in ("0", "0x0")
+    if i.op == "s_wait_loadcnt_dscnt":
+        count = int(i.args, 0)
+        return (count >> 8) & 0x3F == 0, count & 0x3F == 0
+    return i.op == "s_wait_loadcnt" and to_zero, i.op == "s_wait_dscnt" and to_zero
+
+
 def tally(items) -> TileCounts:
     """Counts of (instruction, times executed, region) triples; regions split the VALU + TRANS issues."""
     c, regions, mix = TileCounts(), Counter(), Counter()
@@ -278,10 +291,10 @@ def tally(items) -> TileCounts:
         if kind in ("lds_read", "lds_write", "global_load"):
             setattr(c, f"{kind}_insts", getattr(c, f"{kind}_insts") + n)
             setattr(c, f"{kind}_bytes", getattr(c, f"{kind}_bytes") + n * 32 * lane_bytes(i.op))
-        if kind == "waitcnt":  # a wait to zero: gfx11 "s_waitcnt vmcnt(0)", gfx12 "s_wait_loadcnt 0x0"
-            to_zero = i.args in ("0", "0x0")
-            c.vmem_rounds += n * ("vmcnt(0)" in i.args or (i.op == "s_wait_loadcnt" and to_zero))
-            c.lds_rounds += n * ("lgkmcnt(0)" in i.args or (i.op == "s_wait_dscnt" and to_zero))
+        if kind == "waitcnt":
+            vmem_zero, lds_zero = waits_to_zero(i)
+            c.vmem_rounds += n * vmem_zero
+            c.lds_rounds += n * lds_zero
     c.valu_by_region, c.valu_mix = dict(regions), mix.most_common(12)
     return c
 

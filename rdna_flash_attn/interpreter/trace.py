@@ -47,8 +47,10 @@ class KernelTrace:
     workgroups: int = 0
     by_category: Counter = field(default_factory=Counter)
     by_name: Counter = field(default_factory=Counter)
+    by_offset: Counter = field(default_factory=Counter)  # byte offset in the kernel's code -> executions
 
     def add(self, hits: dict[int, int], instructions: dict) -> None:
+        self.by_offset.update(hits)
         for offset, count in hits.items():
             d = instructions[offset]
             self.by_category[category(d.name, d.encoding)] += count

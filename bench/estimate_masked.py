@@ -1,0 +1,222 @@
+#!/usr/bin/env python3
+"""Static throughput estimate of the masked forward kernels (gfx1100 and gfx1201), next to the
+unmasked ones, from the instructions the CPU interpreter executes per key tile.
+
+Not a measurement. The masked kernels choose their bias loads at run time (mask dtype, key stride,
+ragged tiles), so the static estimator's reading of one loop body (bench/estimate_gfx1100.py) would
+count every path at once. Here the interpreter runs the shipped code object with Sq = one
+workgroup's rows and Sk = 3 and 4 key tiles; the difference of the two runs, per wave and per
+instruction address, is exactly what one more key tile executes for that mask. Those counts go
+through the estimator's own tally() and model(), with the same occupancy and launch (4096 tokens,
+16 batch x heads), so every column means what it means in forward_estimate_gfx1100.md.
+
+    python3 bench/estimate_masked.py prebuilt/rdna_fa_gfx1100.hsaco prebuilt/rdna_fa_gfx1201.hsaco \
+        --json bench/results/masked_estimate.json --md bench/results/masked_estimate.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import estimate_gfx1100 as estimator  # noqa: E402
+
+from rdna_flash_attn.interpreter import InterpretedLibrary  # noqa: E402
+from rdna_flash_attn.ops import attention as ops  # noqa: E402
+from rdna_flash_attn.runtime import artifacts, loader as runtime, variants  # noqa: E402
+from rdna_flash_attn.runtime.codeobject import load_code_object  # noqa: E402
+from rdna_flash_attn.tools.report import find_objdump, occupancy  # noqa: E402
+
+HEAD_DIMS, DTYPES = (64, 128), ("f16", "bf16")
+TORCH_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
+KEY_PADDING_TARGET = 0.97  # issue 20: a key-padding mask within 3 % of the unmasked kernel (pessimistic)
+
+
+def masks(kind: str, batch_heads: int, seq_q: int, seq_k: int, dtype: torch.dtype):
+    """The attention mask of each case, drawn so that every key tile holds kept and masked keys."""
+    generator = torch.Generator().manual_seed(1)
+    keep = torch.rand(1, 1, 1, seq_k, generator=generator) > 0.25
+    bias = torch.zeros(1, 1, 1, seq_k, dtype=dtype).masked_fill(~keep, float("-inf"))
+    return {
+        "none": None,
+        "key padding, additive (B,1,1,Sk)": bias,
+        "key padding, bool (B,1,1,Sk)": keep,
+        "full additive (1,1,Sq,Sk)": torch.randn(1, 1, seq_q, seq_k, generator=generator).to(dtype),
+        "full bool (1,1,Sq,Sk)": torch.rand(1, 1, seq_q, seq_k, generator=generator) > 0.25,
+    }[kind]
+
+
+CASES = ("none", "key padding, additive (B,1,1,Sk)", "key padding, bool (B,1,1,Sk)", "full additive (1,1,Sq,Sk)",
+         "full bool (1,1,Sq,Sk)")
+
+
+def executed(library: InterpretedLibrary, variant, dtype: str, head_dim: int, case: str, key_tiles: int):
+    """Executions per code offset of one forward launch (one workgroup), and its wave count."""
+    generator = torch.Generator().manual_seed(0)
+    seq_k = key_tiles * variant.block_n
+    q = torch.randn(1, 1, variant.block_rows, head_dim, generator=generator).to(TORCH_DTYPES[dtype])
+    k, v = (torch.randn(1, 1, seq_k, head_dim, generator=generator).to(TORCH_DTYPES[dtype]) for _ in range(2))
+    library.traces.clear()
+    with runtime.explicit_library(library):
+        ops.flash_attention_forward(q, k, v, attn_mask=masks(case, 1, variant.block_rows, seq_k, q.dtype))
+    trace = library.traces[variant.symbol]
+    return trace.by_offset, trace.waves
+
+
+def tile_counts(library, body, variant, dtype, head_dim, case) -> estimator.TileCounts:
+    """What one more key tile executes per wave, tallied as the static estimator tallies a loop body."""
+    # 3 and 4 key tiles: the bf16 prologue's loop runs as often for both (bench/interpreter_trace_gfx1100.py).
+    fewer, waves = executed(library, variant, dtype, head_dim, case, 3)
+    more, _ = executed(library, variant, dtype, head_dim, case, 4)
+    return _tally_difference(body, fewer, more, waves)
+
+
+BACKWARD_CASES = ("none", "key padding, additive (B,1,1,Sk)", "full additive (1,1,Sq,Sk)")
+
+
+def backward_tile(library, body, kind: str, dtype: str, head_dim: int, case: str) -> estimator.TileCounts:
+    """What one more streamed tile (keys for dQ, both sweeps; queries for dK/dV) executes per wave."""
+    variant = variants.bwd_variant(kind, dtype, head_dim, masked=case != "none")
+    rows = variant.waves * 16
+    runs = []
+    for tiles in (3, 4):
+        seq_q, seq_k = (rows, tiles * variant.block_tile) if kind == "dq" else (tiles * variant.block_tile, rows)
+        generator = torch.Generator().manual_seed(0)
+        q, k, v, dout = (torch.randn(1, 1, n, head_dim, generator=generator).to(TORCH_DTYPES[dtype])
+                         for n in (seq_q, seq_k, seq_k, seq_q))
+        mask = masks(case, 1, seq_q, seq_k, q.dtype)
+        with runtime.explicit_library(library):
+            _, lse = ops.flash_attention_forward(q, k, v, attn_mask=mask)
+            library.traces.clear()
+            ops.flash_attention_backward(dout, q, k, v, lse, attn_mask=mask)
+        trace = library.traces[variant.symbol]
+        runs.append((trace.by_offset, trace.waves))
+    (fewer, waves), (more, _) = runs
+    return _tally_difference(body, fewer, more, waves)
+
+
+def _tally_difference(body, fewer: Counter, more: Counter, waves: int) -> estimator.TileCounts:
+    by_address = {i.addr - body[0].addr: i for i in body}
+    return estimator.tally([(by_address[offset], (more[offset] - fewer[offset]) / waves, "tile")
+                            for offset in set(more) | set(fewer) if more[offset] != fewer[offset]])
+
+
+def analyse_backward(path: Path, objdump: str) -> list[dict]:
+    """Executed counts per streamed tile of the backward kernels (f16): no throughput model here,
+    bench/estimate_gfx1100_backward.py models the unmasked backward."""
+    co = load_code_object(path)
+    functions = estimator.disassemble(objdump, path, co.target)
+    library = InterpretedLibrary(artifacts.Artifact(co.target, path, hashlib.sha256(path.read_bytes()).hexdigest(),
+                                                    emulated=False))
+    rows = []
+    for d in HEAD_DIMS:
+        for kind in ("dq", "dkdv"):
+            for case in BACKWARD_CASES:
+                symbol = variants.bwd_variant(kind, "f16", d, masked=case != "none").symbol
+                c = backward_tile(library, functions[symbol], kind, "f16", d, case)
+                rows.append({"target": co.target, "d": d, "kernel": symbol, "mask": case, "counts_per_wave_tile": {
+                    k: round(getattr(c, k), 2) for k in ("wmma", "valu", "trans", "salu", "global_load_insts",
+                                                          "vmem_rounds")}})
+    return rows
+
+
+def analyse(path: Path, objdump: str) -> list[dict]:
+    data = path.read_bytes()
+    co = load_code_object(path)
+    hw = estimator.HARDWARE[co.target]
+    functions = estimator.disassemble(objdump, path, co.target)
+    kernels = {k.name: k for k in co.kernels}
+    library = InterpretedLibrary(artifacts.Artifact(co.target, path, hashlib.sha256(data).hexdigest(), emulated=False))
+    rows = []
+    for dtype in DTYPES:
+        for d in HEAD_DIMS:
+            for case in CASES:
+                variant = variants.fwd_variant(dtype, d, masked=case != "none")
+                counts = tile_counts(library, functions[variant.symbol], variant, dtype, d, case)
+                occ = occupancy(co.target, kernels[variant.symbol], variant.threads)
+                model = estimator.model(counts, hw, variant, occ.waves_per_simd,
+                                        flops=4 * 16 * variant.block_n * d // variant.d_chunks,
+                                        groups=(estimator.SEQ // variant.block_rows) * variant.d_chunks
+                                        * estimator.BATCH_HEADS)
+                c = counts
+                rows.append({
+                    "target": co.target, "dtype": dtype, "d": d, "mask": case, "kernel": variant.symbol,
+                    "block_n": variant.block_n, "waves_per_simd": occ.waves_per_simd,
+                    "counts_per_wave_tile": {k: round(getattr(c, k), 2) for k in (
+                        "wmma", "valu", "trans", "salu", "branch", "waitcnt", "global_load_insts",
+                        "lds_read_insts", "lds_write_insts", "vmem_rounds", "lds_rounds")},
+                    "model": model,
+                })
+            none = next(r for r in rows if r["target"] == co.target and r["dtype"] == dtype and r["d"] == d
+                        and r["mask"] == "none")
+            for r in rows[-len(CASES):]:
+                r["vs_unmasked_pess"] = round(r["model"]["tflops_pess"] / none["model"]["tflops_pess"], 3)
+    return rows
+
+
+def backward_markdown(rows: list[dict]) -> str:
+    lines = ["", "## Backward (f16): executed instructions per wave and streamed tile", "",
+             "dQ: one more key tile (both of its sweeps); dK/dV: one more query tile. Counts only, no model.", "",
+             "| target | d | kernel | mask | VALU | TRANS | WMMA | loads | vmem waits to 0 |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c = r["counts_per_wave_tile"]
+        lines.append(f"| {r['target']} | {r['d']} | {r['kernel']} | {r['mask']} | {c['valu']:g} | {c['trans']:g} | "
+                     f"{c['wmma']:g} | {c['global_load_insts']:g} | {c['vmem_rounds']:g} |")
+    return "\n".join(lines) + "\n"
+
+
+def markdown(rows: list[dict], sources: list[tuple[Path, str]]) -> str:
+    lines = ["# Masked forward: static estimate (interpreter-executed counts), not a measurement", "",
+             f"{estimator.SEQ} tokens, {estimator.BATCH_HEADS} batch x heads, non-causal; TFLOP/s on 4*Sq*Sk*d. "
+             "Per key tile and wave, the instructions the CPU interpreter executed for each mask "
+             "(bench/estimate_masked.py), priced by bench/estimate_gfx1100.py's model. Target (issue 20): a "
+             f"key-padding mask at >= {KEY_PADDING_TARGET:.0%} of the unmasked kernel, pessimistic column.", "",
+             "Code objects: " + ", ".join(f"`{p}` (sha256 {h[:16]}...)" for p, h in sources), "",
+             "| target | dtype | d | mask | kernel | W/SIMD | VALU | WMMA | global loads | vmem waits to 0 | "
+             "bound (pess) | pess | opt | vs unmasked (pess) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c, m = r["counts_per_wave_tile"], r["model"]
+        lines.append(f"| {r['target']} | {r['dtype']} | {r['d']} | {r['mask']} | {r['kernel']} | {r['waves_per_simd']} | "
+                     f"{c['valu']:g} | {c['wmma']:g} | {c['global_load_insts']:g} | {c['vmem_rounds']:g} | "
+                     f"{m['bound_pess']} | {m['tflops_pess']} | {m['tflops_opt']} | {r['vs_unmasked_pess']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("hsaco", nargs="+", type=Path, help="code objects (gfx1100, gfx1201)")
+    parser.add_argument("--json", type=Path, metavar="PATH")
+    parser.add_argument("--md", type=Path, metavar="PATH")
+    args = parser.parse_args(argv)
+    objdump = find_objdump()
+    if objdump is None:
+        print("llvm-objdump (>= 19) not found", file=sys.stderr)
+        return 2
+    rows, backward = [], []
+    for number, path in enumerate(args.hsaco, 1):
+        print(f"[{number}/{len(args.hsaco)}] interpreting {path}", file=sys.stderr, flush=True)
+        rows += analyse(path, objdump)
+        backward += analyse_backward(path, objdump)
+    sources = [(p, hashlib.sha256(p.read_bytes()).hexdigest()) for p in args.hsaco]
+    text = markdown(rows, sources) + backward_markdown(backward)
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps({"code_objects": [{"file": str(p), "sha256": h} for p, h in sources],
+                                         "key_padding_target": KEY_PADDING_TARGET, "rows": rows,
+                                         "backward": backward}, indent=1))
+    if args.md:
+        args.md.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

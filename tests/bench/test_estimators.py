@@ -1,0 +1,69 @@
+"""The static estimators' instruction reading: waits decoded on both ISAs, and the interpreter-executed
+counts of bench/estimate_masked.py against the disassembly-based reconstruction of
+bench/estimate_gfx1100.py on a shipped code object (they must agree where both apply)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from bench import estimate_masked
+from rdna_flash_attn.interpreter import InterpretedLibrary
+from rdna_flash_attn.runtime import artifacts, variants
+from rdna_flash_attn.tools.report import find_objdump
+
+from .conftest import REPO
+
+estimator = estimate_masked.estimator  # the module estimate_masked prices with (one copy of its classes)
+GFX1100 = REPO / "prebuilt" / "rdna_fa_gfx1100.hsaco"
+
+
+def wait(op: str, args: str):
+    return estimator.Insn(0, op, args)
+
+
+@pytest.mark.parametrize("op, args, expected", [
+    ("s_waitcnt", "vmcnt(0) lgkmcnt(0)", (True, True)),
+    ("s_waitcnt", "vmcnt(2)", (False, False)),
+    ("s_waitcnt", "lgkmcnt(0)", (False, True)),
+    ("s_wait_loadcnt", "0x0", (True, False)),
+    ("s_wait_dscnt", "0x0", (False, True)),
+    ("s_wait_loadcnt_dscnt", "0x0", (True, True)),  # gfx12's combined wait (flat loads)
+    ("s_wait_loadcnt_dscnt", "0x100", (False, True)),  # one load still in flight
+    ("s_wait_loadcnt_dscnt", "0x1", (True, False)),
+])
+def test_waits_to_zero_on_both_isas(op, args, expected):
+    assert estimator.waits_to_zero(wait(op, args)) == expected
+
+
+@pytest.fixture(scope="module")
+def gfx1100():
+    objdump = find_objdump()
+    if objdump is None:
+        pytest.skip("llvm-objdump (>= 19) not installed")
+    functions = estimator.disassemble(objdump, GFX1100, "gfx1100")
+    artifact = artifacts.Artifact("gfx1100", GFX1100, hashlib.sha256(GFX1100.read_bytes()).hexdigest(), emulated=False)
+    return functions, InterpretedLibrary(artifact), objdump
+
+
+def test_executed_counts_equal_the_static_reconstruction_of_an_unmasked_tile(gfx1100):
+    functions, library, objdump = gfx1100
+    variant = variants.fwd_variant("f16", 64)
+    executed = estimate_masked.tile_counts(library, functions[variant.symbol], variant, "f16", 64, "none")
+    body = functions[variant.symbol]
+    main = estimator.main_loop(body)
+    static = estimator.count_tile(body, main, estimator.inner_loops(body, main, variant))
+    for kind in ("wmma", "valu", "trans", "salu", "global_load_insts", "lds_read_insts", "vmem_rounds"):
+        assert getattr(executed, kind) == getattr(static, kind), kind
+
+
+def test_a_key_padding_tile_waits_for_its_mask_once_per_fragment(gfx1100):
+    """The grouped bias loads (kernels/sequence.h): a contiguous mask row costs one wait per 16-key
+    fragment, not one per element."""
+    functions, library, _ = gfx1100
+    variant = variants.fwd_variant("f16", 64, masked=True)
+    counts = estimate_masked.tile_counts(library, functions[variant.symbol], variant, "f16", 64,
+                                         "key padding, additive (B,1,1,Sk)")
+    assert counts.wmma == (variant.d_pad + variant.d_chunk) // 16 * (variant.block_n // 16)
+    assert counts.vmem_rounds <= 1 + variant.block_n // 16
