@@ -6,8 +6,9 @@ per parameter, within 2x the error of the same step with PyTorch's math SDPA in 
 
     RDNA_FA_FORCE=1 torchrun --nproc_per_node=2 -m rdna_flash_attn.launch bench/ddp_training_check.py --out DIR
 
-Each rank describes its own device and loads the kernels for it. With one GPU both ranks share it
-(gloo backend, which all-reduces CUDA tensors through the host); the JSON records what each rank saw.
+Each rank describes its own device and loads the kernels for it. With a GPU per rank the gradients are
+all-reduced through NCCL; with fewer GPUs than ranks they share them (gloo, which all-reduces CUDA
+tensors through the host). `--backend` overrides the choice; the JSON records what each rank saw.
 Writes DIR/ddp_training_check.json; exits 1 when a gradient misses the criterion or a rank's
 attention did not reach the kernels.
 """
@@ -87,9 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("."), help="folder for ddp_training_check.json")
     parser.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16")
+    parser.add_argument("--backend", choices=("nccl", "gloo"),
+                        help="default: nccl with a GPU per rank, else gloo (NCCL cannot put two ranks on one GPU)")
     args = parser.parse_args(argv)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    dist.init_process_group("gloo")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    backend = args.backend or ("nccl" if torch.cuda.device_count() >= world_size else "gloo")
+    dist.init_process_group(backend)
     rank, local_rank = dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
@@ -112,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         s["counters"]["kernel"] > 0 and s["sdpa_patch_enabled"] for s in gathered)
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
-        record = dict(world_size=dist.get_world_size(), backend="gloo", dtype=args.dtype, torch=torch.__version__,
+        record = dict(world_size=dist.get_world_size(), backend=backend, dtype=args.dtype, torch=torch.__version__,
                       shape=dict(width=WIDTH, heads=HEADS, layers=LAYERS, tokens=TOKENS, batch=BATCH),
                       passed=passed, ranks=gathered)
         (args.out / "ddp_training_check.json").write_text(json.dumps(record, indent=1))
