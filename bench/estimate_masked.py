@@ -40,22 +40,24 @@ TORCH_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 KEY_PADDING_TARGET = 0.97  # issue 20: a key-padding mask within 3 % of the unmasked kernel (pessimistic)
 
 
-def masks(kind: str, batch_heads: int, seq_q: int, seq_k: int, dtype: torch.dtype):
-    """The attention mask of each case, drawn so that every key tile holds kept and masked keys."""
-    generator = torch.Generator().manual_seed(1)
-    keep = torch.rand(1, 1, 1, seq_k, generator=generator) > 0.25
-    bias = torch.zeros(1, 1, 1, seq_k, dtype=dtype).masked_fill(~keep, float("-inf"))
-    return {
-        "none": None,
-        "key padding, additive (B,1,1,Sk)": bias,
-        "key padding, bool (B,1,1,Sk)": keep,
-        "full additive (1,1,Sq,Sk)": torch.randn(1, 1, seq_q, seq_k, generator=generator).to(dtype),
-        "full bool (1,1,Sq,Sk)": torch.rand(1, 1, seq_q, seq_k, generator=generator) > 0.25,
-    }[kind]
+def _keep(generator, seq_k):
+    return torch.rand(1, 1, 1, seq_k, generator=generator) > 0.25
 
 
-CASES = ("none", "key padding, additive (B,1,1,Sk)", "key padding, bool (B,1,1,Sk)", "full additive (1,1,Sq,Sk)",
-         "full bool (1,1,Sq,Sk)")
+# case -> (generator, seq_q, seq_k, dtype) -> its mask, drawn so that every key tile holds kept and masked keys
+MASK_MAKERS = {
+    "none": lambda g, sq, sk, dt: None,
+    "key padding, additive (B,1,1,Sk)":
+        lambda g, sq, sk, dt: torch.zeros(1, 1, 1, sk, dtype=dt).masked_fill(~_keep(g, sk), float("-inf")),
+    "key padding, bool (B,1,1,Sk)": lambda g, sq, sk, dt: _keep(g, sk),
+    "full additive (1,1,Sq,Sk)": lambda g, sq, sk, dt: torch.randn(1, 1, sq, sk, generator=g).to(dt),
+    "full bool (1,1,Sq,Sk)": lambda g, sq, sk, dt: torch.rand(1, 1, sq, sk, generator=g) > 0.25,
+}
+CASES = tuple(MASK_MAKERS)
+
+
+def masks(kind: str, seq_q: int, seq_k: int, dtype: torch.dtype):
+    return MASK_MAKERS[kind](torch.Generator().manual_seed(1), seq_q, seq_k, dtype)
 
 
 def executed(library: InterpretedLibrary, variant, dtype: str, head_dim: int, case: str, key_tiles: int):
@@ -66,7 +68,7 @@ def executed(library: InterpretedLibrary, variant, dtype: str, head_dim: int, ca
     k, v = (torch.randn(1, 1, seq_k, head_dim, generator=generator).to(TORCH_DTYPES[dtype]) for _ in range(2))
     library.traces.clear()
     with runtime.explicit_library(library):
-        ops.flash_attention_forward(q, k, v, attn_mask=masks(case, 1, variant.block_rows, seq_k, q.dtype))
+        ops.flash_attention_forward(q, k, v, attn_mask=masks(case, variant.block_rows, seq_k, q.dtype))
     trace = library.traces[variant.symbol]
     return trace.by_offset, trace.waves
 
@@ -92,7 +94,7 @@ def backward_tile(library, body, kind: str, dtype: str, head_dim: int, case: str
         generator = torch.Generator().manual_seed(0)
         q, k, v, dout = (torch.randn(1, 1, n, head_dim, generator=generator).to(TORCH_DTYPES[dtype])
                          for n in (seq_q, seq_k, seq_k, seq_q))
-        mask = masks(case, 1, seq_q, seq_k, q.dtype)
+        mask = masks(case, seq_q, seq_k, q.dtype)
         with runtime.explicit_library(library):
             _, lse = ops.flash_attention_forward(q, k, v, attn_mask=mask)
             library.traces.clear()
@@ -146,11 +148,10 @@ def analyse(path: Path, objdump: str) -> list[dict]:
                                         flops=4 * 16 * variant.block_n * d // variant.d_chunks,
                                         groups=(estimator.SEQ // variant.block_rows) * variant.d_chunks
                                         * estimator.BATCH_HEADS)
-                c = counts
                 rows.append({
                     "target": co.target, "dtype": dtype, "d": d, "mask": case, "kernel": variant.symbol,
                     "block_n": variant.block_n, "waves_per_simd": occ.waves_per_simd,
-                    "counts_per_wave_tile": {k: round(getattr(c, k), 2) for k in (
+                    "counts_per_wave_tile": {k: round(getattr(counts, k), 2) for k in (
                         "wmma", "valu", "trans", "salu", "branch", "waitcnt", "global_load_insts",
                         "lds_read_insts", "lds_write_insts", "vmem_rounds", "lds_rounds")},
                     "model": model,
