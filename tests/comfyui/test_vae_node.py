@@ -45,6 +45,24 @@ def attention_functions(vae):
     return [m.optimized_attention for m in vae.first_stage_model.modules() if hasattr(m, "optimized_attention")]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_vae_reaches_the_kernels(dtype, latent, vae_node, fake_gpu):
+    # ComfyUI runs the VAE in bf16 or fp16 on most GPUs: its attention inputs are then strided views
+    # already in the run type, which the node must still lay out with unit stride over the channels.
+    import comfy.sd
+    from comfy.ldm.models.autoencoder import AutoencoderKL
+
+    donor = AutoencoderKL(ddconfig=DDCONFIG, embed_dim=4)
+    initialise(donor, seed=7)
+    vae = comfy.sd.VAE(sd=donor.state_dict(), config={"params": dict(ddconfig=DDCONFIG, embed_dim=4)}, dtype=dtype)
+    reference = decode(vae, latent)
+    (patched,) = vae_node.patch(vae, True, "bf16", "off")
+    image = decode(patched, latent)
+    assert len(fake_gpu.launches) == 1 and fake_gpu.launches[0][0].dtype == dtype
+    assert rdna_flash_attn.stats()["fallback"] == 0
+    torch.testing.assert_close(image.float(), reference.float(), **IMAGE_TOLERANCE)
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16 if in range"])
 def test_patched_vae_decode_matches_and_reports_psnr(precision, vae, latent, vae_node, fake_gpu, log_records):
     reference = decode(vae, latent)
