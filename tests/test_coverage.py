@@ -19,7 +19,7 @@ from rdna_flash_attn.config import settings
 from rdna_flash_attn.dispatch import router
 from rdna_flash_attn.ops import attention
 from rdna_flash_attn.runtime import loader
-from rdna_flash_attn.tools import comfyui_harness
+from rdna_flash_attn.tools import a1111_harness, comfyui_harness
 from rdna_flash_attn.tools.coverage import (FlopCounter, ReferenceLibrary, SdpaFlops, attention_flops,
                                             real_head_dim_refusals, regressions)
 
@@ -108,3 +108,28 @@ def test_a_real_comfyui_run_and_its_check(tmp_path, disabled, code):
     differences = [r["difference_from_host"] for r in data["families"]]
     assert all(0 < d < 1e-2 for d in differences) if code == 0 else all(d == 0 for d in differences)
     assert (tmp_path / "coverage-comfyui.png").is_file() or "matplotlib" in result.stderr
+
+
+@pytest.mark.skipif(not a1111_harness.ldm_available(), reason="stable-diffusion-sdkit (A1111's ldm) not installed")
+@pytest.mark.parametrize("disabled, code", [("0", 0), ("1", 1)])
+def test_a_real_a1111_ldm_run_and_its_check(tmp_path, disabled, code):
+    baseline = REPO / "bench" / "results" / "coverage-a1111.json"
+    result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--host", "a1111", "--out",
+                             str(tmp_path), "--check", str(baseline)], cwd=REPO, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "RDNA_FA_DISABLE": disabled})
+    assert result.returncode == code, result.stderr
+    data = json.loads((tmp_path / "coverage-a1111.json").read_text())
+    assert data["host"] == "A1111 (ldm)"
+    records = {r["family"]: r for r in data["families"]}
+    assert set(records) == {"sd15", "sd2", "vae"}
+    for record in records.values():
+        assert record["attention_flops"] > 0  # counted at the attention modules, whichever forward ran
+        assert record["kernel_share"] == (1.0 if code == 0 else 0.0)
+        assert (0 < record["difference_from_host"] < 1e-2) if code == 0 else record["difference_from_host"] < 1e-5
+
+
+def test_an_unknown_family_or_device_is_refused_with_status_2(tmp_path):
+    for arguments in (["--families", "sd3"], ["--device", "mps"]):
+        result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--host", "a1111", "--out",
+                                 str(tmp_path), *arguments], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and result.stderr.startswith("coverage: ")

