@@ -22,7 +22,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from estimate_gfx1100 import (BATCH_HEADS, DTYPES, HARDWARE, SEQ, SIMDS_PER_CU, Insn,  # noqa: E402
+from estimate_gfx1100 import (BATCH_HEADS, CALIBRATION, DTYPES, HARDWARE, SEQ, SIMDS_PER_CU, Insn,  # noqa: E402
                               disassemble, model, tally, variants)
 
 from rdna_flash_attn.runtime.codeobject import load_code_object  # noqa: E402
@@ -409,8 +409,9 @@ def analyse(path: Path, objdump: str) -> list[dict]:
                 extra = delta_pass_seconds(hw, d) if label.startswith(("2.", "1 + 2")) else 0.0
                 for which in ("opt", "pess"):
                     total = sum(s[which].values()) + extra
-                    s[f"tflops_{which}"] = round(flops / total / 1e12, 1)
-                    s[f"ms_{which}"] = round(total * 1e3, 3)
+                    s[f"tflops_{which}_nominal"] = round(flops / total / 1e12, 1)
+                    s[f"tflops_{which}"] = round(flops / total / 1e12 * CALIBRATION[co.target], 1)  # see estimate_gfx1100
+                    s[f"ms_{which}"] = round(total / CALIBRATION[co.target] * 1e3, 3)
                     s[f"share_{which}"] = {k: round(t / total, 3) for k, t in s[which].items()}
                     del s[which]
             results.append({

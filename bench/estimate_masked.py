@@ -178,7 +178,9 @@ def markdown(rows: list[dict], sources: list[tuple[Path, str]]) -> str:
     lines = ["# Masked forward: static estimate (interpreter-executed counts), not a measurement", "",
              f"{estimator.SEQ} tokens, {estimator.BATCH_HEADS} batch x heads, non-causal; TFLOP/s on 4*Sq*Sk*d. "
              "Per key tile and wave, the instructions the CPU interpreter executed for each mask "
-             "(bench/estimate_masked.py), priced by bench/estimate_gfx1100.py's model. Target (issue 20): a "
+             "(bench/estimate_masked.py), priced by bench/estimate_gfx1100.py's model, calibrated (x"
+             + ", x".join(f"{factor} on {target}" for target, factor in estimator.CALIBRATION.items())
+             + ": bench/results/estimator_calibration.md). Target (issue 20): a "
              f"key-padding mask at >= {KEY_PADDING_TARGET:.0%} of the unmasked kernel, pessimistic column.", "",
              "Code objects: " + ", ".join(f"`{p}` (sha256 {h[:16]}...)" for p, h in sources), "",
              "| target | dtype | d | mask | kernel | W/SIMD | VALU | WMMA | global loads | vmem waits to 0 | "

@@ -104,6 +104,13 @@ def kernel_memory_check(data: dict) -> dict | None:
             "exponents": {f"{p} {pass_}": e for (p, pass_), e in growth.items() if e is not None}}
 
 
+def _estimate_basis(estimates: list[dict]) -> str:
+    if all(e.get("calibrated") for e in estimates):
+        return ("static estimate from instruction counts, calibrated against published measurements of external "
+                "kernels (results/estimator_calibration.md); not measured")
+    return "static estimate from instruction counts, not calibrated (recorded before the calibration); not measured"
+
+
 def _range(estimates: list[dict], dtype: str = "f16") -> str:
     parts = [f"{e['tflops_pessimistic']:.0f}-{e['tflops_optimistic']:.0f} (d{e['head_dim']})"
              for e in estimates if e["target"] == "gfx1100" and e["dtype"] == dtype]
@@ -118,10 +125,10 @@ def evaluate_targets(data: dict) -> list[dict]:
     result = {}
     if static.get("forward_estimate"):
         result["forward"] = (f"estimate {_range(static['forward_estimate'])} TFLOP/s f16",
-                             "static estimate from instruction counts; not measured")
+                             _estimate_basis(static["forward_estimate"]))
     if static.get("backward_estimate"):
         result["backward"] = (f"estimate {_range(static['backward_estimate'])} TFLOP/s f16",
-                              "static estimate from instruction counts; not measured")
+                              _estimate_basis(static["backward_estimate"]))
     memory = kernel_memory_check(data)
     if memory:
         exponents = ", ".join(f"{k} {v:.2f}" for k, v in sorted(memory["exponents"].items()))

@@ -162,7 +162,8 @@ def static_summary(results_dir: Path) -> dict:
     if forward.is_file():
         summary["forward_estimate"] = [
             {"target": k["target"], "gpu": k["gpu"], "dtype": k["dtype"], "head_dim": k["d"],
-             "tflops_pessimistic": k["model"]["tflops_pess"], "tflops_optimistic": k["model"]["tflops_opt"]}
+             "tflops_pessimistic": k["model"]["tflops_pess"], "tflops_optimistic": k["model"]["tflops_opt"],
+             "calibrated": "tflops_pess_nominal" in k["model"]}
             for k in json.loads(forward.read_text(encoding="utf-8"))["kernels"]]
     else:
         summary["missing"].append(str(forward))
@@ -171,7 +172,8 @@ def static_summary(results_dir: Path) -> dict:
         summary["backward_estimate"] = [
             {"target": r["target"], "gpu": r["gpu"], "dtype": r["dtype"], "head_dim": r["d"],
              "tflops_pessimistic": r["estimate"]["now"]["tflops_pess"],
-             "tflops_optimistic": r["estimate"]["now"]["tflops_opt"]}
+             "tflops_optimistic": r["estimate"]["now"]["tflops_opt"],
+             "calibrated": "tflops_pess_nominal" in r["estimate"]["now"]}
             for r in json.loads(backward.read_text(encoding="utf-8"))["results"]]
     else:
         summary["missing"].append(str(backward))

@@ -67,3 +67,24 @@ def test_a_key_padding_tile_waits_for_its_mask_once_per_fragment(gfx1100):
                                          "key padding, additive (B,1,1,Sk)")
     assert counts.wmma == (variant.d_pad + variant.d_chunk) // 16 * (variant.block_n // 16)
     assert counts.vmem_rounds <= 1 + variant.block_n // 16
+
+
+def test_the_calibration_factors_are_the_recorded_fit():
+    import json
+
+    recorded = json.loads((REPO / "bench" / "results" / "estimator_calibration.json").read_text())
+    for target, fit in recorded["fit"].items():
+        assert estimator.CALIBRATION[target] == fit["factor"], target
+    # every published figure in the fit is reproduced within 12 % by the calibrated model
+    assert all(abs(r["residual_under_fit"]) <= 0.12 for r in recorded["kernels"] if r["in_fit"])
+
+
+def test_the_fit_is_the_geometric_mean_of_measured_over_estimated():
+    from bench import estimate_external
+
+    rows = [{"name": name, "shape": [1, 1, 1, 1], "target": "gfx1201", "in_fit": in_fit, "published_tflops": measured,
+             "model": {"tflops_pess_nominal": 100.0}} for name, measured, in_fit in
+            (("a", 50.0, True), ("b", 200.0, True), ("c", 10.0, False))]
+    fit = estimate_external.fitted_ratios(rows)["gfx1201"]
+    assert fit["factor"] == 1.0 and fit["cases_in_fit"] == 2  # sqrt(0.5 * 2); the stand-in is left out
+    assert [r["residual_under_fit"] for r in rows] == [-0.5, 1.0, -0.9]
