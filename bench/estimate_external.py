@@ -39,6 +39,25 @@ from rdna_flash_attn.tools.report import find_objdump, occupancy  # noqa: E402
 WMMA_FLOPS = 2 * 16**3
 
 
+def merge_undecoded(body: list[estimator.Insn]) -> list[estimator.Insn]:
+    """llvm-objdump 19 cannot decode some gfx11 VOP3 encodings of 16-bit moves and conversions on
+    register halves (Triton emits v_mov_b16_e64 and v_cvt_f16_f32_e64 with .h/.l operands): it prints
+    their first dword as `.long` and decodes the second as an instruction of its own. Each such pair is
+    one VALU instruction; anything else undecodable is an error."""
+    merged, skip = [], None
+    for insn in body:
+        if insn.addr == skip:
+            continue
+        if insn.op == ".long":
+            if (int(insn.args.split()[0], 16) >> 26) != 0b110101:  # VOP3 (8 bytes)
+                raise RuntimeError(f"undecodable instruction at {insn.addr:#x}: {insn.args}")
+            merged.append(estimator.Insn(insn.addr, "v_undecoded_vop3", insn.args))
+            skip = insn.addr + 4
+            continue
+        merged.append(insn)
+    return merged
+
+
 def wmma_loops(body: list[estimator.Insn]) -> list[tuple[int, int]]:
     """Innermost backward-branch spans holding a WMMA."""
     spans = [s for s in estimator.back_edges(body)
@@ -59,7 +78,7 @@ def estimate(case: dict, root: Path, objdump: str) -> dict:
     path = root / case["code_object"]
     co = load_code_object(path)
     hw = estimator.HARDWARE[co.target]
-    body = estimator.disassemble(objdump, path, co.target)[case["kernel"]]
+    body = merge_undecoded(estimator.disassemble(objdump, path, co.target)[case["kernel"]])
     kernel = next(k for k in co.kernels if k.name == case["kernel"])
     span = main_loop(body)
     counts = estimator.tally([(i, 1, "main loop") for i in body if span[0] <= i.addr <= span[1]])
