@@ -3,8 +3,8 @@
 
 Not a measurement. Same pipe model as bench/estimate_gfx1100.py (the forward estimate); what differs
 is the counting: the backward main loops hold uniform branches (dQ: sweep 0 / 1; dK/dV: make_dk), so
-one iteration is traced through the control-flow graph per path instead of summing a span. See
-bench/results/backward_estimate_gfx1100.md.
+one iteration is traced through the control-flow graph per path instead of summing a span; dK/dV's
+causal test (ABI 2) is a branch too, taken as not causal. See bench/results/backward_estimate_gfx1100.md.
 
     python3 bench/estimate_gfx1100_backward.py /tmp/est_bwd/rdna_fa_gfx1100.hsaco \
         --json bench/results/backward_estimate_gfx1100.json --png bench/results/backward_estimate_gfx1100.png
@@ -16,6 +16,7 @@ import argparse
 import hashlib
 import itertools
 import json
+import re
 import sys
 from collections import Counter
 from dataclasses import asdict, replace
@@ -25,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from estimate_gfx1100 import (BATCH_HEADS, CALIBRATION, DTYPES, HARDWARE, SEQ, SIMDS_PER_CU, Insn,  # noqa: E402
                               disassemble, model, tally, variants)
 
+from rdna_flash_attn.ops.launch_args import BwdArgs  # noqa: E402
 from rdna_flash_attn.runtime.codeobject import load_code_object  # noqa: E402
 from rdna_flash_attn.tools.report import find_objdump, occupancy  # noqa: E402
 
@@ -162,6 +164,19 @@ def flag_of(block: list[Insn]) -> str | None:
     return None
 
 
+_SGPR = re.compile(r"^(s\d+|vcc_lo|vcc_hi)$")
+
+
+def valu_sgpr_writes(i: Insn) -> list[str]:
+    """SGPRs a vector instruction writes: a VOP3 compare's lane mask ('v_cmp_gt_i32_e64 s4, ...'), a
+    readlane's value, a carry-out ('v_add_co_u32 v1, s5, ...')."""
+    if not i.op.startswith("v_"):
+        return []
+    args = [a.strip() for a in i.args.split(",")]
+    dsts = args[:1] + (args[1:2] if "_co_" in i.op or i.op.startswith(("v_div_scale", "v_mad_u64", "v_mad_i64")) else [])
+    return [a for a in dsts if _SGPR.match(a)]
+
+
 def trace(cfg: Cfg, main: int, trips: dict[int, int], flags: dict[str, bool]) -> Counter:
     """Times each instruction runs in one main-loop iteration: all lanes active (every divergent block
     runs), inner loops run their trip counts, uniform branches follow the given SGPR flag values."""
@@ -184,6 +199,9 @@ def trace(cfg: Cfg, main: int, trips: dict[int, int], flags: dict[str, bool]) ->
                     flags[args[0]] = args[1] == "-1"
                 else:
                     flags.pop(args[0], None)
+            for reg in valu_sgpr_writes(i):  # a lane mask written over a phi flag's register
+                if reg not in given:
+                    flags.pop(reg, None)
         succ, last = cfg.succ[pc], block[-1]
         if len(succ) == 1:
             pc = succ[0]
@@ -221,7 +239,7 @@ def paths(v) -> dict[str, tuple[int, int]]:
     if v.kind == "dq":  # per key tile: K, V rows; Q, dO operands 2 x 16 B per lane per head-dim step
         base = rows * 2 + 4 * dim
         return {"sweep 0 (delta)": (2 * dim * tile // FRAG, base),
-                "sweep 1 (dQ)": (2 * dim * tile // FRAG + 2 * out * tile // FRAG, base + trans)}
+                "sweep 1 (dQ)": (2 * dim * tile // FRAG + out * tile // FRAG, base + trans)}
     # per query tile: Q rows, lse + delta + row sums (ABI 2), then per fragment the K (and V) operands
     # not held in registers
     frags = tile // FRAG
@@ -229,9 +247,9 @@ def paths(v) -> dict[str, tuple[int, int]]:
     k_loads = 0 if v.d_pad <= variants.BWD_RESIDENT_K_MAX_D else 2 * dim
     v_loads = 0 if v.d_pad <= variants.BWD_RESIDENT_V_MAX_D else 2 * dim
     if v.fused:  # S and dP once, then dV and dK: Q, dO rows and both transposed chunks
-        return {"dK+dV": (frags * (2 * dim + 4 * out), 2 * rows + 2 * trans + stats + frags * (k_loads + v_loads))}
-    return {"dV": (frags * (dim + 2 * out), rows + trans + stats + frags * k_loads),
-            "dK": (frags * (2 * dim + 2 * out), 2 * rows + trans + stats + frags * (k_loads + v_loads))}
+        return {"dK+dV": (frags * (2 * dim + 2 * out), 2 * rows + 2 * trans + stats + frags * (k_loads + v_loads))}
+    return {"dV": (frags * (dim + out), rows + trans + stats + frags * k_loads),
+            "dK": (frags * (2 * dim + out), 2 * rows + trans + stats + frags * (k_loads + v_loads))}
 
 
 def main_loop(cfg: Cfg) -> int:
@@ -267,18 +285,83 @@ def load_guards(cfg: Cfg, main: int, regs: list[str]) -> dict[str, bool]:
     return {r: value for r, value in guards.items() if r not in other}
 
 
-def count_path(cfg: Cfg, main: int, trips: dict[int, int], v, expect: tuple[int, int]):
-    """Tries every value of the uniform flags the main loop tests; exactly one count must match."""
+# SALU instructions that leave SCC as it is (between a compare and the select that reads it).
+_KEEPS_SCC = ("s_mov_b32", "s_movk_i32", "s_mul_i32", "s_mul_hi_u32", "s_mul_hi_i32", "s_cselect_b32", "s_load_",
+              "s_waitcnt", "s_delay_alu", "s_nop")
+
+
+def sgpr_writes(i: Insn) -> list[str]:
+    """The SGPRs an instruction writes (scalar destinations, ranges expanded; VALU lane masks, carries)."""
+    if i.op.startswith("v_"):
+        return valu_sgpr_writes(i)
+    if not i.op.startswith("s_") or i.op.startswith(("s_cmp", "s_bitcmp", "s_cbranch", "s_branch", "s_wait", "s_delay",
+                                                     "s_nop", "s_barrier", "s_endpgm", "s_clause", "s_set", "s_sendmsg")):
+        return []
+    dst = i.args.split(",")[0].strip()
+    if m := re.match(r"^s\[(\d+):(\d+)\]$", dst):
+        return [f"s{n}" for n in range(int(m.group(1)), int(m.group(2)) + 1)]
+    return [dst] if _SGPR.match(dst) else []
+
+
+def causal_flags(cfg: Cfg, main: int) -> dict[str, bool]:
+    """The flags `a.causal != 0` (kernels ABI 2: Sequence::visible_keys branches on it inside the dK/dV
+    loop), each with its value when not causal, as estimated: read from the kernel argument load that
+    holds BwdArgs.causal and the 's_cmp_{lg,eq}_u32 sN, 0' / 's_cselect_b32 sM, -1, 0' made of it. Only
+    where that select is the one write of sM that reaches the main loop, and the loop writes sM not."""
+    body, offset, source, flags = cfg.body, BwdArgs.causal.offset, None, {}
+    for n, i in enumerate(body):
+        args = [a.strip() for a in i.args.split(",")]
+        if source is None and i.op.startswith("s_load_b") and len(args) == 3 and args[1] == "s[0:1]":
+            first, width = int(args[0][2:].split(":")[0].rstrip("]")), int(i.op.rsplit("b", 1)[1]) // 32
+            start = int(args[2], 16) if args[2] != "null" else 0
+            if start <= offset < start + 4 * width:
+                source = f"s{first + (offset - start) // 4}"
+        elif source and i.op in ("s_cmp_lg_u32", "s_cmp_eq_u32") and args[0] == source and args[1] == "0":
+            for j in body[n + 1:]:
+                jargs = [a.strip() for a in j.args.split(",")]
+                if j.op == "s_cselect_b32" and jargs[1:] == ["-1", "0"]:
+                    flags[jargs[0]] = (j.addr, i.op == "s_cmp_eq_u32")  # the value with causal == 0
+                    break
+                if j.op.startswith("s_") and not j.op.startswith(_KEEPS_SCC):
+                    break
+        elif source and source in sgpr_writes(i):
+            break  # the register holds something else from here
+    return {r: value for r, (addr, value) in flags.items()
+            if reaching_writes(cfg, r, main) == {addr}
+            and not any(r in sgpr_writes(i) for b in cfg.loops[main] for i in cfg.blocks[b])}
+
+
+def reaching_writes(cfg: Cfg, reg: str, block: int) -> set:
+    """Addresses of the writes of `reg` that reach the start of `block` (None: the kernel's entry value)."""
+    last = {b: next((i.addr for i in reversed(insns) if reg in sgpr_writes(i)), None) for b, insns in cfg.blocks.items()}
+    pred = {b: [p for p, succ in cfg.succ.items() if b in succ] for b in cfg.blocks}
+    into = {b: set() for b in cfg.blocks}
+    into[cfg.body[0].addr] = {None}
+    changed = True
+    while changed:
+        changed = False
+        for b in cfg.blocks:
+            new = into[b] | {w for p in pred[b] for w in ({last[p]} if last[p] is not None else into[p])}
+            changed |= new != into[b]
+            into[b] = new
+    return into[block]
+
+
+def count_path(cfg: Cfg, main: int, trips: dict[int, int], v, expect: tuple[int, int], pinned: dict[str, bool]):
+    """Tries every value of the uniform flags the main loop tests; exactly one count must match. Flags
+    in `pinned` (the causal flag) keep the value given."""
     written = {i.args.split(",")[0].strip() for b in cfg.loops[main] for i in cfg.blocks[b] if i.op.startswith("s_")
                and not (i.op == "s_mov_b32" and i.args.split(",")[1].strip() in ("-1", "0"))}
     regs = sorted({r.lstrip("!") for b in cfg.loops[main] if len(cfg.succ[b]) == 2
                    and (r := flag_of(cfg.blocks[b])) and r.lstrip("!") not in written})
     guards = load_guards(cfg, main, regs)
+    pinned = {r: value for r, value in pinned.items() if r in regs}
+    regs = [r for r in regs if r not in pinned]
     if len(guards) > 4:  # an unrolled head-dim loop: its loads all run or are all skipped
         regs = [r for r in regs if r not in guards]
-        settings = [guards, {r: not value for r, value in guards.items()}]
+        settings = [{**pinned, **guards}, {**pinned, **{r: not value for r, value in guards.items()}}]
     else:
-        settings = [{}]
+        settings = [pinned]
     where = {i.addr: region(cfg, trips, i) for b in cfg.loops[main] for i in cfg.blocks[b]}
     found = {}
     for values, fixed in itertools.product(itertools.product((False, True), repeat=len(regs)), settings):
@@ -340,13 +423,13 @@ def backward(rows: dict, hw, scenario=lambda kind, name, c: c) -> dict:
     return out
 
 
-def changes(v, head_dim_loop: dict):
-    """The three changes of the .md as count edits (None drops a path)."""
-    acc = (v.d_chunk // FRAG) * (v.block_tile // FRAG)  # WMMAs of one part of the split product
+ONE_SWEEP = "one sweep (delta from an fp32 O, precomputed)"
+BOTH = "both"
 
-    def no_split(kind, name, c):  # dS / P enter dQ, dV, dK as one 16-bit part
-        parts = {"sweep 1 (dQ)": 1, "dV": 1, "dK": 1, "dK+dV": 2}.get(name, 0)
-        return replace(c, wmma=c.wmma - parts * acc)
+
+def changes(head_dim_loop: dict):
+    """The changes still open, as count edits (None drops a path). The first of the .md's three (P and dS
+    rounded once) is made: the kernels' counts have it."""
 
     def one_sweep(kind, name, c):  # delta from a separate rowsum(dO * O_fp32) pass: no sweep 0
         return None if name == "sweep 0 (delta)" else c
@@ -359,8 +442,7 @@ def changes(v, head_dim_loop: dict):
                        lds_read_insts=c.lds_read_insts + h.global_load_insts,
                        lds_read_bytes=c.lds_read_bytes + h.global_load_bytes)
 
-    return {"1. no two-part split": no_split, "2. one sweep (delta precomputed)": one_sweep,
-            "3. Q/dO, K/V operands from LDS": operands_resident}
+    return {ONE_SWEEP: one_sweep, "Q/dO, K/V operands from LDS": operands_resident}
 
 
 def delta_pass_seconds(hw, d: int) -> float:
@@ -386,8 +468,9 @@ def analyse(path: Path, objdump: str) -> list[dict]:
                 main = main_loop(cfg)
                 trips = loop_trips(cfg, main, v)
                 counts, flags, loops = {}, {}, {}
+                pinned = causal_flags(cfg, main)  # non-causal, as estimated
                 for name, expect in paths(v).items():
-                    counts[name], flags[name], insns = count_path(cfg, main, trips, v, expect)
+                    counts[name], flags[name], insns = count_path(cfg, main, trips, v, expect, pinned)
                     loops[name] = tally([x for x in insns if x[2] == "head-dim loop"])
                 occ = occupancy(co.target, kernels[v.symbol], v.threads)
                 rows[kind] = {"variant": v, "waves_per_simd": occ.waves_per_simd, "counts": counts,
@@ -395,18 +478,18 @@ def analyse(path: Path, objdump: str) -> list[dict]:
                               "trips": {hex(h): t for h, t in trips.items()}}
                 hd[kind] = loops
             flops = 10 * SEQ * SEQ * d * BATCH_HEADS  # backward = 2.5 x forward
-            edits = {kind: changes(r["variant"], hd) for kind, r in rows.items()}
+            edits = {kind: changes(hd) for kind in rows}
             scen = {"now": backward(rows, hw)}
             for label in edits["dq"]:
                 scen[label] = backward(rows, hw, lambda kind, name, c, label=label, edits=edits: edits[kind][label](kind, name, c))
 
-            def all_three(kind, name, c, edits=edits):
+            def all_of_them(kind, name, c, edits=edits):
                 for edit in edits[kind].values():
                     c = edit(kind, name, c) if c is not None else None
                 return c
-            scen["1 + 2 + 3"] = backward(rows, hw, all_three)
+            scen[BOTH] = backward(rows, hw, all_of_them)
             for label, s in scen.items():
-                extra = delta_pass_seconds(hw, d) if label.startswith(("2.", "1 + 2")) else 0.0
+                extra = delta_pass_seconds(hw, d) if label in (ONE_SWEEP, BOTH) else 0.0
                 for which in ("opt", "pess"):
                     total = sum(s[which].values()) + extra
                     s[f"tflops_{which}_nominal"] = round(flops / total / 1e12, 1)

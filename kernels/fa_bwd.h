@@ -3,12 +3,12 @@
 // belongs to exactly one workgroup and is summed in a fixed order, so there are no atomics, no
 // read-modify-write between workgroups, and gradients are bitwise reproducible run to run.
 //
-// Precision: P and dS enter their products as two 16-bit parts (value and rounding remainder), and
-// delta is the exact fp32 rowsum(P * dP) rather than rowsum(dO * O) of a 16-bit O, so no gradient
-// carries more than one 16-bit rounding of its own. Counting one matrix product over the whole head
-// dim as 1: dQ 4 + 2, dV 1 + 2, dK 2 + 2, so 13 (12 where one workgroup makes dK and dV from one
-// S) against FA2's 5 (which rounds P and dS once, takes delta from the rounded O and sums dQ with
-// atomics).
+// Precision, judged by FlashAttention-2's own criterion (tests/gpu/test_backward.py): P and dS are
+// rounded once to 16 bits for their products, as FA2 does, but delta is the exact fp32
+// rowsum(P * dP) rather than FA2's rowsum(dO * O) of the 16-bit O, which fails that criterion on
+// short causal rows (bench/results/backward_precision_fa2.md). Counting one matrix product over the
+// whole head dim as 1: dQ 4 + 1, dV 1 + 1, dK 2 + 1, so 10 (9 where one workgroup makes dK and dV from
+// one S) against FA2's 5 (delta from O in a separate pass, dQ summed with atomics).
 //
 // dK/dV: each wave owns 16 keys, so S = Q K^T and dP = dO V^T come out with one key per lane and P,
 // dS turn into B operands in registers for dV^T += dO^T P and dK^T += Q^T dS. Up to padded head dim
@@ -71,39 +71,30 @@ constexpr float kMaxExponent = 64.f;
 // of d128 would spill); past them they are re-read from global memory (cache hits) per use.
 template <int D_PAD>
 constexpr bool kResidentK = D_PAD <= 128;
-template <int D_PAD>
-constexpr bool kResidentV = D_PAD <= 96;
 // Up to this padded head dim one dK/dV workgroup makes both gradients (mirrored by
 // variants.BWD_FUSED_MAX_D).
 template <int D_PAD>
 constexpr bool kFusedDkdv = D_PAD <= 64;
+// A masked fused workgroup also holds the mask's reads: its V stays resident only up to d48 (at d64
+// gfx1100 would spill).
+template <int D_PAD, bool HAS_MASK>
+constexpr bool kResidentV = HAS_MASK && kFusedDkdv<D_PAD> ? D_PAD <= 48 : D_PAD <= 96;
 
-// acc[f] += A_f (x_high + x_rest), A_f the f-th 16-row fragment of an LDS tile: a product whose B
-// operand keeps 16 more bits than one 16-bit value can.
+// acc[f] += A_f x, A_f the f-th 16-row fragment of an LDS tile.
 template <int FRAGS, int LDS_ROW, class DT>
-RDNA_DEV void accumulate_split(DT dt, v8f (&acc)[FRAGS], const u16* tile, int col0, const Isa::Operand& x_high,
-                               const Isa::Operand& x_rest, int lane) {
+RDNA_DEV void accumulate(DT dt, v8f (&acc)[FRAGS], const u16* tile, int col0, const Isa::Operand& x, int lane) {
   #pragma unroll
-  for (int f = 0; f < FRAGS; ++f) {
-    const Isa::Operand a = load_operand<LDS_ROW>(tile + f * kFrag * LDS_ROW, col0, lane);
-    Isa::mma(dt, acc[f], a, x_high);
-    Isa::mma(dt, acc[f], a, x_rest);
-  }
+  for (int f = 0; f < FRAGS; ++f) Isa::mma(dt, acc[f], load_operand<LDS_ROW>(tile + f * kFrag * LDS_ROW, col0, lane), x);
 }
 
-// x, an accumulator tile whose rows are keys (or queries) in Isa::acc_key order, as the two B
-// operands of a product over them: its 16-bit values and what 16 bits lose of them.
+// x, an accumulator tile whose rows are keys (or queries) in Isa::acc_key order, as the B operand of a
+// product over them, each value rounded once to 16 bits.
 template <class DT>
-RDNA_DEV void split_operands(DT dt, const v8f& x, int lane, Isa::Operand& high, Isa::Operand& rest) {
-  u32 high_bits[4], rest_bits[4];
+RDNA_DEV Isa::Operand rounded_operand(DT dt, const v8f& x, int lane) {
+  u32 bits[4];
   #pragma unroll
-  for (int w = 0; w < 4; ++w) {
-    const float a = x[2 * w], b = x[2 * w + 1];
-    high_bits[w] = pack_u16x2(to_bits(dt, a), to_bits(dt, b));
-    rest_bits[w] = pack_u16x2(to_bits(dt, a - round_to(dt, a)), to_bits(dt, b - round_to(dt, b)));
-  }
-  high = Isa::keys_to_operand(high_bits, lane);
-  rest = Isa::keys_to_operand(rest_bits, lane);
+  for (int w = 0; w < 4; ++w) bits[w] = pack_rounded(dt, x[2 * w], x[2 * w + 1]);
+  return Isa::keys_to_operand(bits, lane);
 }
 
 // LDS of the dK/dV kernel; rdna_flash_attn/runtime/variants.py computes the same size.
@@ -172,7 +163,7 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
   for (int f = 0; f < (kBoth ? kOutFrags : 1); ++f) dv_acc[f] = zero_v8f();
 
   // This wave's K (and for dK its V) operands, loaded once where they stay in registers.
-  constexpr bool kHoldK = kResidentK<D_PAD>, kHoldV = kResidentV<D_PAD>;
+  constexpr bool kHoldK = kResidentK<D_PAD>, kHoldV = kResidentV<D_PAD, HAS_MASK>;
   constexpr int kDimSteps = kHoldK ? kDimFrags : kDimUnroll;  // register arrays need constant indices
   Isa::Operand k_ops[kHoldK ? kDimFrags : 1], v_ops[kHoldV ? kDimFrags : 1];
   #pragma unroll
@@ -243,12 +234,10 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
           return visible ? exp2_approx(exponent - norm_lds[row]) : 0.f;
         };
         const auto dS = [&](int s, float p) { return p * (dp_acc[s] - delta_lds[qf * kFrag + Isa::acc_key(lane, s)]); };
-        Isa::Operand high, rest;  // P (for dV) or dS (for dK) as a 16-bit value and what 16 bits lose
         if constexpr (kBoth) {  // dV^T += dO^T P, then P turns into dS
           #pragma unroll
           for (int s = 0; s < 8; ++s) s_acc[s] = probability(s);
-          split_operands(dt, s_acc, lane, high, rest);
-          accumulate_split<kOutFrags, Shape::kTRow>(dt, dv_acc, dot_lds, qf * kFrag, high, rest, lane);
+          accumulate<kOutFrags, Shape::kTRow>(dt, dv_acc, dot_lds, qf * kFrag, rounded_operand(dt, s_acc, lane), lane);
           #pragma unroll
           for (int s = 0; s < 8; ++s) s_acc[s] = dS(s, s_acc[s]);
         } else {
@@ -258,8 +247,9 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
             s_acc[s] = make_dk ? dS(s, p) : p;
           }
         }
-        split_operands(dt, s_acc, lane, high, rest);
-        accumulate_split<kOutFrags, Shape::kTRow>(dt, acc, make_dk ? qt_lds : dot_lds, qf * kFrag, high, rest, lane);
+        // P (for dV) or dS (for dK)
+        accumulate<kOutFrags, Shape::kTRow>(dt, acc, make_dk ? qt_lds : dot_lds, qf * kFrag,
+                                            rounded_operand(dt, s_acc, lane), lane);
       }
     }
   }
@@ -407,9 +397,7 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
         } else {
           #pragma unroll
           for (int s = 0; s < 8; ++s) dp_acc[j][s] = s_acc[j][s] * (dp_acc[j][s] - delta);  // dS^T
-          Isa::Operand high, rest;
-          split_operands(dt, dp_acc[j], lane, high, rest);
-          accumulate_split<kOutFrags, Shape::kTRow>(dt, dq_acc, kt_lds, j * kFrag, high, rest, lane);
+          accumulate<kOutFrags, Shape::kTRow>(dt, dq_acc, kt_lds, j * kFrag, rounded_operand(dt, dp_acc[j], lane), lane);
         }
       }
     }

@@ -1,4 +1,6 @@
-"""fp64 attention reference and the error yardstick: PyTorch's math SDPA in the input dtype.
+"""fp64 attention reference and the error yardsticks: for the forward, PyTorch's math SDPA in the input
+dtype; for the backward, FlashAttention-2's own criterion (the same attention computed in the input
+dtype, flash-attn's `attention_ref(upcast=False, reorder_ops=True)`).
 
 Masks follow SDPA (bool: True takes part; float: added to the scores), a causal mask is top-left
 aligned unless bottom_right (flash-attn's), fewer key/value heads than query heads are shared by
@@ -73,3 +75,37 @@ def grads_sdpa_math(q, k, v, dout, is_causal=False, scale=None, attn_mask=None, 
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out = sdpa_math(q, k, v, is_causal, scale, attn_mask, bottom_right)
     return torch.autograd.grad(out, (q, k, v), dout)
+
+
+def attention_input_dtype(q, k, v, is_causal=False, scale=None, attn_mask=None, bottom_right=False):
+    """flash-attn's attention_ref(upcast=False, reorder_ops=True) on (B, H, S, D) tensors: the scores,
+    the softmax (PyTorch's, whose result is rounded to the dtype) and both products in the inputs'
+    dtype, the scale applied to k. A float mask is added as is (a float32 one promotes the scores, as in
+    plain PyTorch); a row that sees no key gives zeros. Differentiable."""
+    k, v = _shared_heads(q, k, v)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = q @ (k * scale).transpose(-1, -2)
+    if is_causal:
+        scores = scores.masked_fill(~causal_mask(*scores.shape[-2:], bottom_right, q.device), float("-inf"))
+    if attn_mask is not None:
+        scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
+                  else scores + attn_mask)
+    dead = torch.isneginf(scores).all(-1, keepdim=True)  # softmax of such a row is NaN, and so its gradient
+    attention = torch.softmax(scores.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0).to(v.dtype)
+    return attention @ v
+
+
+def grads_input_dtype(q, k, v, dout, is_causal=False, scale=None, attn_mask=None, bottom_right=False):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = attention_input_dtype(q, k, v, is_causal, scale, attn_mask, bottom_right)
+    return torch.autograd.grad(out, (q, k, v), dout)
+
+
+# flash-attn's tests/test_flash_attn.py: `(dq - dq_ref).abs().max() <= 2 * (dq_pt - dq_ref).abs().max() + 1e-5`
+FA2_ABSOLUTE_FLOOR = 1e-5
+
+
+def backward_bound(input_dtype_error: float) -> float:
+    """FlashAttention-2's criterion for one gradient: 2 x the input-dtype attention's max error against
+    float64, plus flash-attn's absolute floor (what lets an exact-zero error still pass)."""
+    return 2 * input_dtype_error + FA2_ABSOLUTE_FLOOR
