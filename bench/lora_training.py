@@ -136,13 +136,13 @@ def attention_context(backend: str, route: str, unet):
     return sdpa_kernel(SDPBackend.MATH if backend == "math" else SDPBackend.FLASH_ATTENTION)
 
 
-def train(name: str, backend: str, args, device: torch.device, allowance_seconds: float) -> dict:
+def train(name: str, backend: str, args, device: torch.device, allowance_seconds: float, seed: int) -> dict:
     precision = dict(fp16=torch.float16, bf16=torch.bfloat16, fp32=torch.float32)[args.precision]
     on_gpu = device.type == "cuda"
-    unet, lora = build_unet(name, args.tiny, device, precision if on_gpu else torch.float32, args.rank, args.seed)
+    unet, lora = build_unet(name, args.tiny, device, precision if on_gpu else torch.float32, args.rank, seed)
     optimizer = torch.optim.AdamW(lora, lr=args.lr)
     scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
-    data = make_data(name, args.tiny, args.steps, args.latent_size, args.seed)
+    data = make_data(name, args.tiny, args.steps, args.latent_size, seed)
 
     rdna_flash_attn.reset_stats()
     if on_gpu:
@@ -222,6 +222,57 @@ def agreement(runs: dict) -> dict:
     return result
 
 
+def seed_spread(losses: dict[str, list[list[float]]]) -> dict:
+    """The kernels' loss curves against SDPA's own seed-to-seed spread (SDPA's math backend, or flash
+    where math did not run): per step, the kernels' mean over seeds must lie within the lowest and
+    highest loss SDPA reached over the same seeds. Also how far each kernel curve is from SDPA's at the
+    same seed, against how far SDPA's seeds are from each other."""
+    reference = "math" if losses.get("math") else "flash"
+    if not losses.get("kernels") or not losses.get(reference) or len(losses[reference]) < 2:
+        return dict(judged=False, reason="fewer than two seeds of the kernels and of SDPA")
+    steps = min(len(curve) for backend in ("kernels", reference) for curve in losses[backend])
+    sdpa = [[curve[t] for curve in losses[reference]] for t in range(steps)]
+    kernels = [[curve[t] for curve in losses["kernels"]] for t in range(steps)]
+    means = [sum(values) / len(values) for values in kernels]
+    inside = [min(ref) <= mean <= max(ref) for ref, mean in zip(sdpa, means)]
+    same_seed = max(abs(k - r) / max(abs(r), 1e-12) for ks, rs in zip(kernels, sdpa) for k, r in zip(ks, rs))
+    spreads = sorted((max(ref) - min(ref)) / max(sum(ref) / len(ref), 1e-12) for ref in sdpa)
+    return dict(judged=True, reference=reference, seeds=len(losses[reference]), steps_compared=steps,
+                kernels_mean_inside_sdpa_seed_range=all(inside), steps_inside=sum(inside),
+                envelope=dict(low=[min(ref) for ref in sdpa], high=[max(ref) for ref in sdpa], kernels_mean=means),
+                same_seed_max_relative_gap=same_seed, sdpa_seed_spread_median_relative=spreads[len(spreads) // 2])
+
+
+def plot_seeds(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(result["seed_spread"])
+    figure, axes = plt.subplots(1, len(configs), figsize=(7 * len(configs), 4.5), squeeze=False)
+    for axis, config in zip(axes[0], configs):
+        verdict = result["seed_spread"][config]
+        if not verdict.get("judged"):
+            axis.set_title(f"{config}: {verdict['reason']}")
+            continue
+        envelope, steps = verdict["envelope"], range(verdict["steps_compared"])
+        axis.fill_between(steps, envelope["low"], envelope["high"], color="tab:gray", alpha=0.35,
+                          label=f"SDPA {verdict['reference']}: range over {verdict['seeds']} seeds")
+        for index, curve in enumerate(result["seed_losses"][config]["kernels"]):
+            axis.plot(curve[: verdict["steps_compared"]], color="tab:blue", linewidth=0.8, alpha=0.6,
+                      label="kernels, each seed" if index == 0 else None)
+        axis.plot(envelope["kernels_mean"], color="tab:red", linewidth=2, label="kernels, mean over seeds")
+        axis.set(xlabel="step", ylabel="MSE loss",
+                 title=f"{config}: kernels' mean inside SDPA's seed range at {verdict['steps_inside']} of "
+                       f"{verdict['steps_compared']} steps\nsame-seed gap {verdict['same_seed_max_relative_gap']:.1e}, "
+                       f"SDPA seed spread (median) {verdict['sdpa_seed_spread_median_relative']:.2f}")
+        axis.legend(fontsize=8)
+    figure.suptitle(result["meta"]["title"])
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -273,6 +324,10 @@ def main(argv=None) -> int:
                         help="how the kernels run reaches them: the diffusers processor or the SDPA override")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="seeds per backend (--seed, --seed + 1, ...): each draws its own LoRA init, latents, "
+                             "noise and timesteps, the same for every backend; with 2 or more the kernels' loss is "
+                             "judged against SDPA's seed-to-seed spread too (JSON and PNG <name>_seeds)")
     parser.add_argument("--budget-seconds", type=float, default=240.0,
                         help="training time of all runs together; each run gets an equal share of what is left")
     parser.add_argument("--max-run-seconds", type=float, default=90.0, help="training time of one run at most")
@@ -301,26 +356,32 @@ def main(argv=None) -> int:
                 args={k: str(v) for k, v in vars(args).items()},
                 title=(f"{'tiny ' if args.tiny else ''}UNet LoRA r{args.rank}, {args.resolution} px, batch 1, "
                        f"{args.precision}, {device_name}"))
-    runs: dict = {}
+    runs: dict = {}  # the first seed's runs, judged as before
+    seed_losses: dict = {config: {backend: [] for backend in backends} for config in configs}
     started = time.perf_counter()
     training_seconds = 0.0
-    runs_left = len(configs) * len(backends)
+    seeds = range(args.seed, args.seed + args.seeds)
+    runs_left = len(configs) * len(backends) * len(seeds)
     for config in configs:
         runs[config] = {}
-        for backend in backends:
-            allowance = min(args.max_run_seconds, max(args.budget_seconds - training_seconds, 0) / runs_left)
-            runs_left -= 1
-            print(f"{config} / {backend} (up to {allowance:.0f} s) ...", file=sys.stderr, flush=True)
-            try:
-                runs[config][backend] = train(config, backend, args, device, allowance)
-                training_seconds += runs[config][backend]["seconds"]
-            except Exception as exc:  # e.g. flash unavailable, out of memory: record it, go on
-                runs[config][backend] = dict(error=f"{type(exc).__name__}: {exc}")
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-            summary = {k: v for k, v in runs[config][backend].items() if k not in ("losses", "lora")}
-            print(f"{config} / {backend}: {json.dumps(summary)}", file=sys.stderr, flush=True)
+        for seed in seeds:
+            for backend in backends:
+                allowance = min(args.max_run_seconds, max(args.budget_seconds - training_seconds, 0) / runs_left)
+                runs_left -= 1
+                print(f"{config} / {backend} / seed {seed} (up to {allowance:.0f} s) ...", file=sys.stderr, flush=True)
+                try:
+                    run = train(config, backend, args, device, allowance, seed)
+                    training_seconds += run["seconds"]
+                    seed_losses[config][backend].append(run["losses"])
+                except Exception as exc:  # e.g. flash unavailable, out of memory: record it, go on
+                    run = dict(error=f"{type(exc).__name__}: {exc}")
+                    gc.collect()
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                if seed == args.seed:
+                    runs[config][backend] = run
+                summary = {k: v for k, v in run.items() if k not in ("losses", "lora")}
+                print(f"{config} / {backend} / seed {seed}: {json.dumps(summary)}", file=sys.stderr, flush=True)
     result = dict(meta=meta, runs=runs, agreement={c: agreement(runs[c]) for c in configs},
                   total_seconds=time.perf_counter() - started)
     for config_runs in runs.values():
@@ -330,7 +391,16 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
     plot(result, args.out / f"{args.name}.png")
-    print(json.dumps(dict(agreement=result["agreement"], total_seconds=result["total_seconds"]), indent=1))
+    spread_verdicts = None
+    if args.seeds > 1:
+        spread = dict(meta=meta, seeds=list(seeds), seed_losses=seed_losses,
+                      seed_spread={c: seed_spread(seed_losses[c]) for c in configs})
+        (args.out / f"{args.name}_seeds.json").write_text(json.dumps(spread, indent=1))
+        plot_seeds(spread, args.out / f"{args.name}_seeds.png")
+        spread_verdicts = {c: {k: v for k, v in verdict.items() if k != "envelope"}
+                           for c, verdict in spread["seed_spread"].items()}
+    print(json.dumps(dict(agreement=result["agreement"], seed_spread=spread_verdicts,
+                          total_seconds=result["total_seconds"]), indent=1))
     return 0
 
 

@@ -41,3 +41,17 @@ def test_data_depend_only_on_the_seed():
     assert first[0]["context"].shape == (1, 77, 64) and first[0]["added"]["time_ids"].shape == (1, 6)
     full = lora_training.text_shapes("sdxl", tiny=False)
     assert full == dict(tokens=77, width=2048, pooled=1280)
+
+
+def test_seed_spread_judges_the_kernels_mean_against_sdpas_range_over_seeds():
+    sdpa = [[1.0, 0.8, 0.7], [1.2, 0.9, 0.6], [0.9, 0.85, 0.65]]
+    close = [[x * 1.001 for x in curve] for curve in sdpa]
+    verdict = lora_training.seed_spread({"kernels": close, "math": sdpa})
+    assert verdict["judged"] and verdict["kernels_mean_inside_sdpa_seed_range"] and verdict["steps_inside"] == 3
+    assert abs(verdict["same_seed_max_relative_gap"] - 1e-3) < 1e-9
+    assert verdict["sdpa_seed_spread_median_relative"] > 0.1
+    drifting = [curve[:2] + [curve[2] + 0.3] for curve in sdpa]  # a last step above every SDPA seed
+    verdict = lora_training.seed_spread({"kernels": drifting, "flash": sdpa})
+    assert verdict["reference"] == "flash" and not verdict["kernels_mean_inside_sdpa_seed_range"]
+    assert verdict["steps_inside"] == 2
+    assert not lora_training.seed_spread({"kernels": close, "math": sdpa[:1]})["judged"]
