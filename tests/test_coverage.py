@@ -19,7 +19,8 @@ from rdna_flash_attn.config import settings
 from rdna_flash_attn.dispatch import router
 from rdna_flash_attn.ops import attention
 from rdna_flash_attn.runtime import loader
-from rdna_flash_attn.tools import a1111_harness, comfyui_harness
+from rdna_flash_attn.tools import a1111_harness, comfyui_harness, diffusers_harness
+from rdna_flash_attn.tools import coverage
 from rdna_flash_attn.tools.coverage import (FlopCounter, ReferenceLibrary, SdpaFlops, attention_flops,
                                             real_head_dim_refusals, regressions)
 
@@ -133,3 +134,18 @@ def test_an_unknown_family_or_device_is_refused_with_status_2(tmp_path):
         result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--host", "a1111", "--out",
                                  str(tmp_path), *arguments], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert result.returncode == 2 and result.stderr.startswith("coverage: ")
+
+
+@pytest.mark.skipif(not diffusers_harness.diffusers_available(), reason="diffusers not installed")
+def test_a_real_diffusers_run_counts_each_route(tmp_path):
+    families = ["flux (processor)", "flux (override)", "sd15 (processor)"]
+    result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--host", "diffusers", "--families",
+                             ",".join(families), "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    records = {r["family"]: r for r in json.loads((tmp_path / "coverage-diffusers.json").read_text())["families"]}
+    assert records["flux (override)"]["kernel_share"] == 1.0 and records["sd15 (processor)"]["kernel_share"] == 1.0
+    # Flux's own processor is not one install_attention_processor replaces: its calls never reach the dispatcher
+    unrouted = records["flux (processor)"]
+    assert unrouted["kernel_share"] == 0.0 and unrouted["difference_from_host"] == 0.0
+    assert list(unrouted["fallback_reasons"]) == [coverage.NOT_ROUTED] and unrouted["attention_flops"] > 0

