@@ -36,8 +36,9 @@ listed with each family; they are not run.
 
 What it cannot see: attention computed without PyTorch's SDPA or the kernels (none in these families
 once ComfyUI runs PyTorch attention), and families, hosts and host versions it does not build.
-Writes coverage-comfyui.json (coverage-a1111.json, coverage-diffusers.json) and a PNG; `--check BASELINE` exits 1 when a family the baseline had
-wholly on the kernels is not any more, or when its released head dims would fall back.
+Writes coverage-comfyui.json (coverage-a1111.json, coverage-diffusers.json) and a PNG; `--check
+BASELINE` exits 1 when a family the baseline had wholly on the kernels is not any more, or when its
+released head dims would fall back.
 """
 
 from __future__ import annotations
