@@ -4,7 +4,7 @@ published with its shape: the calibration of bench/estimate_gfx1100.py (issue 22
 
 For each kernel in a JSON list of cases (built here for its target from its public source; see
 bench/results/estimator_calibration.md for where each comes from and how it was built), the main
-loop is found as the estimator finds ours (the innermost backward-branch loop that holds a WMMA), its
+loop is found as the estimator finds ours (`key_tile_loops`: innermost loops with a WMMA and a load), its
 instructions are tallied per wave per trip with the estimator's own `tally`, and `model` turns them
 into cycles and TFLOP/s with the same constants. The only inputs the code object cannot give are
 the launch (threads per workgroup, query rows per workgroup) and the problem shape, which the case
@@ -58,19 +58,12 @@ def merge_undecoded(body: list[estimator.Insn]) -> list[estimator.Insn]:
     return merged
 
 
-def wmma_loops(body: list[estimator.Insn]) -> list[tuple[int, int]]:
-    """Innermost backward-branch spans holding a WMMA."""
-    spans = [s for s in estimator.back_edges(body)
-             if any(s[0] <= i.addr <= s[1] and i.op.startswith("v_wmma") for i in body)]
-    return sorted(s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans))
-
-
 def main_loop(body: list[estimator.Insn]) -> tuple[int, int]:
-    """The loop with the most WMMAs among the innermost ones (the key-tile loop; a kernel that unrolls
-    its last tile out of the loop has that copy outside every loop)."""
-    loops = wmma_loops(body)
+    """The estimator's key-tile loop with the most WMMAs (a kernel that unrolls its last tile out of the
+    loop has that copy outside every loop)."""
+    loops = estimator.key_tile_loops(body)
     if not loops:
-        raise RuntimeError("no loop holds a WMMA")
+        raise RuntimeError("no loop holds a WMMA and a global load")
     return max(loops, key=lambda s: sum(s[0] <= i.addr <= s[1] and i.op.startswith("v_wmma") for i in body))
 
 

@@ -201,13 +201,13 @@ class TileCounts:
 
 
 def key_tile_loops(body: list[Insn]) -> list[tuple[int, int]]:
-    """The key-tile loops: the innermost backward-branch spans that hold a WMMA and a global load (the
-    tile's K/V copy). Innermost: since the packed-batch arguments (ABI 2) clang lays the open and the
+    """The key-tile loops: the innermost backward-branch spans that hold a WMMA and a global (or buffer)
+    load (the tile's K/V copy). Innermost: since the packed-batch arguments (ABI 2) clang lays the open and the
     masked tile loops out so that a backward branch of one spans the other whole."""
-    def holds(span, prefixes):
-        return any(span[0] <= i.addr <= span[1] and i.op.startswith(prefixes) for i in body)
+    def holds(span, kind):
+        return any(span[0] <= i.addr <= span[1] and classify(i.op) == kind for i in body)
 
-    spans = [span for span in back_edges(body) if holds(span, "v_wmma") and holds(span, "global_load")]
+    spans = [span for span in back_edges(body) if holds(span, "wmma") and holds(span, "global_load")]
     return sorted(span for span in spans if not any(o != span and span[0] <= o[0] and o[1] <= span[1] for o in spans))
 
 

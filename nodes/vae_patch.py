@@ -77,8 +77,12 @@ def vae_kernel_attention(q, k, v, precision: str) -> torch.Tensor | str:
     run_dtype = _run_dtype(tensors, precision) or q.dtype
     batch, channels = q.shape[:2]
     # (B, C, N) -> (B, 1, N, C), copied once into the run type with unit stride over the channels
-    # (`.to` alone returns the strided view itself when the VAE already runs in that type).
-    q4, k4, v4 = (t.reshape(batch, channels, -1).transpose(1, 2).to(run_dtype).contiguous().unsqueeze(1) for t in tensors)
+    # (`.to` returns the strided view itself when the VAE already runs in that type: .contiguous() copies then).
+    q4, k4, v4 = (
+        t.reshape(batch, channels, -1).transpose(1, 2).to(run_dtype, memory_format=torch.contiguous_format)
+        .contiguous().unsqueeze(1)
+        for t in tensors
+    )
     out = core.attention_or_reason(q4, k4, v4, fallback_name=VAE_FALLBACK)
     if isinstance(out, str):
         return out

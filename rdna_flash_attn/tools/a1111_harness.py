@@ -50,19 +50,13 @@ def extension_modules():
     return importlib.import_module("extension.a1111"), importlib.import_module("extension.ldm_attention")
 
 
-def _output_layers_random(model: nn.Module) -> nn.Module:
-    """ldm zero-initialises its output layers: with them at zero the attention output would never
-    reach the result."""
-    initialise(model)
-    return model.eval()
-
-
 def build(family: str, device: torch.device) -> nn.Module:
     from ldm.modules.diffusionmodules.model import Decoder
     from ldm.modules.diffusionmodules.openaimodel import UNetModel
 
     model = Decoder(**DECODER) if family == VAE else UNetModel(**UNETS[family])
-    return _output_layers_random(model).to(device)
+    initialise(model)  # every weight random: ldm zero-initialises its output layers, which would hide attention
+    return model.eval().to(device)
 
 
 def run(model: nn.Module, family: str, device: torch.device) -> torch.Tensor:

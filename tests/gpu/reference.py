@@ -31,16 +31,22 @@ def _shared_heads(q, k, v):
     return (k, v) if group == 1 else (k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
 
 
+def _masked(scores, is_causal, attn_mask, bottom_right):
+    """scores with the causal mask and attn_mask applied, in the dtype PyTorch's promotion gives them
+    (a float32 mask promotes 16-bit scores; a bool mask keeps theirs)."""
+    if is_causal:
+        scores = scores.masked_fill(~causal_mask(*scores.shape[-2:], bottom_right, scores.device), float("-inf"))
+    if attn_mask is not None:
+        scores = scores + additive_mask(attn_mask, torch.promote_types(scores.dtype, attn_mask.dtype))
+    return scores
+
+
 def attention_fp64(q, k, v, is_causal=False, scale=None, attn_mask=None, bottom_right=False):
     """Exact attention in float64 on (B, H, S, D) tensors; returns (out, lse). Differentiable."""
     q, k, v = (t.double() for t in (q, k, v))
     k, v = _shared_heads(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = (q @ k.transpose(-1, -2)) * scale
-    if is_causal:
-        scores = scores.masked_fill(~causal_mask(*scores.shape[-2:], bottom_right, q.device), float("-inf"))
-    if attn_mask is not None:
-        scores = scores + additive_mask(attn_mask)
+    scores = _masked((q @ k.transpose(-1, -2)) * scale, is_causal, attn_mask, bottom_right)
     lse = torch.logsumexp(scores, dim=-1)
     seen = torch.isfinite(lse)[..., None]
     row_max = torch.where(seen, scores.amax(-1, keepdim=True), torch.zeros_like(lse[..., None])).detach()
@@ -84,12 +90,7 @@ def attention_input_dtype(q, k, v, is_causal=False, scale=None, attn_mask=None, 
     plain PyTorch); a row that sees no key gives zeros. Differentiable."""
     k, v = _shared_heads(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = q @ (k * scale).transpose(-1, -2)
-    if is_causal:
-        scores = scores.masked_fill(~causal_mask(*scores.shape[-2:], bottom_right, q.device), float("-inf"))
-    if attn_mask is not None:
-        scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
-                  else scores + attn_mask)
+    scores = _masked(q @ (k * scale).transpose(-1, -2), is_causal, attn_mask, bottom_right)
     dead = torch.isneginf(scores).all(-1, keepdim=True)  # softmax of such a row is NaN, and so its gradient
     attention = torch.softmax(scores.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0).to(v.dtype)
     return attention @ v
