@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import random
@@ -239,6 +240,18 @@ def test_context_keeps_an_outer_enable_and_restores_after_errors():
     with pytest.raises(ValueError):
         with rfa.patch_sdpa():
             raise ValueError("host error")
+    assert F.scaled_dot_product_attention is original
+
+
+def test_scopes_closing_out_of_order_keep_the_patch_until_the_last_closes():
+    """Two threads' diffusers layers: scopes opened A, B and closed A, B."""
+    original = F.scaled_dot_product_attention
+    first, second = contextlib.ExitStack(), contextlib.ExitStack()
+    first.enter_context(rfa.patch_sdpa())
+    second.enter_context(rfa.patch_sdpa())
+    first.close()
+    assert rfa.sdpa_patch_enabled()
+    second.close()
     assert F.scaled_dot_product_attention is original
 
 

@@ -192,3 +192,22 @@ def test_dynamic_shapes_keep_one_graph_on_the_kernels(traceable_fake_gpu):
             torch.testing.assert_close(function(q, k, v).float(), expected, atol=4e-3, rtol=0)
     assert len(backend.graphs) == 1 and kernel_op().default in backend.targets()
     assert len(_op_runs) == 3
+
+
+def test_a_diffusers_transformer_with_routing_hooks_compiles_to_the_kernels_op(traceable_fake_gpu):
+    """install_attention_processor's hooks on Flux's own processors: dynamo splits the graph at each
+    hook (a scope is opened and closed there) but both attention calls still compile to the kernels."""
+    pytest.importorskip("diffusers")
+    from .trainers.test_diffusers_processor import flux_inputs, tiny_flux
+
+    settings.fp32_cast = "fp16"
+    flux, inputs = tiny_flux(), flux_inputs()
+    with torch.no_grad():
+        expected = flux(**inputs).sample
+        rfa.install_attention_processor(flux)
+        backend = Graphs()
+        out = torch.compile(flux, backend=backend)(**inputs).sample
+    targets = [target for index in range(len(backend.graphs)) for target in backend.targets(index)]
+    assert targets.count(kernel_op().default) == 2 and F.scaled_dot_product_attention not in targets
+    assert F.scaled_dot_product_attention is not rfa.scaled_dot_product_attention
+    torch.testing.assert_close(out, expected, atol=1e-3, rtol=0)

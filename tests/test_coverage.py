@@ -4,6 +4,7 @@ when the kernels are off."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -138,14 +139,20 @@ def test_an_unknown_family_or_device_is_refused_with_status_2(tmp_path):
 
 @pytest.mark.skipif(not diffusers_harness.diffusers_available(), reason="diffusers not installed")
 def test_a_real_diffusers_run_counts_each_route(tmp_path):
-    families = ["flux (processor)", "flux (override)", "sd15 (processor)"]
+    families = ["flux (processor)", "flux (override)", "sd3 (processor)", "sd15 (processor)"]
     result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--host", "diffusers", "--families",
                              ",".join(families), "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr
     records = {r["family"]: r for r in json.loads((tmp_path / "coverage-diffusers.json").read_text())["families"]}
-    assert records["flux (override)"]["kernel_share"] == 1.0 and records["sd15 (processor)"]["kernel_share"] == 1.0
-    # Flux's own processor is not one install_attention_processor replaces: its calls never reach the dispatcher
-    unrouted = records["flux (processor)"]
+    assert records.keys() == set(families)
+    assert all(r["kernel_share"] == 1.0 and r["attention_flops"] > 0 for r in records.values())
+
+
+@pytest.mark.skipif(not diffusers_harness.diffusers_available(), reason="diffusers not installed")
+def test_sdpa_calls_the_dispatcher_never_sees_are_named(monkeypatch):
+    monkeypatch.setattr(diffusers_harness, "routed", lambda model, route: contextlib.nullcontext())
+    with loader.stand_in(FlopCounter(ReferenceLibrary(), "cpu")) as library:
+        unrouted = coverage.measure_diffusers("flux (processor)", library, torch.device("cpu"))
     assert unrouted["kernel_share"] == 0.0 and unrouted["difference_from_host"] == 0.0
     assert list(unrouted["fallback_reasons"]) == [coverage.NOT_ROUTED] and unrouted["attention_flops"] > 0

@@ -5,12 +5,17 @@ AttnProcessor2_0); code that bound the name at import keeps torch's own. Calls t
 go to the function that was replaced, so a host's own SDPA wrapper keeps serving them. A host that puts
 its own function back (SD.Next does at every model load) is answered by enabling the patch again: it
 then wraps the host's new function.
+
+The patch is on while anyone wants it: an explicit enable_sdpa_patch() (until disable_sdpa_patch()) or
+any open `patch_sdpa()` scope, counted across threads, so scopes that close out of order (two threads
+running diffusers layers) never switch it off under each other.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from typing import Iterator
 
 import torch.nn.functional as F
@@ -20,7 +25,10 @@ from . import router
 
 log = logging.getLogger(LOGGER_NAME)
 
-_replaced = None  # the exact object we last replaced, until disable_sdpa_patch()
+_replaced = None  # the exact object we last replaced, until the patch is switched off
+_enabled_explicitly = False
+_open_scopes = 0
+_state_lock = threading.RLock()
 _MAX_WRAPPER_DEPTH = 32
 
 
@@ -40,9 +48,7 @@ def _reaches(function, target) -> bool:
     return False
 
 
-def enable_sdpa_patch() -> None:
-    """Point torch's SDPA at the dispatcher, whose fallback is the function found there; a no-op when
-    it is the dispatcher already."""
+def _install() -> None:
     global _replaced
     current = F.scaled_dot_product_attention
     if current is router.scaled_dot_product_attention:
@@ -53,9 +59,7 @@ def enable_sdpa_patch() -> None:
     F.scaled_dot_product_attention = router.scaled_dot_product_attention
 
 
-def disable_sdpa_patch() -> None:
-    """Put back the exact object enable_sdpa_patch() replaced; a no-op when off. Where a host has put
-    another function in place since, that one stays."""
+def _uninstall() -> None:
     global _replaced
     if _replaced is None:
         return
@@ -68,14 +72,36 @@ def disable_sdpa_patch() -> None:
     _replaced = None
 
 
+def enable_sdpa_patch() -> None:
+    """Point torch's SDPA at the dispatcher, whose fallback is the function found there, until
+    disable_sdpa_patch(); a no-op when it is the dispatcher already."""
+    global _enabled_explicitly
+    with _state_lock:
+        _enabled_explicitly = True
+        _install()
+
+
+def disable_sdpa_patch() -> None:
+    """Put back the exact object the patch replaced; a no-op when off. Where a host has put another
+    function in place since, that one stays. Switches the patch off inside open patch_sdpa() scopes too."""
+    global _enabled_explicitly
+    with _state_lock:
+        _enabled_explicitly = False
+        _uninstall()
+
+
 @contextlib.contextmanager
 def patch_sdpa() -> Iterator[None]:
-    """`with patch_sdpa():` the patch is on inside; leaving restores the state found on entry,
-    so nested uses and an explicit enable_sdpa_patch() outside are kept."""
-    was_enabled = sdpa_patch_enabled()
-    enable_sdpa_patch()
+    """`with patch_sdpa():` the patch is on inside; it goes off when the last open scope closes,
+    unless enable_sdpa_patch() asked for it to stay."""
+    global _open_scopes
+    with _state_lock:
+        _open_scopes += 1
+        _install()
     try:
         yield
     finally:
-        if not was_enabled:
-            disable_sdpa_patch()
+        with _state_lock:
+            _open_scopes -= 1
+            if _open_scopes == 0 and not _enabled_explicitly:
+                _uninstall()

@@ -1,25 +1,30 @@
 """diffusers attention processor that runs attention through the dispatcher, plus helpers that
-install it on a UNet2DConditionModel / AutoencoderKL and put the previous processors back.
+install it on any diffusers model with attention processors (UNets, the VAE, the transformers of SD3,
+Flux, Wan...) and put the model back as it was.
 
     from rdna_flash_attn import install_attention_processor, restore_attention_processors
-    install_attention_processor(unet)      # every plain SDPA layer now runs on the kernels where supported
+    install_attention_processor(model)     # its attention now runs on the kernels where supported
     ...
-    restore_attention_processors(unet)     # the exact processor objects found at install time
+    restore_attention_processors(model)    # the exact processor objects found at install time, no hooks
 
-Only layers whose processor is diffusers' plain `AttnProcessor2_0` or `AttnProcessor` are replaced:
-anything else (IP-Adapter, custom LoRA, added-KV, fused projections) keeps its own processor, since
-it computes something ours does not. Transformer models (SD3, Flux, WAN...) do not use these
-processors; their "native" attention backend calls `torch.nn.functional.scaled_dot_product_attention`
-at call time, which `rdna_flash_attn.patch_sdpa()` (or the launcher, or RDNA_FA_PATCH_SDPA=1) routes
-through the dispatcher; diffusers' backend names are a closed enum, so no backend of ours is offered.
+Layers whose processor is diffusers' plain `AttnProcessor2_0` or `AttnProcessor` get ours. Every other
+layer (the transformers' own processors such as FluxAttnProcessor and JointAttnProcessor2_0, IP-Adapter,
+custom LoRA, added-KV, fused projections) keeps its processor, which computes things ours does not;
+while such a layer runs, `torch.nn.functional.scaled_dot_product_attention` is routed through the
+dispatcher (a `patch_sdpa()` scope opened and closed by hooks on the layer), so the SDPA calls of
+diffusers' "native" attention backend reach the kernels. Other diffusers backends (flash, sage,
+xformers...) call their own libraries, which nothing here reaches; diffusers' backend names are a
+closed enum, so no backend of ours is offered.
 
 diffusers itself is never imported here: models are handled through the methods they carry.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,11 +32,13 @@ import torch
 
 from ..config import LOGGER_NAME
 from ..dispatch import router
+from ..dispatch.sdpa_patch import patch_sdpa
 
 log = logging.getLogger(LOGGER_NAME)
 
 REPLACEABLE_PROCESSORS = ("AttnProcessor2_0", "AttnProcessor")
 _SAVED_ATTRIBUTE = "_rdna_flash_attn_previous_processors"
+_HOOKS_ATTRIBUTE = "_rdna_flash_attn_routing_hooks"
 
 
 class RdnaFlashAttnProcessor:
@@ -112,16 +119,56 @@ def _processors(model: Any) -> dict[str, Any]:
     if not hasattr(model, "attn_processors") or not hasattr(model, "set_attn_processor"):
         raise TypeError(
             f"{type(model).__name__} has no attn_processors/set_attn_processor: not a diffusers model with "
-            "attention processors (for transformer models use rdna_flash_attn.patch_sdpa())"
+            "attention processors (for other models use rdna_flash_attn.patch_sdpa())"
         )
     return dict(model.attn_processors)
 
 
+def _replaceable(processor: Any) -> bool:
+    return type(processor).__name__ in REPLACEABLE_PROCESSORS or isinstance(processor, RdnaFlashAttnProcessor)
+
+
+class _RoutedWhileRunning:
+    """Forward hooks that keep a patch_sdpa() scope open while one attention layer runs. The scope is
+    closed by an always-called forward hook, so a layer that raises leaves the patch as it found it;
+    scopes are kept per thread and layer, so a close without its open (an earlier pre-hook raised) is
+    ignored."""
+
+    def __init__(self):
+        self._open = threading.local()
+
+    def _scopes(self) -> dict[int, list[contextlib.ExitStack]]:
+        if not hasattr(self._open, "scopes"):
+            self._open.scopes = {}
+        return self._open.scopes
+
+    def enter(self, layer: torch.nn.Module, args: Any) -> None:
+        scope = contextlib.ExitStack()
+        scope.enter_context(patch_sdpa())
+        self._scopes().setdefault(id(layer), []).append(scope)
+
+    def leave(self, layer: torch.nn.Module, args: Any, output: Any) -> None:
+        open_scopes = self._scopes().get(id(layer))
+        if open_scopes:
+            open_scopes.pop().close()
+
+    def attach(self, layer: torch.nn.Module) -> list[Any]:
+        return [layer.register_forward_pre_hook(self.enter), layer.register_forward_hook(self.leave, always_call=True)]
+
+
+def _remove_routing_hooks(model: Any) -> None:
+    for handle in getattr(model, _HOOKS_ATTRIBUTE, ()):
+        handle.remove()
+    if hasattr(model, _HOOKS_ATTRIBUTE):
+        delattr(model, _HOOKS_ATTRIBUTE)
+
+
 def install_attention_processor(model: Any, processor: RdnaFlashAttnProcessor | None = None) -> dict[str, Any]:
     """Put `processor` (default: a new RdnaFlashAttnProcessor) on every layer of `model` that runs
-    diffusers' plain SDPA processor; other layers keep theirs. Returns the processors found before
-    (layer name -> object), which the model also keeps for restore_attention_processors(); installing
-    again keeps the first install's originals."""
+    diffusers' plain SDPA processor; other layers keep theirs, with torch's SDPA routed through the
+    dispatcher while they run. Returns the processors found before (layer name -> object), which the
+    model also keeps for restore_attention_processors(); installing again keeps the first install's
+    originals."""
     previous = _processors(model)
     if not getattr(sys.modules.get("diffusers.utils"), "USE_PEFT_BACKEND", True):
         # Without the PEFT backend, diffusers' processors pass a LoRA `scale` to the projections;
@@ -130,18 +177,17 @@ def install_attention_processor(model: Any, processor: RdnaFlashAttnProcessor | 
                     "its attention processors are kept", type(model).__name__)
         return previous
     processor = processor or RdnaFlashAttnProcessor()
-    chosen = {}
-    kept = []
-    for name, current in previous.items():
-        replaceable = type(current).__name__ in REPLACEABLE_PROCESSORS or isinstance(current, RdnaFlashAttnProcessor)
-        chosen[name] = processor if replaceable else current
-        if not replaceable:
-            kept.append(type(current).__name__)
+    chosen = {name: processor if _replaceable(current) else current for name, current in previous.items()}
     model.set_attn_processor(chosen)
+    kept = sorted(name for name, current in previous.items() if not _replaceable(current))
+    _remove_routing_hooks(model)
+    routing = _RoutedWhileRunning()
+    hooks = [hook for name in kept for hook in routing.attach(model.get_submodule(name.removesuffix(".processor")))]
     if kept:
+        setattr(model, _HOOKS_ATTRIBUTE, hooks)
         log.info(
-            "%s: %d attention layers keep their own processors (%s)",
-            type(model).__name__, len(kept), ", ".join(sorted(set(kept))),
+            "%s: %d attention layers keep their own processors (%s), with torch's SDPA routed to the kernels "
+            "while they run", type(model).__name__, len(kept), ", ".join(sorted({type(previous[n]).__name__ for n in kept})),
         )
     if getattr(model, _SAVED_ATTRIBUTE, None) is None:
         setattr(model, _SAVED_ATTRIBUTE, previous)  # a plain attribute: not a submodule, not in state_dict
@@ -150,16 +196,18 @@ def install_attention_processor(model: Any, processor: RdnaFlashAttnProcessor | 
 
 def restore_attention_processors(model: Any, previous: Mapping[str, Any] | None = None) -> None:
     """Put back `previous` (a mapping from install_attention_processor), or the processors the model
-    had before its first install; the exact objects, layer by layer."""
+    had before its first install; the exact objects, layer by layer, and no routing hooks."""
     saved = getattr(model, _SAVED_ATTRIBUTE, None)
     previous = saved if previous is None else previous
     if previous is None:
         raise ValueError(f"{type(model).__name__}: no processors saved by install_attention_processor() to restore")
     model.set_attn_processor(dict(previous))  # set_attn_processor pops from the dict it is given
+    _remove_routing_hooks(model)
     if saved is not None:
         delattr(model, _SAVED_ATTRIBUTE)
 
 
 def attention_processor_installed(model: Any) -> bool:
-    """Whether any attention layer of `model` runs RdnaFlashAttnProcessor."""
-    return any(isinstance(p, RdnaFlashAttnProcessor) for p in _processors(model).values())
+    """Whether any attention layer of `model` runs RdnaFlashAttnProcessor or is routed by its hooks."""
+    return bool(getattr(model, _HOOKS_ATTRIBUTE, None)) or any(
+        isinstance(p, RdnaFlashAttnProcessor) for p in _processors(model).values())

@@ -279,8 +279,8 @@ def measure_a1111(family: str, patch, library: FlopCounter, device: torch.device
                           dict(router.stats()["fallback_reasons"]), relative_difference(out, host))
 
 
-NOT_ROUTED = ("diffusers' own attention processor (install_attention_processor replaces only the plain "
-              "AttnProcessor and AttnProcessor2_0)")
+NOT_ROUTED = ("torch's SDPA called outside the dispatcher (a layer the processor hook does not reach, or a "
+              "name bound to torch's SDPA before the override)")
 
 
 def measure_diffusers(name: str, library: FlopCounter, device: torch.device) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from diffusers import AutoencoderKL, UNet2DConditionModel
 from diffusers.models.attention_processor import (
     Attention,
@@ -20,6 +21,7 @@ from rdna_flash_attn.integrations.diffusers_attention import (
     restore_attention_processors,
 )
 
+TORCH_SDPA = F.scaled_dot_product_attention
 
 
 def tiny_unet() -> UNet2DConditionModel:
@@ -221,20 +223,73 @@ def tiny_flux():
                                   pooled_projection_dim=32, axes_dims_rope=(4, 4, 8))
 
 
-def test_transformer_models_route_through_the_sdpa_override(fake_gpu):
-    """Flux (diffusers' attention_dispatch, "native" backend) reaches the kernels through patch_sdpa();
-    the installer leaves its own processors alone."""
+def flux_inputs():
+    return dict(hidden_states=torch.randn(1, 16, 4), encoder_hidden_states=torch.randn(1, 5, 32),
+                pooled_projections=torch.randn(1, 32), timestep=torch.tensor([0.5]),
+                img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(5, 3))
+
+
+def test_transformer_models_keep_their_processors_with_sdpa_routed_while_they_run(fake_gpu):
+    """Flux's own processors (diffusers' attention_dispatch, "native" backend) stay; their SDPA calls
+    reach the kernels while the layers run, and torch's SDPA is itself again outside them."""
     rdna_flash_attn.settings.fp32_cast = "fp16"
     flux = tiny_flux()
+    inputs = flux_inputs()
     before = flux.attn_processors
-    install_attention_processor(flux)
-    assert all(flux.attn_processors[n] is before[n] for n in before)
-    inputs = dict(hidden_states=torch.randn(1, 16, 4), encoder_hidden_states=torch.randn(1, 5, 32),
-                  pooled_projections=torch.randn(1, 32), timestep=torch.tensor([0.5]),
-                  img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(5, 3))
     with torch.no_grad():
         expected = flux(**inputs).sample
-        with rdna_flash_attn.patch_sdpa():
-            actual = flux(**inputs).sample
+        install_attention_processor(flux)
+        assert all(flux.attn_processors[n] is before[n] for n in before) and attention_processor_installed(flux)
+        actual = flux(**inputs).sample
     assert len(fake_gpu.launches) == 2  # the joint block and the single block
     assert relative_error(actual, expected) < 1e-3
+    assert F.scaled_dot_product_attention is TORCH_SDPA
+
+    restore_attention_processors(flux)
+    assert not attention_processor_installed(flux)
+    with torch.no_grad():
+        flux(**inputs)
+    assert len(fake_gpu.launches) == 2 and all(flux.attn_processors[n] is before[n] for n in before)
+
+
+def sdpa_in_fp16(query, key, value, *args, **kwargs):
+    """torch's SDPA on the fp16-rounded inputs, in fp16: the kernels' precision (fp32_cast=fp16)."""
+    return TORCH_SDPA(query.half(), key.half(), value.half(), *args, **kwargs).to(query.dtype)
+
+
+def test_transformer_gradients_on_the_kernels_are_as_close_as_fp16_sdpa(fake_gpu, monkeypatch):
+    """Per parameter, the gradient error against float32 SDPA is within 2x (plus a floor far below
+    the gradients' size) of the error torch's own SDPA makes in fp16: the text-query parameters' tiny
+    gradients are rounded as much by either."""
+    rdna_flash_attn.settings.fp32_cast = "fp16"
+    flux = tiny_flux()
+    inputs = flux_inputs()
+
+    def step():
+        flux.zero_grad(set_to_none=True)
+        flux(**inputs).sample.square().mean().backward()
+        return {name: p.grad for name, p in flux.named_parameters() if p.grad is not None}
+
+    exact = step()
+    with monkeypatch.context() as patched:
+        patched.setattr(F, "scaled_dot_product_attention", sdpa_in_fp16)
+        rounded = step()
+    install_attention_processor(flux)
+    actual = step()
+    assert fake_gpu.differentiable_launches == 2 and rdna_flash_attn.stats()["fallback"] == 0
+    assert actual.keys() == exact.keys()
+    for name in exact:
+        assert relative_error(actual[name], exact[name]) <= 2 * relative_error(rounded[name], exact[name]) + 1e-4, name
+
+
+def test_a_layer_that_raises_leaves_torch_sdpa_as_it_was():
+    flux = tiny_flux()
+    install_attention_processor(flux)
+    layer = flux.get_submodule(next(iter(flux.attn_processors)).removesuffix(".processor"))
+    with pytest.raises(AttributeError):  # the joint block's layer without the text tokens it needs
+        layer(torch.randn(1, 4, 32))
+    assert F.scaled_dot_product_attention is TORCH_SDPA
+    rdna_flash_attn.enable_sdpa_patch()  # an explicit enable outlives the layers' scopes
+    with torch.no_grad():
+        flux(**flux_inputs())
+    assert rdna_flash_attn.sdpa_patch_enabled()
