@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Static throughput estimate of the backward kernels on RDNA3 (gfx1100), read from their disassembly.
+"""Static throughput estimate of the backward kernels on RDNA3 (gfx1100) and RDNA4 (gfx1201), read from
+their disassembly.
 
 Not a measurement. Same pipe model as bench/estimate_gfx1100.py (the forward estimate); what differs
 is the counting: the backward main loops hold uniform branches (dQ: sweep 0 / 1; dK/dV: make_dk), so
 one iteration is traced through the control-flow graph per path instead of summing a span; dK/dV's
 causal test (ABI 2) is a branch too, taken as not causal. See bench/results/backward_estimate_gfx1100.md.
 
-    python3 bench/estimate_gfx1100_backward.py /tmp/est_bwd/rdna_fa_gfx1100.hsaco \
+    python3 bench/estimate_gfx1100_backward.py prebuilt/rdna_fa_gfx1100.hsaco prebuilt/rdna_fa_gfx1201.hsaco \
         --json bench/results/backward_estimate_gfx1100.json --png bench/results/backward_estimate_gfx1100.png
 """
 
@@ -231,21 +232,24 @@ def trace(cfg: Cfg, main: int, trips: dict[int, int], flags: dict[str, bool]) ->
 # --- Paths and expected counts ----------------------------------------------------------------------------
 
 
-def paths(v) -> dict[str, tuple[int, int]]:
-    """Per path, (WMMA, global loads) per wave per main-loop iteration, from the source; the trace must match."""
+def paths(v, hw) -> dict[str, tuple[int, int]]:
+    """Per path, (WMMA, global loads) per wave per main-loop iteration, from the source; the trace must match.
+    A 16x16 operand read straight from global memory takes 16 bytes per lane per copy: two loads on gfx11,
+    whose WMMA wants each operand in both half-waves, one on gfx12."""
     dim, out, tile = v.d_pad // FRAG, v.d_chunk // FRAG, v.block_tile
+    operand = hw.operand_copies * dim  # one operand's loads over the head dim
     rows = tile * dim * 2 // v.threads  # load_rows: one 16-byte load per trip
     trans = 2 * (tile // 2 * out * 2 // v.threads)  # load_transposed: two loads per trip
-    if v.kind == "dq":  # per key tile: K, V rows; Q, dO operands 2 x 16 B per lane per head-dim step
-        base = rows * 2 + 4 * dim
+    if v.kind == "dq":  # per key tile: K, V rows; the Q and dO operands
+        base = rows * 2 + 2 * operand
         return {"sweep 0 (delta)": (2 * dim * tile // FRAG, base),
                 "sweep 1 (dQ)": (2 * dim * tile // FRAG + out * tile // FRAG, base + trans)}
     # per query tile: Q rows, lse + delta + row sums (ABI 2), then per fragment the K (and V) operands
     # not held in registers
     frags = tile // FRAG
     stats = 3
-    k_loads = 0 if v.d_pad <= variants.BWD_RESIDENT_K_MAX_D else 2 * dim
-    v_loads = 0 if v.d_pad <= variants.BWD_RESIDENT_V_MAX_D else 2 * dim
+    k_loads = 0 if v.d_pad <= variants.BWD_RESIDENT_K_MAX_D else operand
+    v_loads = 0 if v.d_pad <= variants.BWD_RESIDENT_V_MAX_D else operand
     if v.fused:  # S and dP once, then dV and dK: Q, dO rows and both transposed chunks
         return {"dK+dV": (frags * (2 * dim + 2 * out), 2 * rows + 2 * trans + stats + frags * (k_loads + v_loads))}
     return {"dV": (frags * (dim + out), rows + trans + stats + frags * k_loads),
@@ -255,7 +259,8 @@ def paths(v) -> dict[str, tuple[int, int]]:
 def main_loop(cfg: Cfg) -> int:
     """The innermost loop that holds every WMMA of the kernel and a barrier (the LDS tile loop)."""
     wmma = {b for b, insns in cfg.blocks.items() if any(i.op.startswith("v_wmma") for i in insns)}
-    candidates = [h for h, blocks in cfg.loops.items() if wmma <= blocks and "s_barrier" in cfg.ops(blocks)]
+    candidates = [h for h, blocks in cfg.loops.items()
+                  if wmma <= blocks and {"s_barrier", "s_barrier_wait"} & set(cfg.ops(blocks))]  # gfx11, gfx12
     return min(candidates, key=lambda h: len(cfg.loops[h]))
 
 
@@ -469,7 +474,7 @@ def analyse(path: Path, objdump: str) -> list[dict]:
                 trips = loop_trips(cfg, main, v)
                 counts, flags, loops = {}, {}, {}
                 pinned = causal_flags(cfg, main)  # non-causal, as estimated
-                for name, expect in paths(v).items():
+                for name, expect in paths(v, hw).items():
                     counts[name], flags[name], insns = count_path(cfg, main, trips, v, expect, pinned)
                     loops[name] = tally([x for x in insns if x[2] == "head-dim loop"])
                 occ = occupancy(co.target, kernels[v.symbol], v.threads)
@@ -539,30 +544,33 @@ def plot(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sel = [r for r in results if r["target"] == "gfx1100"]
-    fig, ax = plt.subplots(figsize=(7.5, 5))
-    for k, (key, label, color) in enumerate((("tflops_pess", "pessimistic", "tab:blue"),
-                                             ("tflops_opt", "optimistic", "tab:cyan"))):
-        x = [i + (k - 0.5) * 0.35 for i in range(len(sel))]
-        values = [r["estimate"]["now"][key] for r in sel]
-        ax.bar(x, values, width=0.35, color=color, label=label)
-        for xi, value in zip(x, values):
-            ax.text(xi, value + 0.5, f"{value:g}", ha="center", fontsize=8)
-    ax.axhline(TARGET_TFLOPS, color="tab:green", ls="--", label=f"target {TARGET_TFLOPS:g}")
-    ax.axhline(PUBLISHED_TFLOPS, color="tab:red", ls=":", label=f"best published ~{PUBLISHED_TFLOPS:g}")
-    ax.set_xticks(range(len(sel)), [f"{r['dtype']} d{r['d']}" for r in sel])
-    ax.set_ylim(0, TARGET_TFLOPS * 1.3)
-    ax.set_ylabel("TFLOP/s (backward = 10·Sq·Sk·D)")
-    ax.set_title(f"Backward (dQ + dK/dV), gfx1100 7900 XTX, {SEQ} tokens, batch*heads {BATCH_HEADS}, non-causal:\n"
-                 "static estimate, not measured", fontsize=10)
-    ax.legend(fontsize=8, loc="upper right")
+    targets = sorted({r["target"] for r in results})
+    fig, axes = plt.subplots(1, len(targets), figsize=(7.5 * len(targets), 5), squeeze=False)
+    for ax, target in zip(axes[0], targets):
+        sel = [r for r in results if r["target"] == target]
+        for k, (key, label, color) in enumerate((("tflops_pess", "pessimistic", "tab:blue"),
+                                                 ("tflops_opt", "optimistic", "tab:cyan"))):
+            x = [i + (k - 0.5) * 0.35 for i in range(len(sel))]
+            values = [r["estimate"]["now"][key] for r in sel]
+            ax.bar(x, values, width=0.35, color=color, label=label)
+            for xi, value in zip(x, values):
+                ax.text(xi, value + 0.5, f"{value:g}", ha="center", fontsize=8)
+        if target == "gfx1100":
+            ax.axhline(TARGET_TFLOPS, color="tab:green", ls="--", label=f"target {TARGET_TFLOPS:g}")
+            ax.axhline(PUBLISHED_TFLOPS, color="tab:red", ls=":", label=f"best published ~{PUBLISHED_TFLOPS:g}")
+        ax.set_xticks(range(len(sel)), [f"{r['dtype']} d{r['d']}" for r in sel])
+        ax.set_ylim(0, max(TARGET_TFLOPS, *(r["estimate"]["now"]["tflops_opt"] for r in sel)) * 1.3)
+        ax.set_ylabel("TFLOP/s (backward = 10·Sq·Sk·D)")
+        ax.set_title(f"Backward (dQ + dK/dV), {target} {sel[0]['gpu']}, {SEQ} tokens, batch*heads {BATCH_HEADS}, "
+                     f"non-causal:\nstatic estimate, calibrated x{CALIBRATION[target]}, not measured", fontsize=10)
+        ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("hsaco", type=Path, help="gfx1100 code object")
+    parser.add_argument("hsaco", nargs="+", type=Path, help="code objects (gfx1100 and optionally gfx1201)")
     parser.add_argument("--json", type=Path, metavar="PATH")
     parser.add_argument("--png", type=Path, metavar="PATH")
     args = parser.parse_args(argv)
@@ -570,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     if objdump is None:
         print("llvm-objdump (>= 19) not found", file=sys.stderr)
         return 2
-    results = analyse(args.hsaco, objdump)
+    results = [r for path in args.hsaco for r in analyse(path, objdump)]
     print_report(results)
     if args.json:
         args.json.write_text(json.dumps({"seq": SEQ, "batch_heads": BATCH_HEADS, "target_tflops": TARGET_TFLOPS,

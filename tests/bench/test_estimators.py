@@ -1,6 +1,7 @@
-"""The static estimators' instruction reading: waits decoded on both ISAs, and the interpreter-executed
+"""The static estimators' instruction reading: waits decoded on both ISAs, the interpreter-executed
 counts of bench/estimate_masked.py against the disassembly-based reconstruction of
-bench/estimate_gfx1100.py on a shipped code object (they must agree where both apply)."""
+bench/estimate_gfx1100.py on a shipped code object (they must agree where both apply), and the
+backward estimate's traces of both targets' shipped code objects."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import hashlib
 
 import pytest
 
-from bench import estimate_masked
+from bench import estimate_gfx1100_backward, estimate_masked
 from rdna_flash_attn.interpreter import InterpretedLibrary
 from rdna_flash_attn.runtime import artifacts, variants
 from rdna_flash_attn.tools.report import find_objdump
@@ -88,3 +89,18 @@ def test_the_fit_is_the_geometric_mean_of_measured_over_estimated():
     fit = estimate_external.fitted_ratios(rows)["gfx1201"]
     assert fit["factor"] == 1.0 and fit["cases_in_fit"] == 2  # sqrt(0.5 * 2); the stand-in is left out
     assert [r["residual_under_fit"] for r in rows] == [-0.5, 1.0, -0.9]
+
+
+@pytest.mark.parametrize("target", ["gfx1100", "gfx1201"])
+def test_the_backward_estimate_traces_every_path_of_a_shipped_code_object(target):
+    """Each path's traced WMMA and global-load counts must equal the source's (analyse raises otherwise):
+    on gfx1201 an operand read from global memory is one load per lane, on gfx1100 two."""
+    objdump = find_objdump()
+    if objdump is None:
+        pytest.skip("llvm-objdump (>= 19) not installed")
+    results = estimate_gfx1100_backward.analyse(REPO / "prebuilt" / f"rdna_fa_{target}.hsaco", objdump)
+    assert {(r["dtype"], r["d"]) for r in results} == {
+        (dtype, d) for dtype in ("f16", "bf16") for d in estimate_gfx1100_backward.HEAD_DIMS}
+    for r in results:
+        now = r["estimate"]["now"]
+        assert 0 < now["tflops_pess"] <= now["tflops_opt"] < estimator.HARDWARE[target].peak_tflops
