@@ -75,10 +75,12 @@ constexpr bool kResidentK = D_PAD <= 128;
 // variants.BWD_FUSED_MAX_D).
 template <int D_PAD>
 constexpr bool kFusedDkdv = D_PAD <= 64;
-// A masked fused workgroup also holds the mask's reads: its V stays resident only up to d48 (at d64
-// gfx1100 would spill).
+// V, held beside K, fits up to d96 on gfx11 and up to d128 on gfx12, whose operands hold each value
+// once. A masked fused workgroup also holds the mask's reads: its V stays resident only up to d48 (at
+// d64 gfx1100 would spill).
+constexpr int kResidentVMaxD = Isa::kOperandElems == 8 ? 128 : 96;
 template <int D_PAD, bool HAS_MASK>
-constexpr bool kResidentV = HAS_MASK && kFusedDkdv<D_PAD> ? D_PAD <= 48 : D_PAD <= 96;
+constexpr bool kResidentV = HAS_MASK && kFusedDkdv<D_PAD> ? D_PAD <= 48 : D_PAD <= kResidentVMaxD;
 
 // acc[f] += A_f x, A_f the f-th 16-row fragment of an LDS tile.
 template <int FRAGS, int LDS_ROW, class DT>
