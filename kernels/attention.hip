@@ -7,7 +7,7 @@
 // MASKED: the variant that reads the argument block's attention mask; the others ignore it.
 #define RDNA_FA_FWD_INSTANCE(symbol, dtype, d_pad, waves, block_n, d_chunk, copy_loads, masked)    \
   RDNA_KERNEL(32 * (waves)) symbol(const rdna::FwdArgs args) {                                      \
-    RDNA_LDS_ARRAY(rdna::u16, lds, (rdna::FwdShape<d_pad, waves, block_n, d_chunk>::kLdsElems));   \
+    RDNA_LDS_ARRAY(rdna::u16, lds, (rdna::FwdShape<d_pad, waves, block_n, d_chunk, masked>::kLdsElems)); \
     rdna::fwd_body<rdna::dtype, d_pad, waves, block_n, d_chunk, copy_loads, masked>(args, lds);    \
   }
 

@@ -34,7 +34,8 @@ struct FwdArgs {
 };
 
 // The LDS layout; rdna_flash_attn/runtime/variants.py computes the same size for the launcher.
-template <int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK>
+// HAS_MASK: one float per key of the tile after V^T, for a key-padding mask staged once per tile.
+template <int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK, bool HAS_MASK = false>
 struct FwdShape {
   static constexpr int kBlockM = kFrag * WAVES;
   static constexpr int kThreads = 32 * WAVES;
@@ -43,9 +44,11 @@ struct FwdShape {
   static constexpr int kQOffset = 0;
   static constexpr int kKOffset = kBlockM * kRow;
   static constexpr int kVtOffset = kKOffset + BLOCK_N * kRow;
-  static constexpr int kLdsElems = kVtOffset + D_CHUNK * kVtRow;
+  static constexpr int kBiasOffset = kVtOffset + D_CHUNK * kVtRow;  // a multiple of 8: 16-byte aligned
+  static constexpr int kLdsElems = kBiasOffset + (HAS_MASK ? 2 * BLOCK_N : 0);
   static_assert(2 * kLdsElems <= 65536, "LDS over 64 KiB");
   static_assert(D_PAD % D_CHUNK == 0 && D_CHUNK % kFrag == 0 && BLOCK_N % kFrag == 0, "tile shape");
+  static_assert(BLOCK_N <= kThreads, "one staged bias per thread");
 };
 
 // Copies one key tile of K (rows in Isa::key_slot order, see the ISA headers) and of V^T into LDS.
@@ -164,7 +167,7 @@ RDNA_DEV int probability_shift(f16, int) { return 0; }
 
 template <class DT, int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK, int COPY_LOADS, bool HAS_MASK>
 struct FwdLoop {
-  using Shape = FwdShape<D_PAD, WAVES, BLOCK_N, D_CHUNK>;
+  using Shape = FwdShape<D_PAD, WAVES, BLOCK_N, D_CHUNK, HAS_MASK>;
   using Copy = TileCopy<BLOCK_N, D_PAD, D_CHUNK, Shape::kRow, Shape::kVtRow, Shape::kThreads, COPY_LOADS>;
   static constexpr int kKeyFrags = BLOCK_N / kFrag;
   static constexpr int kOutFrags = D_CHUNK / kFrag;
@@ -180,6 +183,11 @@ struct FwdLoop {
   int tid, lane, col0, seqlen_k, mask_row, key_limit;
   float scale;       // softmax scale * log2(e), >= 0: a negative scale was folded into Q
   float prob_shift;  // probability_shift(): subtracted from every exponent
+  float* key_biases;  // Shape::kBiasOffset: the tile's key-padding biases, when staged
+  bool staged;        // the mask is one bias per key, broadcast over queries
+  // gfx11's masked d128 kernels hold 250 VGPRs without the staged path and spill with it: they read
+  // every mask per lane.
+  static constexpr bool kStagesBiases = HAS_MASK && !(Isa::kOperandElems == 16 && D_PAD == 128);
   v8f o_acc[kOutFrags];
   float row_max;    // in log2 units, scaled
   float row_sum;    // this lane's share of the rounded probabilities; the partner lane has the rest
@@ -187,14 +195,22 @@ struct FwdLoop {
 
   // One key tile. MASKED: some key of the tile is past seqlen_k or (causal) past a query of this
   // workgroup, so scores are masked per key; every other tile skips the per-score compare. An
-  // attention mask is added to every tile's scores, already scaled.
+  // attention mask is added to every tile's scores, already scaled. A key-padding mask (staged) is
+  // read once per tile by the workgroup into LDS, where every wave finds its biases, instead of each
+  // lane reading and converting its own. (Starting the score accumulators at bias / scale would save
+  // the additions too, but a row whose keys all carry one huge bias then loses Q.K to the rounding of
+  // every product step at that magnitude.)
   template <bool MASKED>
   RDNA_DEV void tile(int key0) {
     const DT dt{};
     const float kNegInf = -__builtin_inff();
     block_barrier();  // every wave is done with the previous tile
+    // Issued before the K/V copy, whose loads it then waits for with them: no round trip of its own.
+    const bool stages = kStagesBiases && staged && tid < BLOCK_N;
+    const u32 bias_bits = stages ? mask.bits_at(min_int(key0 + tid, mask.last_k) * mask.stride_k) : 0u;
     Copy::template copy<MASKED>(k_lds, vt_lds, k, a.k_stride_s, v, a.v_stride_s, key0, seqlen_k, col0, a.head_dim,
                                 tid);
+    if (stages) key_biases[tid] = mask.bias_of_bits(bias_bits);
     block_barrier();
 
     v8f s_acc[kKeyFrags];
@@ -214,13 +230,24 @@ struct FwdLoop {
     // With a mask the scores are scaled and biased first, and the step's scale is 1.
     float step_scale = scale;
     if constexpr (HAS_MASK) {
-      #pragma unroll
-      for (int j = 0; j < kKeyFrags; ++j) {
-        float bias[8];  // acc_key(lane, s) is acc_key(lane, 0) + s on both ISAs
-        mask.biases_log2(mask_row, key0 + j * kFrag + Isa::acc_key(lane, 0), bias);
+      if (kStagesBiases && staged) {
         #pragma unroll
-        for (int s = 0; s < 8; ++s) s_acc[j][s] = fma_f32(s_acc[j][s], scale, bias[s]);
-        compiler_fence();  // one fragment's mask loads in flight at a time: all of them would spill
+        for (int j = 0; j < kKeyFrags; ++j) {
+          // acc_key(lane, s) is acc_key(lane, 0) + s on both ISAs: eight consecutive keys
+          const float* bias = key_biases + j * kFrag + Isa::acc_key(lane, 0);
+          #pragma unroll
+          for (int s = 0; s < 8; ++s) s_acc[j][s] = fma_f32(s_acc[j][s], scale, bias[s]);
+          compiler_fence();  // as below: all fragments' biases at once would spill at d128 on gfx11
+        }
+      } else {
+        #pragma unroll
+        for (int j = 0; j < kKeyFrags; ++j) {
+          float bias[8];
+          mask.biases_log2(mask_row, key0 + j * kFrag + Isa::acc_key(lane, 0), bias);
+          #pragma unroll
+          for (int s = 0; s < 8; ++s) s_acc[j][s] = fma_f32(s_acc[j][s], scale, bias[s]);
+          compiler_fence();  // one fragment's mask loads in flight at a time: all of them would spill
+        }
       }
       step_scale = 1.f;
     }
@@ -328,7 +355,9 @@ RDNA_DEV void fwd_body(const FwdArgs& a, u16* lds) {
             mask.row(query),
             seq.visible_keys(a.causal, query),
             a.scale_log2 < 0.f ? -a.scale_log2 : a.scale_log2,
-            float(probability_shift(dt, seq.seqlen_k))};
+            float(probability_shift(dt, seq.seqlen_k)),
+            reinterpret_cast<float*>(lds + Shape::kBiasOffset),
+            HAS_MASK && a.mask_stride_q == 0};
   #pragma unroll
   for (int f = 0; f < Loop::kOutFrags; ++f) loop.o_acc[f] = zero_v8f();
   loop.row_max = kNegInf;

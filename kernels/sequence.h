@@ -72,6 +72,21 @@ struct MaskView {
     return scaled(reinterpret_cast<const float*>(base)[i]);
   }
 
+  // bias_at in two steps, so that a load can be issued long before its value is needed: the element's
+  // bits, zero-extended, then those bits as a bias in log2 units. (bias_at itself stays one step: built
+  // from these two, the backward's per-element reads wait for each load on its own.)
+  RDNA_DEV u32 bits_at(int i) const {
+    if (kind == kMaskBool) return base[i];
+    if (kind == kMaskF16 || kind == kMaskBf16) return reinterpret_cast<const u16*>(base)[i];
+    return reinterpret_cast<const u32*>(base)[i];
+  }
+  RDNA_DEV float bias_of_bits(u32 bits) const {
+    if (kind == kMaskBool) return bits ? 0.f : -__builtin_inff();
+    if (kind == kMaskF16) return scaled(from_bits(f16{}, u16(bits)));
+    if (kind == kMaskBf16) return scaled(from_bits(bf16{}, u16(bits)));
+    return scaled(as_f32(bits));
+  }
+
   RDNA_DEV float bias_log2(int row_offset, int key) const {
     return bias_at(row_offset + min_int(key, last_k) * stride_k);
   }

@@ -59,10 +59,11 @@ def fwd_copy_loads(d_pad: int, d_chunk: int) -> int:
     return 16 if d_chunk <= 64 else _FWD_COPY_LOADS_EXCEPTIONS.get(d_pad, 8)
 
 
-def lds_elems_fwd(waves: int, block_n: int, d_pad: int, d_chunk: int) -> int:
-    """16-bit elements of LDS the forward kernel declares; mirrors FwdShape in kernels/fa_fwd.h."""
+def lds_elems_fwd(waves: int, block_n: int, d_pad: int, d_chunk: int, masked: bool = False) -> int:
+    """16-bit elements of LDS the forward kernel declares; mirrors FwdShape in kernels/fa_fwd.h (a
+    masked kernel stages one float per key of its tile)."""
     row = d_pad + LDS_ROW_PAD
-    return waves * FRAG * row + block_n * row + d_chunk * (block_n + LDS_ROW_PAD)
+    return waves * FRAG * row + block_n * row + d_chunk * (block_n + LDS_ROW_PAD) + (2 * block_n if masked else 0)
 
 
 class _WaveTiled:
@@ -97,14 +98,14 @@ class FwdVariant(_WaveTiled):
 
     @property
     def lds_bytes(self) -> int:
-        return 2 * lds_elems_fwd(self.waves, self.block_n, self.d_pad, self.d_chunk)
+        return 2 * lds_elems_fwd(self.waves, self.block_n, self.d_pad, self.d_chunk, self.masked)
 
 
 def _fwd_variant(dtype: str, d_pad: int, masked: bool = False) -> FwdVariant:
     chunks = -(-d_pad // MAX_O_CHUNK)
     d_chunk = d_pad // chunks
     for waves, block_n in _TILE_PREFERENCE:
-        if 2 * lds_elems_fwd(waves, block_n, d_pad, d_chunk) <= LDS_LIMIT:
+        if 2 * lds_elems_fwd(waves, block_n, d_pad, d_chunk, masked) <= LDS_LIMIT:
             return FwdVariant(dtype, d_pad, waves, block_n, d_chunk, fwd_copy_loads(d_pad, d_chunk), masked)
     raise ValueError(f"no tile shape fits LDS for head dim {d_pad}")
 

@@ -26,7 +26,7 @@ from .test_forward import make_inputs
 SEQ_LENGTHS = (1, 2, 7, 16, 17, 33, 64, 65, 77, 100, 128, 154, 257, 333)
 SD_HEAD_DIMS = (40, 64, 80, 128, 160)
 DTYPES = (torch.float16, torch.bfloat16)
-MASK_KINDS = ("key_padding_bool", "key_padding_float", "bias", "bool", "strided_bias", "query_rows")
+MASK_KINDS = ("key_padding_bool", "key_padding_float", "bias", "bool", "strided_bias", "query_rows", "key_bias")
 # Values that mask a key out in an additive mask, as hosts write them.
 MASK_FILLS = ("-inf", "lowest", -1e4, -1e9)
 MASK_FORWARD_CASES, MASK_BACKWARD_CASES = 600, 300  # per layer
@@ -115,7 +115,9 @@ def make_mask(case, q_dtype, generator):
     elif kind == "query_rows":
         keep = uniform(batch, 1, seq_q, 1) < 0.8  # a row's keys all masked or all kept: broadcast over keys
     else:
-        shape = (batch if case["broadcast"] & 1 else 1, heads if case["broadcast"] & 2 else 1, seq_q, seq_k)
+        # key_bias: one bias per key, broadcast over queries (what the kernels stage once per key tile)
+        rows = 1 if kind == "key_bias" else seq_q
+        shape = (batch if case["broadcast"] & 1 else 1, heads if case["broadcast"] & 2 else 1, rows, seq_k)
         if kind == "bool":
             keep = uniform(*shape) < 0.7
             keep[..., : max(1, seq_q // 5), :] &= uniform(*shape[:2], 1, 1) < 0.5  # some rows fully masked

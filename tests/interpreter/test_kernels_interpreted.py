@@ -145,6 +145,8 @@ PROBLEM_CASES = (
     ("gfx1100", "f16", 40, 33, 77, "bias"),  # SD1.5's head dim, a full bias in the inputs' dtype
     ("gfx1201", "bf16", 128, 17, 70, "bias"),
     ("gfx1100", "bf16", 24, 20, 40, "key_padding"),
+    ("gfx1100", "f16", 64, 33, 77, "key_bias"),  # one bias per key: staged once per key tile (forward)
+    ("gfx1201", "bf16", 128, 17, 70, "key_bias"),
     ("gfx1100", "f16", 64, 20, 33, "grouped_heads"),
     ("gfx1201", "bf16", 160, 17, 9, "grouped_heads"),
     ("gfx1100", "bf16", 64, 33, 17, "bottom_right"),
@@ -166,6 +168,9 @@ def test_masked_grouped_and_bottom_right_code_objects_match_fp64(case, backward)
         mask = _key_padding(2, seq_k, torch.float32 if dtype_name == "f16" else dtype, generator)
     elif what == "bias":
         mask = torch.randn(1, 2, seq_q, seq_k, generator=generator).to(dtype)
+    elif what == "key_bias":
+        mask = (3 * torch.randn(2, 1, 1, seq_k, generator=generator)).to(dtype)
+        mask[..., -5:] = float("-inf")
     elif what == "bool_mask":
         mask = torch.rand(1, 2, seq_q, seq_k, generator=generator) < 0.7
         mask[0, 0, :3] = False  # rows that see no key give zeros
