@@ -81,6 +81,10 @@ constexpr bool kFusedDkdv = D_PAD <= 64;
 constexpr int kResidentVMaxD = Isa::kOperandElems == 8 ? 128 : 96;
 template <int D_PAD, bool HAS_MASK>
 constexpr bool kResidentV = HAS_MASK && kFusedDkdv<D_PAD> ? D_PAD <= 48 : D_PAD <= kResidentVMaxD;
+// A key-padding mask's bias is read once per dK/dV lane (its key's), where a register is left for it:
+// not in gfx11's masked d64 and d128 workgroups, which would spill.
+template <int D_PAD, bool HAS_MASK>
+constexpr bool kKeyBiasOnce = HAS_MASK && (Isa::kOperandElems == 8 || (D_PAD != 64 && D_PAD != 128));
 
 // acc[f] += A_f x, A_f the f-th 16-row fragment of an LDS tile.
 template <int FRAGS, int LDS_ROW, class DT>
@@ -188,6 +192,9 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
     const i64 stats = batch * a.lse_stride_b + head * a.lse_stride_h + seq.q_row0;
     const MaskView mask = MaskView::of(a.mask, a.mask_kind, a.mask_stride_b, a.mask_stride_h, a.mask_stride_q,
                                        a.mask_stride_k, batch, head, seq);
+    // A key-padding mask (one bias per key) gives this lane's key one bias for every query: read once.
+    const bool key_padding = kKeyBiasOnce<D_PAD, HAS_MASK> && a.mask_stride_q == 0;
+    const float key_bias = key_padding ? mask.bias_log2(0, key) : 0.f;
     for (int q0 = q_begin; q0 < seq.seqlen_q; q0 += BLOCK_M) {
       block_barrier();
       load_rows<BLOCK_M, D_PAD, Shape::kRow, Shape::kThreads, true>(q_lds, q, a.q_stride_s, q0, seq.seqlen_q,
@@ -231,7 +238,7 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
         const auto probability = [&](int s) {
           const int row = qf * kFrag + Isa::acc_key(lane, s);
           const bool visible = key < seq.visible_keys(a.causal, q0 + row);
-          const float bias = HAS_MASK ? mask.bias_log2(mask.row(q0 + row), key) : 0.f;
+          const float bias = !HAS_MASK ? 0.f : key_padding ? key_bias : mask.bias_log2(mask.row(q0 + row), key);
           const float exponent = min_f32(fma_f32(s_acc[s], a.scale_log2, bias) - lse_lds[row], kMaxExponent);
           return visible ? exp2_approx(exponent - norm_lds[row]) : 0.f;
         };
