@@ -128,32 +128,35 @@ def _replaceable(processor: Any) -> bool:
     return type(processor).__name__ in REPLACEABLE_PROCESSORS or isinstance(processor, RdnaFlashAttnProcessor)
 
 
-class _RoutedWhileRunning:
-    """Forward hooks that keep a patch_sdpa() scope open while one attention layer runs. The scope is
-    closed by an always-called forward hook, so a layer that raises leaves the patch as it found it;
-    scopes are kept per thread and layer, so a close without its open (an earlier pre-hook raised) is
-    ignored."""
+# Per thread: id of a layer -> the patch_sdpa() scopes its hooks opened. Module-level functions and
+# state, so that a model with hooks still deep-copies and pickles (the hooks travel by reference).
+_open_scopes = threading.local()
 
-    def __init__(self):
-        self._open = threading.local()
 
-    def _scopes(self) -> dict[int, list[contextlib.ExitStack]]:
-        if not hasattr(self._open, "scopes"):
-            self._open.scopes = {}
-        return self._open.scopes
+def _scopes_of(layer: torch.nn.Module) -> list[contextlib.ExitStack]:
+    if not hasattr(_open_scopes, "by_layer"):
+        _open_scopes.by_layer = {}
+    return _open_scopes.by_layer.setdefault(id(layer), [])
 
-    def enter(self, layer: torch.nn.Module, args: Any) -> None:
-        scope = contextlib.ExitStack()
-        scope.enter_context(patch_sdpa())
-        self._scopes().setdefault(id(layer), []).append(scope)
 
-    def leave(self, layer: torch.nn.Module, args: Any, output: Any) -> None:
-        open_scopes = self._scopes().get(id(layer))
-        if open_scopes:
-            open_scopes.pop().close()
+def _enter_routed_scope(layer: torch.nn.Module, args: Any) -> None:
+    """Forward pre-hook: torch's SDPA is the dispatcher until the layer's forward ends."""
+    scope = contextlib.ExitStack()
+    scope.enter_context(patch_sdpa())
+    _scopes_of(layer).append(scope)
 
-    def attach(self, layer: torch.nn.Module) -> list[Any]:
-        return [layer.register_forward_pre_hook(self.enter), layer.register_forward_hook(self.leave, always_call=True)]
+
+def _leave_routed_scope(layer: torch.nn.Module, args: Any, output: Any) -> None:
+    """Always-called forward hook, so a layer that raises leaves the patch as it found it; a close
+    without its open (an earlier pre-hook raised) finds no scope and does nothing."""
+    scopes = _scopes_of(layer)
+    if scopes:
+        scopes.pop().close()
+
+
+def _route_while_running(layer: torch.nn.Module) -> list[Any]:
+    return [layer.register_forward_pre_hook(_enter_routed_scope),
+            layer.register_forward_hook(_leave_routed_scope, always_call=True)]
 
 
 def _remove_routing_hooks(model: Any) -> None:
@@ -181,8 +184,7 @@ def install_attention_processor(model: Any, processor: RdnaFlashAttnProcessor | 
     model.set_attn_processor(chosen)
     kept = sorted(name for name, current in previous.items() if not _replaceable(current))
     _remove_routing_hooks(model)
-    routing = _RoutedWhileRunning()
-    hooks = [hook for name in kept for hook in routing.attach(model.get_submodule(name.removesuffix(".processor")))]
+    hooks = [hook for name in kept for hook in _route_while_running(model.get_submodule(name.removesuffix(".processor")))]
     if kept:
         setattr(model, _HOOKS_ATTRIBUTE, hooks)
         log.info(

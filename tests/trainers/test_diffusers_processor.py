@@ -3,6 +3,8 @@ gradients match diffusers' own processors, on the kernels (fake GPU) and on the 
 
 from __future__ import annotations
 
+from copy import deepcopy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -280,6 +282,23 @@ def test_transformer_gradients_on_the_kernels_are_as_close_as_fp16_sdpa(fake_gpu
     assert actual.keys() == exact.keys()
     for name in exact:
         assert relative_error(actual[name], exact[name]) <= 2 * relative_error(rounded[name], exact[name]) + 1e-4, name
+
+
+def test_a_routed_model_deep_copies_and_the_copy_is_routed(fake_gpu):
+    """Trainers copy models (EMA, reference models): the hooks must not make that fail."""
+    rdna_flash_attn.settings.fp32_cast = "fp16"
+    flux = tiny_flux()
+    install_attention_processor(flux)
+    copy = deepcopy(flux)
+    with torch.no_grad():
+        copy(**flux_inputs())
+    assert len(fake_gpu.launches) == 2 and attention_processor_installed(copy)
+    restore_attention_processors(copy)  # the copy's own hooks go, the original keeps its
+    assert not attention_processor_installed(copy) and attention_processor_installed(flux)
+    with torch.no_grad():
+        copy(**flux_inputs())
+        flux(**flux_inputs())
+    assert len(fake_gpu.launches) == 4
 
 
 def test_a_layer_that_raises_leaves_torch_sdpa_as_it_was():
