@@ -249,7 +249,7 @@ def paths(v, hw) -> dict[str, tuple[int, int]]:
     frags = tile // FRAG
     stats = 3
     k_loads = 0 if v.d_pad <= variants.BWD_RESIDENT_K_MAX_D else operand
-    v_loads = 0 if v.d_pad <= variants.BWD_RESIDENT_V_MAX_D[target_of(hw)[:5]] else operand
+    v_loads = 0 if v.d_pad <= variants.bwd_resident_v_max_d(target_of(hw)) else operand
     if v.fused:  # S and dP once, then dV and dK: Q, dO rows and both transposed chunks
         return {"dK+dV": (frags * (2 * dim + 2 * out), 2 * rows + 2 * trans + stats + frags * (k_loads + v_loads))}
     return {"dV": (frags * (dim + out), rows + trans + stats + frags * k_loads),

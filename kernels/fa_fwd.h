@@ -184,7 +184,7 @@ struct FwdLoop {
   float scale;       // softmax scale * log2(e), >= 0: a negative scale was folded into Q
   float prob_shift;  // probability_shift(): subtracted from every exponent
   float* key_biases;  // Shape::kBiasOffset: the tile's key-padding biases, when staged
-  bool staged;        // the mask is one bias per key, broadcast over queries
+  bool staged;        // kStagesBiases and the mask is one bias per key, broadcast over queries
   // gfx11's masked d128 kernels hold 250 VGPRs without the staged path and spill with it: they read
   // every mask per lane.
   static constexpr bool kStagesBiases = HAS_MASK && !(Isa::kOperandElems == 16 && D_PAD == 128);
@@ -206,8 +206,8 @@ struct FwdLoop {
     const float kNegInf = -__builtin_inff();
     block_barrier();  // every wave is done with the previous tile
     // Issued before the K/V copy, whose loads it then waits for with them: no round trip of its own.
-    const bool stages = kStagesBiases && staged && tid < BLOCK_N;
-    const u32 bias_bits = stages ? mask.bits_at(min_int(key0 + tid, mask.last_k) * mask.stride_k) : 0u;
+    const bool stages = staged && tid < BLOCK_N;
+    const u32 bias_bits = stages ? mask.bits_at(mask.key_offset(key0 + tid)) : 0u;
     Copy::template copy<MASKED>(k_lds, vt_lds, k, a.k_stride_s, v, a.v_stride_s, key0, seqlen_k, col0, a.head_dim,
                                 tid);
     if (stages) key_biases[tid] = mask.bias_of_bits(bias_bits);
@@ -230,7 +230,7 @@ struct FwdLoop {
     // With a mask the scores are scaled and biased first, and the step's scale is 1.
     float step_scale = scale;
     if constexpr (HAS_MASK) {
-      if (kStagesBiases && staged) {
+      if (staged) {
         #pragma unroll
         for (int j = 0; j < kKeyFrags; ++j) {
           // acc_key(lane, s) is acc_key(lane, 0) + s on both ISAs: eight consecutive keys
@@ -357,7 +357,7 @@ RDNA_DEV void fwd_body(const FwdArgs& a, u16* lds) {
             a.scale_log2 < 0.f ? -a.scale_log2 : a.scale_log2,
             float(probability_shift(dt, seq.seqlen_k)),
             reinterpret_cast<float*>(lds + Shape::kBiasOffset),
-            HAS_MASK && a.mask_stride_q == 0};
+            Loop::kStagesBiases && a.mask_stride_q == 0};
   #pragma unroll
   for (int f = 0; f < Loop::kOutFrags; ++f) loop.o_acc[f] = zero_v8f();
   loop.row_max = kNegInf;

@@ -87,9 +87,10 @@ struct MaskView {
     return scaled(as_f32(bits));
   }
 
-  RDNA_DEV float bias_log2(int row_offset, int key) const {
-    return bias_at(row_offset + min_int(key, last_k) * stride_k);
-  }
+  // A key's offset within a row, clamped to the last key.
+  RDNA_DEV int key_offset(int key) const { return min_int(key, last_k) * stride_k; }
+
+  RDNA_DEV float bias_log2(int row_offset, int key) const { return bias_at(row_offset + key_offset(key)); }
 
   // The biases of keys key0 .. key0 + 7 of one row. Keys in a row (stride 1, the usual case) are 8
   // loads from one address, the dtype chosen once for all eight so that they are issued together and

@@ -28,7 +28,7 @@ log = logging.getLogger(LOGGER_NAME)
 _replaced = None  # the exact object we last replaced, until the patch is switched off
 _enabled_explicitly = False
 _open_scopes = 0
-_state_lock = threading.RLock()
+_state_lock = threading.Lock()
 _MAX_WRAPPER_DEPTH = 32
 
 

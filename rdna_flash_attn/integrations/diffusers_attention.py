@@ -133,25 +133,27 @@ def _replaceable(processor: Any) -> bool:
 _open_scopes = threading.local()
 
 
-def _scopes_of(layer: torch.nn.Module) -> list[contextlib.ExitStack]:
+def _scopes_by_layer() -> dict[int, list[contextlib.ExitStack]]:
     if not hasattr(_open_scopes, "by_layer"):
         _open_scopes.by_layer = {}
-    return _open_scopes.by_layer.setdefault(id(layer), [])
+    return _open_scopes.by_layer
 
 
 def _enter_routed_scope(layer: torch.nn.Module, args: Any) -> None:
     """Forward pre-hook: torch's SDPA is the dispatcher until the layer's forward ends."""
     scope = contextlib.ExitStack()
     scope.enter_context(patch_sdpa())
-    _scopes_of(layer).append(scope)
+    _scopes_by_layer().setdefault(id(layer), []).append(scope)
 
 
 def _leave_routed_scope(layer: torch.nn.Module, args: Any, output: Any) -> None:
     """Always-called forward hook, so a layer that raises leaves the patch as it found it; a close
     without its open (an earlier pre-hook raised) finds no scope and does nothing."""
-    scopes = _scopes_of(layer)
+    scopes = _scopes_by_layer().get(id(layer))
     if scopes:
         scopes.pop().close()
+        if not scopes:
+            del _scopes_by_layer()[id(layer)]
 
 
 def _route_while_running(layer: torch.nn.Module) -> list[Any]:

@@ -21,10 +21,13 @@ MAX_GRAD_CHUNK = 128  # gradient columns one backward workgroup accumulates in r
 BWD_WAVES = 4
 # Padded head dims up to which a dK/dV wave holds its K (resp. V) operands in registers for the whole
 # kernel instead of re-reading them per query fragment; mirrors kResidentK / kResidentVMaxD in fa_bwd.h.
-# V's limit is per matrix ISA (keyed by the target's first five characters): gfx12's operands hold each
-# value once, gfx11's twice.
 BWD_RESIDENT_K_MAX_D = 128
-BWD_RESIDENT_V_MAX_D = {"gfx11": 96, "gfx12": 128}
+
+
+def bwd_resident_v_max_d(target: str) -> int:
+    """V's limit (unfused dK/dV): gfx12's WMMA operands hold each value once, gfx11's twice."""
+    return 128 if target.startswith("gfx12") else 96
+
 # Padded head dims up to which one dK/dV workgroup makes both gradients from one S (kFusedDkdv in
 # fa_bwd.h); past it the two accumulator sets do not fit in registers beside the operands.
 BWD_FUSED_MAX_D = 64
