@@ -1,21 +1,23 @@
-// FlashAttention-2 backward in two kernels: dQ per query block (which first computes
+// FlashAttention-2 backward in two kernels: dQ per query block (which also writes each row's
 // delta = rowsum(P * dP) for the second), then dK and dV per key block. Every gradient element
 // belongs to exactly one workgroup and is summed in a fixed order, so there are no atomics, no
 // read-modify-write between workgroups, and gradients are bitwise reproducible run to run.
 //
 // Precision, judged by FlashAttention-2's own criterion (tests/gpu/test_backward.py): P and dS are
-// rounded once to 16 bits for their products, as FA2 does, but delta is the exact fp32
-// rowsum(P * dP) rather than FA2's rowsum(dO * O) of the 16-bit O, which fails that criterion on
-// short causal rows (bench/results/backward_precision_fa2.md). Counting one matrix product over the
-// whole head dim as 1: dQ 4 + 1, dV 1 + 1, dK 2 + 1, so 10 (9 where one workgroup makes dK and dV from
-// one S) against FA2's 5 (delta from O in a separate pass, dQ summed with atomics).
+// rounded once to 16 bits for their products, as FA2 does. delta is FA2's rowsum(dO * O), but from O
+// to about twice its dtype's precision (O + its saved remainder, see FwdArgs): from the 16-bit O alone
+// it fails that criterion on short causal rows (bench/results/backward_precision_fa2.md). Where the
+// forward saved nothing (a caller with only the lse), a first dQ sweep sums the exact
+// rowsum(P * dP) instead. Counting one matrix product over the whole head dim as 1: dQ 2 + 1 (4 + 1
+// with that sweep), dV 1 + 1, dK 2 + 1, so 8 (7 where one workgroup makes dK and dV from one S)
+// against FA2's 5 (dQ summed with atomics in the dK/dV pass).
 //
 // dK/dV: each wave owns 16 keys, so S = Q K^T and dP = dO V^T come out with one key per lane and P,
 // dS turn into B operands in registers for dV^T += dO^T P and dK^T += Q^T dS. Up to padded head dim
 // 64 a workgroup makes both from one S (1 + 1 + 2 + 2 units); past it both accumulator sets do not
 // fit beside the operands, so a workgroup makes either dV or dK and S is computed twice per key block.
-// dQ: each wave owns 16 queries, like the forward pass: S^T, dP^T with one query per lane; a first
-// sweep over the keys sums delta, a second one makes dS^T and dQ^T += K^T dS^T.
+// dQ: each wave owns 16 queries, like the forward pass: S^T, dP^T with one query per lane; one sweep
+// over the keys makes dS^T and dQ^T += K^T dS^T (two where delta is summed first).
 // Grouped-query attention: a dK/dV workgroup sums over its key/value head's query heads in order,
 // so dK and dV stay deterministic without atomics. Masks and packed batches: see sequence.h.
 // K and V (dK/dV) or Q and dO (dQ) are private to a wave and read straight from global memory: K and
@@ -56,13 +58,52 @@ struct BwdArgs {
   const int* cu_seqlens_k;
   int mask_kind;
   int kv_group;  // query heads per key/value head; the dK/dV grid runs over key/value heads
-  float* row_log2_sum;  // log2 of each row's recomputed probability sum (see below), layout of lse
+  float* row_log2_sum;  // log2 of each row's probability sum (see below), layout of lse
+  // What a training forward saved (FwdArgs; out_low with out's strides), or null: then the dQ kernel
+  // sums delta and row_log2_sum in a first sweep.
+  const u16* out;
+  const u16* out_low;
+  i64 out_stride_b, out_stride_h, out_stride_s;
+  // lse * lse_to_log2 is the offset each row's base-2 exponents subtract: log2(e) for the forward's
+  // natural-log lse, 1 where lse points at the training forward's own row offsets.
+  float lse_to_log2;
 };
+
+// delta = rowsum(dO * (O + O_low)) for a wave's 16 queries, on the matrix unit and in the order dP's
+// sums take: the diagonal of dO (O + O_low)^T. Where a row's probability sits on one key, O is that
+// key's V and O_low is 0, so delta equals that key's dP bit for bit and dP - delta vanishes, as the
+// exact gradient does (a first sweep gets this by summing P * dP itself).
+template <class DT, int D_PAD>
+RDNA_DEV float output_delta(DT dt, const BwdArgs& a, const u16* dout, const u16* out, const u16* out_low, int row0,
+                            int seqlen, int lane) {
+  v8f acc = zero_v8f();
+  #pragma unroll
+  for (int part = 0; part < 2; ++part) {
+    #pragma unroll 1  // once per wave, outside the key loop: unrolling only costs registers
+    for (int d = 0; d < D_PAD / kFrag; ++d)
+      Isa::mma(dt, acc,
+               load_operand_global(part == 0 ? out : out_low, a.out_stride_s, row0, seqlen, d * kFrag, a.head_dim,
+                                   lane),
+               load_operand_global(dout, a.do_stride_s, row0, seqlen, d * kFrag, a.head_dim, lane));
+  }
+  // Accumulator value s is row acc_row(lane, s) of column lane % 16: one half-wave holds the diagonal.
+  float mine = 0.f;
+  bool holds = false;
+  #pragma unroll
+  for (int s = 0; s < 8; ++s) {
+    const bool diagonal = Isa::acc_row(lane, s) == (lane & 15);
+    mine = diagonal ? acc[s] : mine;
+    holds = holds || diagonal;
+  }
+  const float theirs = other_half(mine);
+  return holds ? mine : theirs;
+}
 
 // P recomputed from the stored lse sums to 1 only within rounding, and for a row at a huge bias
 // (sequence.h) only within a factor 2^7: float32 cannot hold log2(keys) beside a log-sum-exp near
-// 2^30. The dQ kernel sums each row's recomputed P in its first sweep and both kernels divide by
-// that sum (its log2 in row_log2_sum), so P sums to 1 as in the forward. Exponents are capped at
+// 2^30. So both kernels take exponents relative to the forward's own row offset and divide by its
+// probability sum (its log2 in row_log2_sum) where the forward saved them; otherwise the dQ kernel
+// sums each row's recomputed P in its first sweep and both divide by that. Exponents are capped at
 // kMaxExponent so that such a row's sum stays finite before it is divided out.
 constexpr float kMaxExponent = 64.f;
 
@@ -211,7 +252,7 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
       }
       for (int i = tid; i < BLOCK_M; i += Shape::kThreads) {
         const bool valid = q0 + i < seq.seqlen_q;
-        lse_lds[i] = valid ? a.lse[stats + q0 + i] * kLog2e : kInf;  // +inf: padding rows get probability 0
+        lse_lds[i] = valid ? a.lse[stats + q0 + i] * a.lse_to_log2 : kInf;  // +inf: padding rows get probability 0
         delta_lds[i] = valid ? a.delta[stats + q0 + i] : 0.f;
         norm_lds[i] = valid ? a.row_log2_sum[stats + q0 + i] : 0.f;
       }
@@ -334,7 +375,7 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
   const int mask_row = mask.row(query);
   const bool valid_query = query < seq.seqlen_q;
   const i64 stats = batch * a.lse_stride_b + head * a.lse_stride_h + seq.q_row0 + query;
-  const float lse_log2 = valid_query ? a.lse[stats] * kLog2e : __builtin_inff();
+  const float lse_log2 = valid_query ? a.lse[stats] * a.lse_to_log2 : __builtin_inff();
 
   const int key_end = seq.visible_keys(a.causal, q0 + Shape::kBlockM - 1);
   const int key_limit = seq.visible_keys(a.causal, query);
@@ -344,11 +385,20 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
   // This lane's keys' share of rowsum(P * dP) and rowsum(P); the partner lane has the rest.
   float delta_share = 0.f, p_share = 0.f;
   float delta = 0.f, norm = 0.f;
+  const bool saved = a.out != nullptr;  // uniform
+  if (saved) {
+    const i64 out_offset = batch * a.out_stride_b + head * a.out_stride_h + seq.q_row0 * a.out_stride_s;
+    delta = output_delta<DT, D_PAD>(dt, a, dout, a.out + out_offset, a.out_low + out_offset, wave_q0, seq.seqlen_q,
+                                    lane);
+    norm = valid_query ? a.row_log2_sum[stats] : 0.f;
+    if (chunk == 0 && lane < 16 && valid_query) a.delta[stats] = delta;
+  }
 
-  // Sweep 0 sums delta, sweep 1 uses it: the same S^T and dP^T each time.
+  // Without the forward's saved values, sweep 0 sums delta and sweep 1 uses it: the same S^T and dP^T
+  // each time.
   #pragma unroll 1
-  for (int sweep = 0; sweep < 2; ++sweep) {
-    if (sweep == 1) {
+  for (int sweep = saved ? 1 : 0; sweep < 2; ++sweep) {
+    if (sweep == 1 && !saved) {
       // Dividing P by its actual sum (see kMaxExponent) also makes dP - delta vanish where it must
       // (one visible key: the gradient is exactly zero).
       const float p_total = p_share + other_half(p_share);

@@ -9,7 +9,7 @@
 
 namespace rdna {
 
-// Kernel argument block; mirrored by rdna_flash_attn/ops/launch_args.py (ABI version 2).
+// Kernel argument block; mirrored by rdna_flash_attn/ops/launch_args.py (ABI version 3).
 struct FwdArgs {
   const u16* q;
   const u16* k;
@@ -31,6 +31,13 @@ struct FwdArgs {
   const int* cu_seqlens_k;
   int mask_kind;  // MaskKind (sequence.h)
   int kv_group;   // query heads per key/value head: 1, or more for grouped-query attention
+  // Saved for the backward by a training forward (null otherwise), so that its dQ kernel needs one
+  // sweep (fa_bwd.h): O's rounding remainder, rounded to 16 bits in turn (O + o_low holds O to about
+  // twice the dtype's precision; o's strides), and per row the offset the forward subtracted from its
+  // base-2 exponents and log2 of its probability sum (lse's layout).
+  u16* o_low;
+  float* row_offset;
+  float* row_log2_sum;
 };
 
 // The LDS layout; rdna_flash_attn/runtime/variants.py computes the same size for the launcher.
@@ -381,18 +388,31 @@ RDNA_DEV void fwd_body(const FwdArgs& a, u16* lds) {
   const float ref = loop.row_max == kNegInf ? 0.f : loop.row_max;
   // A row that sees no key (masked, or before a bottom-right diagonal) gives zeros, and +inf as its
   // log-sum-exp (flash-attn's convention), which makes every probability the backward recomputes 0.
-  if (chunk == 0 && lane < 16 && query < seq.seqlen_q)
-    a.lse[batch * a.lse_stride_b + head * a.lse_stride_h + seq.q_row0 + query] =
-        exact_total > 0.f ? (ref + loop.prob_shift + log2_approx(exact_total)) * kLn2 : __builtin_inff();
+  if (chunk == 0 && lane < 16 && query < seq.seqlen_q) {
+    const i64 row = batch * a.lse_stride_b + head * a.lse_stride_h + seq.q_row0 + query;
+    const bool sees_keys = exact_total > 0.f;
+    a.lse[row] = sees_keys ? (ref + loop.prob_shift + log2_approx(exact_total)) * kLn2 : __builtin_inff();
+    // Kept apart, unlike in the lse, they give the backward this pass's probabilities even where float32
+    // cannot hold log2(keys) beside a row offset near 2^30 (a huge finite bias).
+    if (a.row_offset != nullptr) {
+      a.row_offset[row] = sees_keys ? ref + loop.prob_shift : __builtin_inff();
+      a.row_log2_sum[row] = sees_keys ? log2_approx(exact_total) : 0.f;
+    }
+  }
 
   // Stage O through this wave's own Q rows, then write 16-byte rows: coalesced on both layouts.
   wave_barrier();  // every lane of the wave is done reading those rows
-  stage_transposed<DT, Loop::kOutFrags, Shape::kRow>(dt, q_lds + wave * kFrag * Shape::kRow, loop.o_acc, inv_total,
-                                                     lane);
+  const i64 o_offset = batch * a.o_stride_b + head * a.o_stride_h + seq.q_row0 * a.o_stride_s;
+  u16* const wave_rows = q_lds + wave * kFrag * Shape::kRow;
+  if (a.o_low != nullptr)
+    stage_transposed_with_remainder<DT, Loop::kOutFrags, Shape::kRow>(
+        dt, wave_rows, loop.o_acc, inv_total, lane, a.o_low + o_offset, a.o_stride_s, q0 + wave * kFrag, seq.seqlen_q,
+        col0, a.head_dim);
+  else
+    stage_transposed<DT, Loop::kOutFrags, Shape::kRow>(dt, wave_rows, loop.o_acc, inv_total, lane);
   block_barrier();
-  store_rows<Shape::kBlockM, D_CHUNK, Shape::kRow, Shape::kThreads>(
-      a.o + batch * a.o_stride_b + head * a.o_stride_h + seq.q_row0 * a.o_stride_s, a.o_stride_s, q_lds, q0,
-      seq.seqlen_q, col0, a.head_dim, tid);
+  store_rows<Shape::kBlockM, D_CHUNK, Shape::kRow, Shape::kThreads>(a.o + o_offset, a.o_stride_s, q_lds, q0,
+                                                                    seq.seqlen_q, col0, a.head_dim, tid);
 }
 
 }  // namespace rdna

@@ -103,15 +103,39 @@ RDNA_DEV Isa::Operand load_operand_global(const u16* src, i64 stride, int row0, 
   return op;
 }
 
-// Writes accumulators that hold a transposed tile (rows = columns of the output, one output row
-// per lane) into LDS as plain rows, scaled, in the output dtype.
+// Writes one accumulator fragment f of a transposed tile (rows = columns of the output, one output
+// row per lane) into LDS as plain rows, scaled, in the output dtype.
+template <class DT, int LDS_ROW>
+RDNA_DEV void stage_fragment(DT dt, u16* rows, const v8f& acc, int f, float scale, int lane) {
+  #pragma unroll
+  for (int s = 0; s < 8; ++s)
+    rows[(lane & 15) * LDS_ROW + f * kFrag + Isa::acc_row(lane, s)] = to_bits(dt, acc[s] * scale);
+}
+
+// Writes accumulators that hold a transposed tile into LDS as plain rows (stage_fragment).
 template <class DT, int FRAGS, int LDS_ROW>
 RDNA_DEV void stage_transposed(DT dt, u16* rows, const v8f (&acc)[FRAGS], float scale, int lane) {
   #pragma unroll
-  for (int f = 0; f < FRAGS; ++f)
+  for (int f = 0; f < FRAGS; ++f) stage_fragment<DT, LDS_ROW>(dt, rows, acc[f], f, scale, lane);
+}
+
+// stage_transposed, and each value's rounding remainder (remainder_bits) written straight to rows
+// row0 + (lane % 16) of a (seq, dim) matrix in 16-byte pieces, skipping rows past seqlen and columns
+// past head_dim. A fragment at a time, so that each accumulator is free once both are written.
+template <class DT, int FRAGS, int LDS_ROW>
+RDNA_DEV void stage_transposed_with_remainder(DT dt, u16* rows, const v8f (&acc)[FRAGS], float scale, int lane,
+                                              u16* low, i64 stride, int row0, int seqlen, int col0, int head_dim) {
+  const int row = row0 + (lane & 15);
+  #pragma unroll
+  for (int f = 0; f < FRAGS; ++f) {
+    stage_fragment<DT, LDS_ROW>(dt, rows, acc[f], f, scale, lane);
+    u16 bits[8];
     #pragma unroll
-    for (int s = 0; s < 8; ++s)
-      rows[(lane & 15) * LDS_ROW + f * kFrag + Isa::acc_row(lane, s)] = to_bits(dt, acc[f][s] * scale);
+    for (int s = 0; s < 8; ++s) bits[s] = remainder_bits(dt, acc[f][s] * scale);
+    const u32x4 run = Isa::rows_to_run(bits, lane);  // its exchanges stay outside the lane-dependent branch
+    const int col = col0 + f * kFrag + 8 * (lane >> 4);
+    if (row < seqlen && col < head_dim) store16(low + row * stride + col, run);
+  }
 }
 
 // Writes LDS rows [0, ROWS) x [0, COLS) to rows [row0, ...) x columns [col0, ...) of a (seq, dim)

@@ -103,3 +103,33 @@ def test_a_bad_out_is_named_before_any_library_is_loaded(monkeypatch):
     q, k, v = tensors()
     with pytest.raises(ValueError, match="out must"):
         ops.flash_attention_forward(q, k, v, out=torch.empty(1, dtype=q.dtype), lse=torch.empty(2, 3, 40))
+
+
+def test_a_training_forward_passes_its_statistics_and_skips_the_prepared_launch(library):
+    q, k, v = tensors(layout="bshd")
+    ops.flash_attention_forward(q, k, v)
+    saved = ops.backward_stats_like(q)
+    assert saved.out_low.stride() == ops.output_like(q).stride()
+    ops.flash_attention_forward(q, k, v, saved=saved)
+    args = FwdArgs.from_buffer_copy(library.launches[-1][2])
+    assert (args.o_low, args.row_offset, args.row_log2_sum) == tuple(t.data_ptr() for t in saved)
+    assert FwdArgs.from_buffer_copy(library.launches[0][2]).o_low is None  # inference writes nothing more
+
+
+@pytest.mark.parametrize("breakage, message", [
+    (lambda q, out, saved: (out, None), "out and saved go together"),
+    (lambda q, out, saved: (out, saved._replace(out_low=q.new_empty(2, 40, 3, 64).transpose(1, 2))),
+     "saved.out_low must have the output's strides"),  # (B, S, H, D) memory under a (B, H, S, D) output
+    (lambda q, out, saved: (out, saved._replace(row_offset=saved.row_offset.double())), "saved.row_offset"),
+])
+def test_bad_saved_statistics_are_named_before_any_library_is_loaded(monkeypatch, breakage, message):
+    def unavailable(device):
+        raise ops.KernelUnavailable("no code object for this GPU")
+
+    monkeypatch.setattr(ops, "KERNEL_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(runtime, "library_for", unavailable)
+    q, k, v = tensors()
+    out, saved = breakage(q, ops.output_like(q), ops.backward_stats_like(q))
+    lse = torch.empty(q.shape[:3])
+    with pytest.raises(ValueError, match=message):
+        ops.flash_attention_backward(torch.randn_like(q), q, k, v, lse, out=out, saved=saved)

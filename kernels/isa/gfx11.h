@@ -38,6 +38,23 @@ struct Isa {
     }
     return out;
   }
+
+  // Accumulator rows 8 * (l / 16) .. + 7 of this lane's column, 16-bit values packed in pairs. A lane
+  // holds rows 2s + l / 16, interleaved with its partner's: each passes the other the half it lacks.
+  static RDNA_DEV u32x4 rows_to_run(const u16 (&bits)[8], int lane) {
+    const bool upper = lane >= 16;
+    // lower lanes pass rows 8, 10, 12, 14 (s = 4..7), upper lanes rows 1, 3, 5, 7 (s = 0..3)
+    const u32 given[2] = {upper ? pack_u16x2(bits[0], bits[1]) : pack_u16x2(bits[4], bits[5]),
+                          upper ? pack_u16x2(bits[2], bits[3]) : pack_u16x2(bits[6], bits[7])};
+    const u32 taken[2] = {other_half(given[0]), other_half(given[1])};
+    u32x4 run;
+    #pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const u16 theirs = u16(taken[w >> 1] >> (16 * (w & 1)));
+      run[w] = upper ? pack_u16x2(theirs, bits[4 + w]) : pack_u16x2(bits[w], theirs);
+    }
+    return run;
+  }
 };
 
 }  // namespace rdna

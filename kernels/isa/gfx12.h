@@ -25,6 +25,13 @@ struct Isa {
     for (int j = 0; j < 4; ++j) out.w[j] = packed[j];
     return out;
   }
+  // Accumulator rows 8 * (l / 16) .. + 7 of this lane's column, packed in pairs: the lane's own.
+  static RDNA_DEV u32x4 rows_to_run(const u16 (&bits)[8], int) {
+    u32x4 run;
+    #pragma unroll
+    for (int w = 0; w < 4; ++w) run[w] = pack_u16x2(bits[2 * w], bits[2 * w + 1]);
+    return run;
+  }
 };
 
 }  // namespace rdna

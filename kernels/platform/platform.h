@@ -49,6 +49,14 @@ RDNA_DEV u16 to_bits(bf16, float x) {
   return u16((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+// What x's 16-bit rounding (to_bits) loses, rounded to 16 bits in turn. bf16 without to_bits' NaN
+// test, whose per-value masks crowd the scalar registers: a NaN x belongs to a NaN output, whose
+// remainder nothing reads.
+RDNA_DEV u16 remainder_bits(bf16 dt, float x) {
+  return probability_bits(dt, round_probability(dt, x - round_probability(dt, x)));
+}
+RDNA_DEV u16 remainder_bits(f16 dt, float x) { return to_bits(dt, x - round_to(dt, x)); }
+
 RDNA_DEV int min_int(int a, int b) { return a < b ? a : b; }
 
 RDNA_DEV u32 pack_u16x2(u16 lo, u16 hi) { return u32(lo) | (u32(hi) << 16); }

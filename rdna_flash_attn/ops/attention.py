@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -19,9 +20,9 @@ from ..runtime.loader import KernelUnavailable
 from .launch_args import (BwdArgs, CAUSAL_BOTTOM_RIGHT, CAUSAL_TOP_LEFT, FwdArgs, MASK_BF16, MASK_BOOL, MASK_F16,
                           MASK_F32, MASK_NONE, NOT_CAUSAL)
 
-__all__ = ["KernelUnavailable", "forward_refusal", "mask_refusal", "varlen_refusal", "artifact_info", "forward_launch",
-           "flash_attention_forward", "flash_attention_backward", "flash_attention_varlen_forward",
-           "flash_attention_varlen_backward", "kernel_layout"]
+__all__ = ["KernelUnavailable", "BackwardStats", "backward_stats_like", "forward_refusal", "mask_refusal",
+           "varlen_refusal", "artifact_info", "forward_launch", "flash_attention_forward", "flash_attention_backward",
+           "flash_attention_varlen_forward", "flash_attention_varlen_backward", "kernel_layout"]
 
 _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 _MASK_KINDS = {torch.bool: MASK_BOOL, torch.float16: MASK_F16, torch.bfloat16: MASK_BF16, torch.float32: MASK_F32}
@@ -210,6 +211,53 @@ def _output_refusal(q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor
     return None
 
 
+class BackwardStats(NamedTuple):
+    """What a training forward saves beside out and lse so that the backward's dQ kernel needs one
+    sweep over the keys instead of two (kernels/fa_fwd.h): O's rounding remainder, rounded to 16 bits
+    again (out_low, with out's shape and strides), and per row the forward's base-2 exponent offset and
+    log2 of its probability sum (like lse). One more output-sized tensor and 8 bytes per row."""
+
+    out_low: torch.Tensor
+    row_offset: torch.Tensor
+    row_log2_sum: torch.Tensor
+
+
+def backward_stats_like(q: torch.Tensor, varlen: bool = False) -> BackwardStats:
+    """Uninitialised BackwardStats for a forward on q that allocates its own out: out_low laid out as
+    that out, the row statistics as the lse ((batch, heads, seq_q), or (heads, total_q) for a packed q)."""
+    rows = (q.shape[1], q.shape[0]) if varlen else q.shape[:3]
+    out_low = torch.empty_like(q, memory_format=torch.contiguous_format) if varlen else output_like(q)
+    return BackwardStats(out_low, *(torch.empty(rows, dtype=torch.float32, device=q.device) for _ in range(2)))
+
+
+def _stats_refusal(out: torch.Tensor | None, saved: BackwardStats | None, like: torch.Tensor,
+                   lse: torch.Tensor) -> str | None:
+    """Why out / saved cannot go with a call on `like`-shaped output and this lse, or None."""
+    if saved is None:
+        return None
+    if out is not None and (out.shape != like.shape or out.dtype != like.dtype or out.device != like.device):
+        return "out must have the query's shape, dtype and device"
+    low = saved.out_low
+    if low.shape != like.shape or low.dtype != like.dtype or low.device != like.device:
+        return "saved.out_low must have the query's shape, dtype and device"
+    if low.stride() != (out.stride() if out is not None else output_layout(like)[1]):  # the kernels share them
+        return "saved.out_low must have the output's strides"
+    for name, t in (("out", out), ("saved.out_low", low)):
+        reason = t is not None and _layout_refusal(name, t.unsqueeze(0) if t.dim() == 3 else t)
+        if reason:
+            return reason
+    for name in ("row_offset", "row_log2_sum"):
+        t = getattr(saved, name)
+        if t.shape != lse.shape or t.dtype != torch.float32 or t.device != like.device or t.stride() != lse.stride():
+            return f"saved.{name} must be float32 like the lse, with its shape and strides"
+    return None
+
+
+def _set_saved_forward(args, saved: BackwardStats) -> None:
+    """The training forward's extra outputs (out_low with the output's strides)."""
+    args.o_low, args.row_offset, args.row_log2_sum = (t.data_ptr() for t in saved)
+
+
 def _softmax_scale(head_dim: int, scale: float | None) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
@@ -245,7 +293,7 @@ class _ForwardLaunch:
                             _softmax_scale(head_dim, scale) * LOG2_E, q_blocks)
         _set_problem(self.args, q, k, None)
 
-    def __call__(self, q, k, v, attn_mask: torch.Tensor | None = None):
+    def __call__(self, q, k, v, attn_mask: torch.Tensor | None = None, saved: BackwardStats | None = None):
         out = torch.empty_strided(self.out_size, self.out_stride, dtype=self.dtype, device=self.device)
         lse = torch.empty(self.lse_size, dtype=torch.float32, device=self.device)
         args = FwdArgs.from_buffer_copy(self.args)  # a copy per call: launches may run on several threads
@@ -253,7 +301,9 @@ class _ForwardLaunch:
         args.o, args.lse = out.data_ptr(), lse.data_ptr()
         if attn_mask is not None:
             _set_problem(args, q, k, attn_mask)
-        self.launcher(args, (q, k, v, out, lse, attn_mask))
+        if saved is not None:
+            _set_saved_forward(args, saved)
+        self.launcher(args, (q, k, v, out, lse, attn_mask, *(saved or ())))
         return out, lse
 
 
@@ -278,22 +328,28 @@ def forward_launch(q, k, v, is_causal: bool = False, scale: float | None = None)
 
 def flash_attention_forward(q, k, v, is_causal: bool = False, scale: float | None = None,
                             out: torch.Tensor | None = None, lse: torch.Tensor | None = None, *,
-                            attn_mask: torch.Tensor | None = None, bottom_right: bool = False):
+                            attn_mask: torch.Tensor | None = None, bottom_right: bool = False,
+                            saved: BackwardStats | None = None):
     """(out, lse): out like q, lse (batch, heads, seq_q) float32 natural-log log-sum-exp (+inf for a
     row that sees no key; its output is zeros, as SDPA gives).
 
     `attn_mask`: SDPA's (see mask_refusal). `bottom_right`: a causal mask aligned to the bottom-right
     corner (flash-attn's) rather than SDPA's top-left; the same when seq_q == seq_k. `out` and `lse`
-    may be given to be written in place. A call without a mask whose signature passed the checks
-    before, with 16-byte aligned inputs, reuses that launch: no checks, lookups or packing again."""
+    may be given to be written in place. `saved` (training; BackwardStats like out and a contiguous
+    lse, see backward_stats_like) is written for flash_attention_backward. A call without a mask or
+    `saved` whose signature passed the checks before, with 16-byte aligned inputs, reuses that
+    launch: no checks, lookups or packing again."""
     signature = None
     if (out is None and lse is None and attn_mask is None and not bottom_right and type(q) is torch.Tensor
-            and (scale is None or type(scale) is float)):
+            and (scale is None or type(scale) is float) and saved is None):
         signature = _launch_signature(q, k, v, is_causal, scale)
         launch = _forward_launches.get(signature) if signature is not None else None
         if launch is not None:
             return launch(q, k, v)
     reason = forward_refusal(q, k, v, is_causal, scale, attn_mask) or _output_refusal(q, out, lse)
+    if reason is None and saved is not None:
+        stats_lse = lse if lse is not None else torch.empty(q.shape[:3], dtype=torch.float32, device="meta")
+        reason = _stats_refusal(out, saved, q, stats_lse)
     if reason is not None:  # before the library loads: bad arguments are named whatever the device
         raise ValueError(reason)
     launch = _ForwardLaunch(loader.library_for(q.device), q, k, v, is_causal, scale, bottom_right,
@@ -303,7 +359,9 @@ def flash_attention_forward(q, k, v, is_causal: bool = False, scale: float | Non
             if len(_forward_launches) >= _MAX_CACHED_SIGNATURES:
                 _forward_launches.clear()
             _forward_launches[signature] = launch
-        return launch(q, k, v, attn_mask)
+        return launch(q, k, v, attn_mask, saved)
+    out = output_like(q) if out is None else out
+    lse = torch.empty(launch.lse_size, dtype=torch.float32, device=q.device) if lse is None else lse
     args = FwdArgs.from_buffer_copy(launch.args)
     args.q, args.k, args.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
     args.o, args.lse = out.data_ptr(), lse.data_ptr()
@@ -311,7 +369,9 @@ def flash_attention_forward(q, k, v, is_causal: bool = False, scale: float | Non
     args.lse_stride_b, args.lse_stride_h = lse.stride(0), lse.stride(1)
     if attn_mask is not None:
         _set_problem(args, q, k, attn_mask)
-    launch.launcher(args, (q, k, v, out, lse, attn_mask))
+    if saved is not None:
+        _set_saved_forward(args, saved)
+    launch.launcher(args, (q, k, v, out, lse, attn_mask, *(saved or ())))
     return out, lse
 
 
@@ -333,43 +393,58 @@ def _launch_signature(q, k, v, is_causal, scale) -> tuple | None:
 
 
 def flash_attention_backward(dout, q, k, v, lse, is_causal: bool = False, scale: float | None = None, *,
-                             attn_mask: torch.Tensor | None = None, bottom_right: bool = False):
+                             attn_mask: torch.Tensor | None = None, bottom_right: bool = False,
+                             out: torch.Tensor | None = None, saved: BackwardStats | None = None):
     """(dq, dk, dv) in the inputs' dtypes and memory orders, from the forward's lse; dk and dv have
     the key/value heads (summed over each one's query heads in a fixed order).
 
     Two launches: dQ per query block, which also writes delta = rowsum(P * dP), then dK/dV per key
-    block. No workgroup writes memory another one reads or writes within a launch, so the result is
-    bitwise reproducible."""
+    block. With the forward's `out` and `saved` (see flash_attention_forward) delta comes from them
+    and dQ sweeps the keys once; without them, twice. No workgroup writes memory another one reads or
+    writes within a launch, so the result is bitwise reproducible."""
     reason = forward_refusal(q, k, v, is_causal, scale, attn_mask) or forward_refusal(dout, k, v)
     if reason is None and dout.shape != q.shape:
         reason = "dout must match the query's shape"
     if reason is None and (lse.shape != q.shape[:3] or lse.dtype != torch.float32 or not lse.is_contiguous()):
         reason = "lse must be the forward's contiguous float32 (batch, heads, seq_q) log-sum-exp"
+    if reason is None and (out is None) != (saved is None):
+        reason = "out and saved go together (the training forward's output and BackwardStats)"
+    reason = reason or _stats_refusal(out, saved, q, lse)
     if reason is not None:
         raise ValueError(reason)
     dq, dk, dv = output_like(q), output_like(k), output_like(v)
     _launch_backward(dout, q, k, v, lse, dq, dk, dv, _causal_code(is_causal, bottom_right), scale, attn_mask,
-                     q.shape[0], q.shape[2], k.shape[2], (lse.stride(0), lse.stride(1)))
+                     q.shape[0], q.shape[2], k.shape[2], (lse.stride(0), lse.stride(1)), out, saved)
     return dq, dk, dv
 
 
 def _launch_backward(dout, q, k, v, lse, dq, dk, dv, causal: int, scale, attn_mask, batch: int, seq_q: int,
-                     seq_k: int, lse_strides: tuple[int, int], cu_seqlens_q=None, cu_seqlens_k=None) -> None:
-    """The dQ then the dK/dV launch on (B, H, S, D) views (batch stride 0 for packed batches)."""
+                     seq_k: int, lse_strides: tuple[int, int], out=None, saved: BackwardStats | None = None,
+                     cu_seqlens_q=None, cu_seqlens_k=None) -> None:
+    """The dQ then the dK/dV launch on (B, H, S, D) views (batch stride 0 for packed batches); out and
+    saved.out_low as such views too."""
     library = loader.library_for(q.device)
     heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[3]
     dtype = _DTYPES[q.dtype]
-    delta, row_log2_sum = torch.empty_like(lse), torch.empty_like(lse)  # lse's layout: the kernels share its strides
+    delta = torch.empty_like(lse)  # lse's layout: the kernels share its strides
+    # With the training forward's statistics the kernels read its row offsets where the lse would be.
+    row_offsets, lse_to_log2 = (lse, LOG2_E) if saved is None else (saved.row_offset, 1.0)
+    row_log2_sum = torch.empty_like(lse) if saved is None else saved.row_log2_sum
     softmax_scale = _softmax_scale(head_dim, scale)
-    args = BwdArgs(q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), lse.data_ptr(), delta.data_ptr(),
-                   dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), *_strides(q, k, v, dout, dq, dk, dv),
+    args = BwdArgs(q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), row_offsets.data_ptr(),
+                   delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), *_strides(q, k, v, dout, dq, dk, dv),
                    *lse_strides, seq_q, seq_k, head_dim, causal, softmax_scale * LOG2_E, softmax_scale, 0)
+    args.row_log2_sum, args.lse_to_log2 = row_log2_sum.data_ptr(), lse_to_log2
+    if saved is not None:
+        args.out, args.out_low = out.data_ptr(), saved.out_low.data_ptr()
+        args.out_stride_b, args.out_stride_h, args.out_stride_s = out.stride()[:3]
     _set_problem(args, q, k, attn_mask, cu_seqlens_q, cu_seqlens_k)
-    args.row_log2_sum = row_log2_sum.data_ptr()
     masked = attn_mask is not None
     dq_kernel = variants.bwd_variant("dq", dtype, head_dim, masked)
     dkdv = variants.bwd_variant("dkdv", dtype, head_dim, masked)
-    buffers = (q, k, v, dout, lse, delta, dq, dk, dv, attn_mask, cu_seqlens_q, cu_seqlens_k, row_log2_sum)
+    stats = (out, saved.out_low) if saved is not None else ()
+    buffers = (q, k, v, dout, row_offsets, delta, dq, dk, dv, attn_mask, cu_seqlens_q, cu_seqlens_k, row_log2_sum,
+               *stats)
     with _device_guard(q.device):
         args.blocks = -(-seq_q // dq_kernel.block_rows)
         library.launch(dq_kernel, (args.blocks * dq_kernel.jobs_per_block, heads, batch), args, buffers)
@@ -411,18 +486,27 @@ def _batch_views(*packed: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def flash_attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                                   is_causal: bool = False, scale: float | None = None):
+                                   is_causal: bool = False, scale: float | None = None, *,
+                                   saved: BackwardStats | None = None):
     """(out, lse) for a packed batch: entry b's queries are rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of
     q (total_q, heads, head_dim), its keys those of k and v (total_k, kv_heads, head_dim). out is
     like q; lse is (heads, total_q) float32, flash-attn's varlen layout. A causal mask is aligned to
     each entry's bottom-right corner (flash-attn's). As in flash-attn, the lengths are trusted: no
-    entry may be longer than max_seqlen_q / max_seqlen_k (checking would cost a device sync)."""
+    entry may be longer than max_seqlen_q / max_seqlen_k (checking would cost a device sync).
+    `saved` (training; BackwardStats like q and the lse) is written for flash_attention_varlen_backward."""
     reason = varlen_refusal(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if reason is not None:
         raise ValueError(reason)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    reason = _stats_refusal(out, saved, q, lse)
+    if reason is not None:
+        raise ValueError(reason)
     if _nothing_to_launch(q, k, max_seqlen_q, max_seqlen_k):  # no row sees a key
+        if saved is not None:  # what the forward writes for such rows
+            saved.out_low.zero_()
+            saved.row_offset.fill_(float("inf"))
+            saved.row_log2_sum.zero_()
         return out.zero_(), lse.fill_(float("inf"))
     q4, k4, v4, o4 = _batch_views(q, k, v, out)
     batch, heads, head_dim = cu_seqlens_q.shape[0] - 1, q.shape[1], q.shape[2]
@@ -432,22 +516,29 @@ def flash_attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
     args = FwdArgs(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), *_strides(q4, k4, v4, o4),
                    0, lse.stride(0), int(max_seqlen_q), int(max_seqlen_k), head_dim,
                    _causal_code(is_causal, True), _softmax_scale(head_dim, scale) * LOG2_E, q_blocks)
+    if saved is not None:
+        _set_saved_forward(args, saved)
     _set_problem(args, q4, k4, None, cu_seqlens_q, cu_seqlens_k)
-    buffers = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    buffers = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *(saved or ()))
     with _device_guard(q.device):
         library.launch(variant, (q_blocks * variant.d_chunks, heads, batch), args, buffers)
     return out, lse
 
 
 def flash_attention_varlen_backward(dout, q, k, v, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
-                                    max_seqlen_k: int, is_causal: bool = False, scale: float | None = None):
-    """(dq, dk, dv), packed like q, k and v, from flash_attention_varlen_forward's lse."""
+                                    max_seqlen_k: int, is_causal: bool = False, scale: float | None = None, *,
+                                    out: torch.Tensor | None = None, saved: BackwardStats | None = None):
+    """(dq, dk, dv), packed like q, k and v, from flash_attention_varlen_forward's lse (and, from a
+    training forward, its out and BackwardStats: one dQ sweep instead of two)."""
     reason = varlen_refusal(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if reason is None and (dout.shape != q.shape or dout.dtype != q.dtype or dout.stride(-1) != 1):
         reason = "dout must match the query's shape and dtype, contiguous in head_dim"
     if reason is None and (lse.shape != (q.shape[1], q.shape[0]) or lse.dtype != torch.float32
                            or not lse.is_contiguous()):
         reason = "lse must be the varlen forward's contiguous float32 (heads, total_q) log-sum-exp"
+    if reason is None and (out is None) != (saved is None):
+        reason = "out and saved go together (the training forward's output and BackwardStats)"
+    reason = reason or _stats_refusal(out, saved, q, lse)
     if reason is not None:
         raise ValueError(reason)
     dout = kernel_layout(dout.unsqueeze(0)).squeeze(0)
@@ -455,7 +546,9 @@ def flash_attention_varlen_backward(dout, q, k, v, lse, cu_seqlens_q, cu_seqlens
     if _nothing_to_launch(q, k, max_seqlen_q, max_seqlen_k):
         return tuple(grad.zero_() for grad in grads)
     views = _batch_views(q, k, v, dout, *grads)
+    if saved is not None:
+        out = _batch_views(out)[0]
     _launch_backward(views[3], *views[:3], lse, *views[4:], _causal_code(is_causal, True), scale, None,
-                     cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k), (0, lse.stride(0)),
-                     cu_seqlens_q, cu_seqlens_k)
+                     cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k), (0, lse.stride(0)), out,
+                     saved, cu_seqlens_q, cu_seqlens_k)
     return grads

@@ -26,23 +26,44 @@ def _free_op_namespace(base: str = "rdna_flash_attn") -> str:
     return namespace
 
 
-def _forward(q, k, v, attn_mask, is_causal, scale, bottom_right):
+def _stats_or_empty(q, training: bool) -> attention.BackwardStats:
+    """What a training forward saves for the backward (attention.BackwardStats), or empty tensors: a
+    custom op's outputs are tensors."""
+    if training:
+        return attention.backward_stats_like(q)
+    return attention.BackwardStats(q.new_empty(0), *(q.new_empty(0, dtype=torch.float32) for _ in range(2)))
+
+
+def _forward(q, k, v, attn_mask, is_causal, scale, bottom_right, training):
+    """(out, lse, *BackwardStats), the stats empty unless training."""
+    stats = _stats_or_empty(q, training)
+    saved = stats if training else None
     kernel_q, kernel_k, kernel_v = (attention.kernel_layout(t) for t in (q, k, v))
     if kernel_q is q:
-        return attention.flash_attention_forward(kernel_q, kernel_k, kernel_v, is_causal, scale, attn_mask=attn_mask,
-                                                 bottom_right=bottom_right)
+        out, lse = attention.flash_attention_forward(kernel_q, kernel_k, kernel_v, is_causal, scale,
+                                                     attn_mask=attn_mask, bottom_right=bottom_right, saved=saved)
+        return out, lse, *stats
     # A copied query may lie in another memory order than q: the output keeps q's, as the fake
     # implementation promises a compiled graph.
     out, lse = attention.output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
-    return attention.flash_attention_forward(kernel_q, kernel_k, kernel_v, is_causal, scale, out=out, lse=lse,
-                                             attn_mask=attn_mask, bottom_right=bottom_right)
+    attention.flash_attention_forward(kernel_q, kernel_k, kernel_v, is_causal, scale, out=out, lse=lse,
+                                      attn_mask=attn_mask, bottom_right=bottom_right, saved=saved)
+    return out, lse, *stats
 
 
-def _backward(dout, q, k, v, lse, attn_mask, is_causal, scale, bottom_right):
+def _backward(dout, q, k, v, out, lse, stats, attn_mask, is_causal, scale, bottom_right):
+    """Gradients; with a training forward's out and stats (non-empty) dQ sweeps the keys once."""
+    saved = attention.BackwardStats(*stats) if stats[0].numel() else None
     grads = attention.flash_attention_backward(attention.kernel_layout(dout),
                                                *(attention.kernel_layout(t) for t in (q, k, v)), lse, is_causal, scale,
-                                               attn_mask=attn_mask, bottom_right=bottom_right)
+                                               attn_mask=attn_mask, bottom_right=bottom_right,
+                                               out=out if saved is not None else None, saved=saved)
     return tuple(_in_memory_order_of(grad, t) for grad, t in zip(grads, (q, k, v)))
+
+
+def _training(q, k, v) -> bool:
+    """Whether the forward should save what makes the backward's dQ one sweep."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
 def _in_memory_order_of(grad: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -59,33 +80,39 @@ if HAS_CUSTOM_OP:
 
     @torch.library.custom_op(f"{OP_NAMESPACE}::fwd", mutates_args=(), device_types="cuda")
     def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
-                scale: float | None, bottom_right: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        return _forward(q, k, v, attn_mask, is_causal, scale, bottom_right)
+                scale: float | None, bottom_right: bool, training: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _forward(q, k, v, attn_mask, is_causal, scale, bottom_right, training)
 
     @_fwd_op.register_fake
-    def _(q, k, v, attn_mask, is_causal, scale, bottom_right):
-        return attention.output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    def _(q, k, v, attn_mask, is_causal, scale, bottom_right, training):
+        return attention.output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32), *_stats_or_empty(q, training)
 
     @torch.library.custom_op(f"{OP_NAMESPACE}::bwd", mutates_args=(), device_types="cuda")
-    def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+    def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                lse: torch.Tensor, out_low: torch.Tensor, row_offset: torch.Tensor, row_log2_sum: torch.Tensor,
                 attn_mask: torch.Tensor | None, is_causal: bool, scale: float | None,
                 bottom_right: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _backward(dout, q, k, v, lse, attn_mask, is_causal, scale, bottom_right)
+        return _backward(dout, q, k, v, out, lse, (out_low, row_offset, row_log2_sum), attn_mask, is_causal, scale,
+                         bottom_right)
 
     @_bwd_op.register_fake
-    def _(dout, q, k, v, lse, attn_mask, is_causal, scale, bottom_right):
+    def _(dout, q, k, v, out, lse, out_low, row_offset, row_log2_sum, attn_mask, is_causal, scale, bottom_right):
         return attention.output_like(q), attention.output_like(k), attention.output_like(v)
 
     def _setup_context(ctx, inputs, output):
-        q, k, v, attn_mask, is_causal, scale, bottom_right = inputs
-        ctx.save_for_backward(q, k, v, output[1], attn_mask)  # the backward needs the lse, not the output
+        q, k, v, attn_mask, is_causal, scale, bottom_right, _training_flag = inputs
+        # The output too, as PyTorch's own flash SDPA saves it: modifying it in place before the
+        # backward is the error autograd reports for SDPA on CUDA as well.
+        ctx.save_for_backward(q, k, v, *output, attn_mask)
         ctx.is_causal, ctx.scale, ctx.bottom_right = is_causal, scale, bottom_right
-        ctx.mark_non_differentiable(output[1])
+        ctx.mark_non_differentiable(*output[1:])
 
-    def _fwd_backward(ctx, dout, _dlse):
-        q, k, v, lse, attn_mask = ctx.saved_tensors
-        dq, dk, dv = _bwd_op(dout, q, k, v, lse, attn_mask, ctx.is_causal, ctx.scale, ctx.bottom_right)
-        return dq, dk, dv, None, None, None, None
+    def _fwd_backward(ctx, dout, *_grads_of_statistics):
+        q, k, v, out, lse, out_low, row_offset, row_log2_sum, attn_mask = ctx.saved_tensors
+        dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, out_low, row_offset, row_log2_sum, attn_mask, ctx.is_causal,
+                             ctx.scale, ctx.bottom_right)
+        return dq, dk, dv, None, None, None, None, None
 
     _fwd_op.register_autograd(_fwd_backward, setup_context=_setup_context)
 
@@ -94,22 +121,24 @@ if HAS_CUSTOM_OP:
         """Attention through the kernels, differentiable in q, k and v; (B, H, S, D) views, SDPA's
         attn_mask (not differentiated), fewer key/value heads than query heads allowed."""
         return _fwd_op(q, k, v, attn_mask, bool(is_causal), None if scale is None else float(scale),
-                       bool(bottom_right))[0]
+                       bool(bottom_right), _training(q, k, v))[0]
 
 else:
 
     class _FlashAttention(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v, attn_mask, is_causal, scale, bottom_right):
-            out, lse = _forward(q, k, v, attn_mask, is_causal, scale, bottom_right)
-            ctx.save_for_backward(q, k, v, lse, attn_mask)
+            out, lse, *stats = _forward(q, k, v, attn_mask, is_causal, scale, bottom_right,
+                                        any(ctx.needs_input_grad[:3]))
+            ctx.save_for_backward(q, k, v, out, lse, *stats, attn_mask)
             ctx.is_causal, ctx.scale, ctx.bottom_right = is_causal, scale, bottom_right
             return out
 
         @staticmethod
         def backward(ctx, dout):
-            q, k, v, lse, attn_mask = ctx.saved_tensors
-            dq, dk, dv = _backward(dout, q, k, v, lse, attn_mask, ctx.is_causal, ctx.scale, ctx.bottom_right)
+            q, k, v, out, lse, *stats, attn_mask = ctx.saved_tensors
+            dq, dk, dv = _backward(dout, q, k, v, out, lse, stats, attn_mask, ctx.is_causal, ctx.scale,
+                                   ctx.bottom_right)
             return dq, dk, dv, None, None, None, None
 
     def flash_attention(q, k, v, is_causal: bool = False, scale: float | None = None, *,
@@ -127,17 +156,20 @@ class _VarlenAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale):
         q, k, v = (attention.kernel_layout(t.unsqueeze(0)).squeeze(0) for t in (q, k, v))
+        saved = attention.backward_stats_like(q, varlen=True) if any(ctx.needs_input_grad[:3]) else None
         out, lse = attention.flash_attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                            max_seqlen_k, is_causal, scale)
-        ctx.save_for_backward(q, k, v, lse, cu_seqlens_q, cu_seqlens_k)
+                                                            max_seqlen_k, is_causal, scale, saved=saved)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *(saved or ()))
         ctx.problem = (max_seqlen_q, max_seqlen_k, is_causal, scale)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-        grads = attention.flash_attention_varlen_backward(dout, q, k, v, lse, cu_seqlens_q, cu_seqlens_k, *ctx.problem)
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *stats = ctx.saved_tensors
+        saved = attention.BackwardStats(*stats) if stats else None
+        grads = attention.flash_attention_varlen_backward(dout, q, k, v, lse, cu_seqlens_q, cu_seqlens_k, *ctx.problem,
+                                                          out=out if saved else None, saved=saved)
         return (*grads, None, None, None, None, None, None)
 
 

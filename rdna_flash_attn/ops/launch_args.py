@@ -34,6 +34,10 @@ class FwdArgs(ctypes.Structure):
         *_SHAPE_FIELDS,
         ("q_blocks", ctypes.c_int32),
         *_PROBLEM_FIELDS,
+        # ABI 3: what a training forward saves for the backward (null otherwise)
+        ("o_low", ctypes.c_void_p),
+        ("row_offset", ctypes.c_void_p),
+        ("row_log2_sum", ctypes.c_void_p),
     ]
 
 
@@ -48,6 +52,11 @@ class BwdArgs(ctypes.Structure):
         ("blocks", ctypes.c_int32),
         *_PROBLEM_FIELDS,
         ("row_log2_sum", ctypes.c_void_p),
+        # ABI 3: what the training forward saved (null otherwise)
+        ("out", ctypes.c_void_p),
+        ("out_low", ctypes.c_void_p),
+        *((f"out_stride_{d}", ctypes.c_int64) for d in "bhs"),
+        ("lse_to_log2", ctypes.c_float),
     ]
 
 

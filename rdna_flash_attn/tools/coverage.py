@@ -119,6 +119,11 @@ class ReferenceLibrary:
         result, logsumexp = self._attention(q, k, v, bool(args.causal), args.scale_log2 / LOG2_E, self._mask(args, extra))
         out.copy_(result)
         lse.copy_(logsumexp)
+        if args.o_low:  # a training forward's statistics for the backward (ops.attention.BackwardStats)
+            out_low, row_offset, row_log2_sum = extra[-3:]
+            out_low.copy_(result - out.float())
+            row_offset.copy_(logsumexp * LOG2_E)
+            row_log2_sum.zero_()
 
     def _gradients(self, args, buffers) -> None:
         q, k, v, dout, _lse, delta, dq, dk, dv, *extra = buffers

@@ -19,23 +19,26 @@ def _inputs(layout="bhsd", requires_grad=False):
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_opcheck_forward(emulated_layer, layout, causal):
+@pytest.mark.parametrize("training", [False, True])
+def test_opcheck_forward(emulated_layer, layout, causal, training):
     q, k, v = _inputs(layout, requires_grad=True)
-    torch.library.opcheck(torch.ops.rdna_flash_attn.fwd.default, (q, k, v, None, causal, None, False))
+    torch.library.opcheck(torch.ops.rdna_flash_attn.fwd.default, (q, k, v, None, causal, None, False, training))
 
 
 @pytest.mark.parametrize("mask_shape", [(2, 1, 1, 70), (2, 3, 70, 70)])
 def test_opcheck_forward_masked(emulated_layer, mask_shape):
     q, k, v = _inputs("bshd", requires_grad=True)
     mask = torch.rand(mask_shape, device="cuda") < 0.8
-    torch.library.opcheck(torch.ops.rdna_flash_attn.fwd.default, (q, k, v, mask, False, None, False))
+    torch.library.opcheck(torch.ops.rdna_flash_attn.fwd.default, (q, k, v, mask, False, None, False, True))
 
 
-def test_opcheck_backward(emulated_layer):
+@pytest.mark.parametrize("training", [False, True])
+def test_opcheck_backward(emulated_layer, training):
     q, k, v = _inputs("bshd")
-    out, lse = torch.ops.rdna_flash_attn.fwd(q, k, v, None, False, 0.2, False)
+    out, lse, *stats = torch.ops.rdna_flash_attn.fwd(q, k, v, None, False, 0.2, False, training)
     dout = torch.randn_like(out)
-    torch.library.opcheck(torch.ops.rdna_flash_attn.bwd.default, (dout, q, k, v, lse, None, False, 0.2, False))
+    torch.library.opcheck(torch.ops.rdna_flash_attn.bwd.default,
+                          (dout, q, k, v, out, lse, *stats, None, False, 0.2, False))
 
 
 class TinyAttention(torch.nn.Module):

@@ -63,7 +63,9 @@ def _ci_cases(shapes):
 
 FULL = os.environ.get("RDNA_FA_INTERPRETER_FULL") == "1"
 FORWARD_CASES = [(t, d, *s) for t in TARGETS for d in DTYPES for s in FORWARD_SHAPES] if FULL else _ci_cases(FORWARD_SHAPES)
-BACKWARD_CASES = [(t, d, *s) for t in TARGETS for d in DTYPES for s in BACKWARD_SHAPES] if FULL else _ci_cases(BACKWARD_SHAPES)
+# Every other case with the training forward's saved statistics (one dQ sweep), the rest from the lse alone.
+BACKWARD_CASES = [(*case, ("two sweeps", "one sweep")[i % 2]) for i, case in enumerate(
+    [(t, d, *s) for t in TARGETS for d in DTYPES for s in BACKWARD_SHAPES] if FULL else _ci_cases(BACKWARD_SHAPES))]
 
 _libraries: dict[str, InterpretedLibrary] = {}
 
@@ -112,20 +114,46 @@ def test_forward_code_object_matches_fp64(case):
 
 @pytest.mark.parametrize("case", BACKWARD_CASES, ids=_case_id)
 def test_backward_code_object_matches_fp64(case):
-    target, dtype_name, head_dim, seq_q, seq_k, causal, layout = case
+    target, dtype_name, head_dim, seq_q, seq_k, causal, layout, sweeps = case
     dtype = DTYPES[dtype_name]
-    generator = torch.Generator().manual_seed(hash(case) % 2**31)
+    generator = torch.Generator().manual_seed(hash(case[:-1]) % 2**31)
     q, dout = (make_inputs(seq_q, head_dim, dtype, layout, generator) for _ in range(2))
     k, v = (make_inputs(seq_k, head_dim, dtype, layout, generator) for _ in range(2))
+    saved = ops.backward_stats_like(q) if sweeps == "one sweep" else None
     with runtime.explicit_library(library(target)):
-        _, lse = ops.flash_attention_forward(q, k, v, causal)
-        grads = ops.flash_attention_backward(dout, q, k, v, lse, causal)
+        out, lse = ops.flash_attention_forward(q, k, v, causal, saved=saved)
+        grads = ops.flash_attention_backward(dout, q, k, v, lse, causal, out=out if saved else None, saved=saved)
     reference = grads_fp64(q, k, v, dout, causal)
     baseline = grads_input_dtype(q, k, v, dout, causal)
     for name, grad, ref, base in zip(("dq", "dk", "dv"), grads, reference, baseline):
         assert torch.isfinite(grad).all(), f"{name}: non-finite"
         error, bound = max_error(grad, ref), backward_bound(max_error(base, ref))
         assert error <= bound, f"{name}: error {error:.3e} > FlashAttention-2's bound {bound:.3e}"
+
+
+@pytest.mark.parametrize("head_dim", (40, 128))
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_training_forward_saves_the_remainder_and_row_statistics(target, dtype_name, head_dim):
+    """What the one-sweep dQ reads (ops.attention.BackwardStats): out + out_low holds the forward's float32
+    output to many more bits than out alone, and row_offset + row_log2_sum is the lse in base 2. One key
+    tile, so the kernels' probabilities are those of the final row maximum, as recomputed here; medians,
+    as a probability that rounds the other way here shifts its whole row."""
+    dtype = DTYPES[dtype_name]
+    generator = torch.Generator().manual_seed(head_dim)
+    q = make_inputs(33, head_dim, dtype, "bshd", generator)
+    k, v = (make_inputs(50, head_dim, dtype, "strided", generator) for _ in range(2))
+    saved = ops.backward_stats_like(q)
+    with runtime.explicit_library(library(target)):
+        out, lse = ops.flash_attention_forward(q, k, v, saved=saved)
+    scores = q.double() @ k.double().transpose(-1, -2) / math.sqrt(head_dim)
+    probabilities = torch.exp(scores - scores.amax(-1, keepdim=True)).to(dtype).double()  # rounded as the kernels do
+    out32 = probabilities @ v.double() / probabilities.sum(-1, keepdim=True)
+    low = saved.out_low.double()
+    assert (low.abs() <= out.double().abs() * torch.finfo(dtype).eps / 2).all(), "out_low is no rounding remainder"
+    coarse, fine = ((t - out32).abs().median().item() for t in (out.double(), out.double() + low))
+    assert fine <= coarse / 16, f"out + out_low is off by {fine:.2e}, out by {coarse:.2e}"
+    torch.testing.assert_close(saved.row_offset + saved.row_log2_sum, lse * ops.LOG2_E, rtol=1e-6, atol=1e-6)
 
 
 def _key_padding(batch, seq_k, dtype, generator):
@@ -176,9 +204,11 @@ def test_masked_grouped_and_bottom_right_code_objects_match_fp64(case, backward)
         mask[0, 0, :3] = False  # rows that see no key give zeros
     causal, bottom_right = what == "bottom_right", what == "bottom_right"
     problem = dict(attn_mask=mask, bottom_right=bottom_right)
+    saved = ops.backward_stats_like(q) if backward else None  # a training forward: one dQ sweep
     with runtime.explicit_library(library(target)):
-        out, lse = ops.flash_attention_forward(q, k, v, causal, **problem)
-        grads = ops.flash_attention_backward(dout, q, k, v, lse, causal, **problem) if backward else None
+        out, lse = ops.flash_attention_forward(q, k, v, causal, saved=saved, **problem)
+        grads = ops.flash_attention_backward(dout, q, k, v, lse, causal, out=out, saved=saved, **problem) \
+            if backward else None
     if not backward:
         ref, _ = attention_fp64(q, k, v, causal, None, mask, bottom_right)
         error, baseline = max_error(out, ref), max_error(sdpa_math(q, k, v, causal, None, mask, bottom_right), ref)
@@ -203,10 +233,12 @@ def test_varlen_code_objects_match_fp64_per_entry(target):
     k, v = (torch.randn(sum(lengths_k), heads, head_dim, dtype=dtype, generator=generator) for _ in range(2))
     cu_q, cu_k = (torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
                   for lengths in (lengths_q, lengths_k))
+    saved = ops.backward_stats_like(q, varlen=True)  # a training forward: one dQ sweep
     with runtime.explicit_library(library(target)):
-        out, lse = ops.flash_attention_varlen_forward(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), True)
+        out, lse = ops.flash_attention_varlen_forward(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), True,
+                                                      saved=saved)
         grads = ops.flash_attention_varlen_backward(dout, q, k, v, lse, cu_q, cu_k, max(lengths_q), max(lengths_k),
-                                                    True)
+                                                    True, out=out, saved=saved)
     for b in range(3):
         rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         if lengths_q[b] == 0:
