@@ -20,6 +20,9 @@ Schemes:
   exact-delta-single delta = rowsum(P dP) / rowsum(P) in fp32, P and dS rounded once to 16 bits
   o32-delta-split    delta = rowsum(dO O) with the forward's fp32 O; P and dS in two parts
   o32-delta-single   the same delta, P and dS rounded once to 16 bits
+  opair-delta-single delta = rowsum(dO (O + O_low)), O and its remainder O_low each rounded to 16 bits
+                     (what the forward saves for training); P and dS rounded once to 16 bits (the kernels'
+                     one-sweep path)
   oexact-delta-split delta = rowsum(dO O) with an fp32 O whose P V took P unrounded (what a training
                      forward with two-part P, saving O's remainder, would give); P and dS in two parts
 Results: bench/results/backward_precision_fa2.md (and, for the earlier criterion,
@@ -41,9 +44,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.gpu.reference import backward_bound, grads_fp64, grads_input_dtype, grads_sdpa_math, max_error  # noqa: E402
 
 SCHEMES = ("exact-delta-split", "exact-delta-p-single", "exact-delta-ds-single", "exact-delta-single",
-           "o16-delta-split", "o16-delta-single", "o32-delta-split", "o32-delta-single", "oexact-delta-split")
-P_SINGLE = ("o16-delta-single", "exact-delta-p-single", "exact-delta-single", "o32-delta-single")
-DS_SINGLE = ("o16-delta-single", "exact-delta-ds-single", "exact-delta-single", "o32-delta-single")
+           "o16-delta-split", "o16-delta-single", "o32-delta-split", "o32-delta-single", "opair-delta-single",
+           "oexact-delta-split")
+P_SINGLE = ("o16-delta-single", "exact-delta-p-single", "exact-delta-single", "o32-delta-single",
+            "opair-delta-single")
+DS_SINGLE = ("o16-delta-single", "exact-delta-ds-single", "exact-delta-single", "o32-delta-single",
+             "opair-delta-single")
 SEQ_LENGTHS = (1, 2, 7, 16, 17, 33, 64, 65, 77, 100, 128)
 HEAD_DIMS = (8, 16, 40, 64, 80, 128, 160)
 
@@ -111,7 +117,8 @@ def run(cases: int, seed: int, large_inputs: bool) -> dict:
         baseline = grads_sdpa_math(q, k, v, dout, causal, scale)
         input_dtype = grads_input_dtype(q, k, v, dout, causal, scale)
         out16, out32, out_exact_p, lse = kernel_forward(q, k, v, causal, scale)
-        outputs = {"o16": out16.float(), "o32": out32, "oexact": out_exact_p}
+        low = (out32 - out16.float()).to(dtype).float()
+        outputs = {"o16": out16.float(), "o32": out32, "opair": out16.float() + low, "oexact": out_exact_p}
         case = (index, str(dtype), d, seq_q, seq_k, causal, round(scale, 3), magnitude)
         for scheme in SCHEMES:
             grads = kernel_backward(scheme, q, k, v, dout, outputs, lse, causal, scale)

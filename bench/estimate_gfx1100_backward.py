@@ -257,11 +257,13 @@ def paths(v, hw) -> dict[str, tuple[int, int]]:
 
 
 def main_loop(cfg: Cfg) -> int:
-    """The innermost loop that holds every WMMA of the kernel and a barrier (the LDS tile loop)."""
-    wmma = {b for b, insns in cfg.blocks.items() if any(i.op.startswith("v_wmma") for i in insns)}
-    candidates = [h for h, blocks in cfg.loops.items()
-                  if wmma <= blocks and {"s_barrier", "s_barrier_wait"} & set(cfg.ops(blocks))]  # gfx11, gfx12
-    return min(candidates, key=lambda h: len(cfg.loops[h]))
+    """The innermost loop with a barrier (the LDS tile loop) that holds every WMMA of the kernel's loops
+    with a barrier: the one-sweep dQ's delta, once per wave before them, is not part of it."""
+    tile_loops = {h: blocks for h, blocks in cfg.loops.items()
+                  if {"s_barrier", "s_barrier_wait"} & set(cfg.ops(blocks))}  # gfx11, gfx12
+    wmma = {b for b, insns in cfg.blocks.items() if any(i.op.startswith("v_wmma") for i in insns)
+            and any(b in blocks for blocks in tile_loops.values())}
+    return min((h for h, blocks in tile_loops.items() if wmma <= blocks), key=lambda h: len(cfg.loops[h]))
 
 
 def load_guards(cfg: Cfg, main: int, regs: list[str]) -> dict[str, bool]:
@@ -428,16 +430,18 @@ def backward(rows: dict, hw, scenario=lambda kind, name, c: c) -> dict:
     return out
 
 
-ONE_SWEEP = "one sweep (delta from an fp32 O, precomputed)"
+TWO_SWEEPS = "two dQ sweeps (from the lse alone)"
 BOTH = "both"
 
 
-def changes(head_dim_loop: dict):
-    """The changes still open, as count edits (None drops a path). The first of the .md's three (P and dS
-    rounded once) is made: the kernels' counts have it."""
+def training(kind, name, c):
+    """Training (autograd): the forward saved O's remainder and its row statistics, so dQ skips sweep 0
+    (which stays in the code object for callers with only the lse)."""
+    return None if name == "sweep 0 (delta)" else c
 
-    def one_sweep(kind, name, c):  # delta from a separate rowsum(dO * O_fp32) pass: no sweep 0
-        return None if name == "sweep 0 (delta)" else c
+
+def changes(head_dim_loop: dict):
+    """The changes still open, as count edits to the training path (None drops a path)."""
 
     def operands_resident(kind, name, c):  # Q, dO (dQ) / K, V (dK/dV) kept in LDS, not re-read from global
         h = head_dim_loop[kind][name]
@@ -447,11 +451,12 @@ def changes(head_dim_loop: dict):
                        lds_read_insts=c.lds_read_insts + h.global_load_insts,
                        lds_read_bytes=c.lds_read_bytes + h.global_load_bytes)
 
-    return {ONE_SWEEP: one_sweep, "Q/dO, K/V operands from LDS": operands_resident}
+    return {"Q/dO, K/V operands from LDS": operands_resident}
 
 
-def delta_pass_seconds(hw, d: int) -> float:
-    """rowsum(dO * O) with an fp32 O: reads 2 + 4 bytes per element at DRAM speed (change 2)."""
+def delta_read_seconds(hw, d: int) -> float:
+    """The one-sweep dQ's prologue, rowsum(dO * (O + O_low)): reads 2 + 2 + 2 bytes per element at DRAM
+    speed, counted as if nothing overlapped it."""
     return SEQ * d * 6 * BATCH_HEADS / (hw.dram_gbs * 1e9)
 
 
@@ -484,17 +489,19 @@ def analyse(path: Path, objdump: str) -> list[dict]:
                 hd[kind] = loops
             flops = 10 * SEQ * SEQ * d * BATCH_HEADS  # backward = 2.5 x forward
             edits = {kind: changes(hd) for kind in rows}
-            scen = {"now": backward(rows, hw)}
+            scen = {"now": backward(rows, hw, training), TWO_SWEEPS: backward(rows, hw)}
             for label in edits["dq"]:
-                scen[label] = backward(rows, hw, lambda kind, name, c, label=label, edits=edits: edits[kind][label](kind, name, c))
+                scen[label] = backward(rows, hw, lambda kind, name, c, label=label, edits=edits:
+                                       None if training(kind, name, c) is None else edits[kind][label](kind, name, c))
 
             def all_of_them(kind, name, c, edits=edits):
+                c = training(kind, name, c)
                 for edit in edits[kind].values():
                     c = edit(kind, name, c) if c is not None else None
                 return c
             scen[BOTH] = backward(rows, hw, all_of_them)
             for label, s in scen.items():
-                extra = delta_pass_seconds(hw, d) if label in (ONE_SWEEP, BOTH) else 0.0
+                extra = 0.0 if label == TWO_SWEEPS else delta_read_seconds(hw, d)
                 for which in ("opt", "pess"):
                     total = sum(s[which].values()) + extra
                     s[f"tflops_{which}_nominal"] = round(flops / total / 1e12, 1)
