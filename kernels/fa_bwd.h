@@ -5,8 +5,8 @@
 //
 // Precision, judged by FlashAttention-2's own criterion (tests/gpu/test_backward.py): P and dS are
 // rounded once to 16 bits for their products, as FA2 does. delta is FA2's rowsum(dO * O), but from O
-// to about twice its dtype's precision (O + its saved remainder, see FwdArgs): from the 16-bit O alone
-// it fails that criterion on short causal rows (bench/results/backward_precision_fa2.md). Where the
+// plus its saved rounding remainder (FwdArgs): from the 16-bit O alone it fails that criterion on
+// short causal rows (bench/results/backward_precision_fa2.md). Where the
 // forward saved nothing (a caller with only the lse), a first dQ sweep sums the exact
 // rowsum(P * dP) instead. Counting one matrix product over the whole head dim as 1: dQ 2 + 1 (4 + 1
 // with that sweep), dV 1 + 1, dK 2 + 1, so 8 (7 where one workgroup makes dK and dV from one S)
@@ -34,8 +34,8 @@ struct BwdArgs {
   const u16* k;
   const u16* v;
   const u16* dout;
-  const float* lse;  // forward log-sum-exp, natural log, (batch, heads, seqlen_q)
-  float* delta;      // rowsum(P * dP), same layout as lse: written by the dQ kernel, read by dK/dV
+  const float* lse;  // forward log-sum-exp, natural log, (batch, heads, seqlen_q), or see lse_to_log2
+  float* delta;      // rowsum(P * dP) = rowsum(dO * O), same layout as lse: written by the dQ kernel, read by dK/dV
   u16* dq;
   u16* dk;
   u16* dv;

@@ -32,9 +32,10 @@ struct FwdArgs {
   int mask_kind;  // MaskKind (sequence.h)
   int kv_group;   // query heads per key/value head: 1, or more for grouped-query attention
   // Saved for the backward by a training forward (null otherwise), so that its dQ kernel needs one
-  // sweep (fa_bwd.h): O's rounding remainder, rounded to 16 bits in turn (O + o_low holds O to about
-  // twice the dtype's precision; o's strides), and per row the offset the forward subtracted from its
-  // base-2 exponents and log2 of its probability sum (lse's layout).
+  // sweep (fa_bwd.h): O's rounding remainder, rounded to 16 bits in turn (o's strides; O + o_low holds
+  // O to about twice the dtype's bits, for f16 only where |O| >= 2^-3: smaller remainders lose bits to
+  // f16's subnormal range, still 16x closer at 2^-10), and per row the offset the forward subtracted
+  // from its base-2 exponents and log2 of its probability sum (lse's layout).
   u16* o_low;
   float* row_offset;
   float* row_log2_sum;

@@ -118,6 +118,7 @@ def test_a_training_forward_passes_its_statistics_and_skips_the_prepared_launch(
 
 @pytest.mark.parametrize("breakage, message", [
     (lambda q, out, saved: (out, None), "out and saved go together"),
+    (lambda q, out, saved: (out, tuple(saved)), "saved must be a BackwardStats"),
     (lambda q, out, saved: (out, saved._replace(out_low=q.new_empty(2, 40, 3, 64).transpose(1, 2))),
      "saved.out_low must have the output's strides"),  # (B, S, H, D) memory under a (B, H, S, D) output
     (lambda q, out, saved: (out, saved._replace(row_offset=saved.row_offset.double())), "saved.row_offset"),

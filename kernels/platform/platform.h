@@ -51,7 +51,7 @@ RDNA_DEV u16 to_bits(bf16, float x) {
 
 // What x's 16-bit rounding (to_bits) loses, rounded to 16 bits in turn. bf16 without to_bits' NaN
 // test, whose per-value masks crowd the scalar registers: a NaN x belongs to a NaN output, whose
-// remainder nothing reads.
+// gradients are NaN whatever its remainder holds.
 RDNA_DEV u16 remainder_bits(bf16 dt, float x) {
   return probability_bits(dt, round_probability(dt, x - round_probability(dt, x)));
 }

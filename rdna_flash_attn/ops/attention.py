@@ -215,7 +215,8 @@ class BackwardStats(NamedTuple):
     """What a training forward saves beside out and lse so that the backward's dQ kernel needs one
     sweep over the keys instead of two (kernels/fa_fwd.h): O's rounding remainder, rounded to 16 bits
     again (out_low, with out's shape and strides), and per row the forward's base-2 exponent offset and
-    log2 of its probability sum (like lse). One more output-sized tensor and 8 bytes per row."""
+    log2 of its probability sum (like lse). One more output-sized tensor and 8 bytes per row. (In
+    float16, remainders of outputs below 2^-3 lose bits to its subnormal range; bfloat16's do not.)"""
 
     out_low: torch.Tensor
     row_offset: torch.Tensor
@@ -235,6 +236,10 @@ def _stats_refusal(out: torch.Tensor | None, saved: BackwardStats | None, like: 
     """Why out / saved cannot go with a call on `like`-shaped output and this lse, or None."""
     if saved is None:
         return None
+    if not isinstance(saved, BackwardStats) or not all(isinstance(t, torch.Tensor) for t in saved):
+        return "saved must be a BackwardStats of tensors (see backward_stats_like)"
+    if out is not None and not isinstance(out, torch.Tensor):
+        return "out is not a tensor"
     if out is not None and (out.shape != like.shape or out.dtype != like.dtype or out.device != like.device):
         return "out must have the query's shape, dtype and device"
     low = saved.out_low

@@ -127,9 +127,8 @@ else:
 
     class _FlashAttention(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, k, v, attn_mask, is_causal, scale, bottom_right):
-            out, lse, *stats = _forward(q, k, v, attn_mask, is_causal, scale, bottom_right,
-                                        any(ctx.needs_input_grad[:3]))
+        def forward(ctx, q, k, v, attn_mask, is_causal, scale, bottom_right, training):
+            out, lse, *stats = _forward(q, k, v, attn_mask, is_causal, scale, bottom_right, training)
             ctx.save_for_backward(q, k, v, out, lse, *stats, attn_mask)
             ctx.is_causal, ctx.scale, ctx.bottom_right = is_causal, scale, bottom_right
             return out
@@ -139,14 +138,14 @@ else:
             q, k, v, out, lse, *stats, attn_mask = ctx.saved_tensors
             dq, dk, dv = _backward(dout, q, k, v, out, lse, stats, attn_mask, ctx.is_causal, ctx.scale,
                                    ctx.bottom_right)
-            return dq, dk, dv, None, None, None, None
+            return dq, dk, dv, None, None, None, None, None
 
     def flash_attention(q, k, v, is_causal: bool = False, scale: float | None = None, *,
                         attn_mask: torch.Tensor | None = None, bottom_right: bool = False) -> torch.Tensor:
         """Attention through the kernels, differentiable in q, k and v; (B, H, S, D) views, SDPA's
         attn_mask (not differentiated), fewer key/value heads than query heads allowed."""
         return _FlashAttention.apply(q, k, v, attn_mask, bool(is_causal), None if scale is None else float(scale),
-                                     bool(bottom_right))
+                                     bool(bottom_right), _training(q, k, v))
 
 
 class _VarlenAttention(torch.autograd.Function):
@@ -154,9 +153,9 @@ class _VarlenAttention(torch.autograd.Function):
     breaks the graph around it."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale):
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, training):
         q, k, v = (attention.kernel_layout(t.unsqueeze(0)).squeeze(0) for t in (q, k, v))
-        saved = attention.backward_stats_like(q, varlen=True) if any(ctx.needs_input_grad[:3]) else None
+        saved = attention.backward_stats_like(q, varlen=True) if training else None
         out, lse = attention.flash_attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                             max_seqlen_k, is_causal, scale, saved=saved)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *(saved or ()))
@@ -169,12 +168,12 @@ class _VarlenAttention(torch.autograd.Function):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *stats = ctx.saved_tensors
         saved = attention.BackwardStats(*stats) if stats else None
         grads = attention.flash_attention_varlen_backward(dout, q, k, v, lse, cu_seqlens_q, cu_seqlens_k, *ctx.problem,
-                                                          out=out if saved else None, saved=saved)
-        return (*grads, None, None, None, None, None, None)
+                                                          out=out if saved is not None else None, saved=saved)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                            is_causal: bool = False, scale: float | None = None):
     """(out, lse) of attention.flash_attention_varlen_forward, differentiable in q, k and v."""
     return _VarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                                  bool(is_causal), None if scale is None else float(scale))
+                                  bool(is_causal), None if scale is None else float(scale), _training(q, k, v))
