@@ -218,10 +218,6 @@ def _settings_or_type_refusal(tensors) -> str | None:
     return None
 
 
-def _needs_gradients(query, key, value) -> bool:
-    return torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-
-
 _TRAINING_OFF = "gradients needed and RDNA_FA_TRAINING=0"
 
 
@@ -263,7 +259,7 @@ def _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
     if isinstance(dtypes, str):
         return dtypes
     run_dtype, out_dtype = dtypes
-    backward = _needs_gradients(query, key, value)
+    backward = autograd.needs_gradients(query, key, value)
     if backward and not settings.training:
         return _TRAINING_OFF
     if run_dtype is not None:
@@ -299,7 +295,7 @@ def _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
                 query.stride(), key.stride(), value.stride(),
                 query.data_ptr() & 15, key.data_ptr() & 15, value.data_ptr() & 15,
                 dropout_p, is_causal, scale, enable_gqa, _autocast_dtype(device.type),
-                torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
+                autograd.needs_gradients(query, key, value))
     except (RuntimeError, NotImplementedError):
         return None
 
@@ -473,7 +469,7 @@ def _varlen_refusal(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     refusal = device_refusal(q.device)
     if refusal:
         return refusal
-    if _needs_gradients(q, k, v) and not settings.training:
+    if autograd.needs_gradients(q, k, v) and not settings.training:
         return _TRAINING_OFF
     return (attention.varlen_refusal(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
             or selftest_refusal(q.device))

@@ -258,6 +258,14 @@ def _stats_refusal(out: torch.Tensor | None, saved: BackwardStats | None, like: 
     return None
 
 
+def _backward_stats_refusal(out: torch.Tensor | None, saved: BackwardStats | None, like: torch.Tensor,
+                            lse: torch.Tensor) -> str | None:
+    """_stats_refusal for a backward, which takes the training forward's out and saved together or neither."""
+    if (out is None) != (saved is None):
+        return "out and saved go together (the training forward's output and BackwardStats)"
+    return _stats_refusal(out, saved, like, lse)
+
+
 def _set_saved_forward(args, saved: BackwardStats) -> None:
     """The training forward's extra outputs (out_low with the output's strides)."""
     args.o_low, args.row_offset, args.row_log2_sum = (t.data_ptr() for t in saved)
@@ -412,9 +420,7 @@ def flash_attention_backward(dout, q, k, v, lse, is_causal: bool = False, scale:
         reason = "dout must match the query's shape"
     if reason is None and (lse.shape != q.shape[:3] or lse.dtype != torch.float32 or not lse.is_contiguous()):
         reason = "lse must be the forward's contiguous float32 (batch, heads, seq_q) log-sum-exp"
-    if reason is None and (out is None) != (saved is None):
-        reason = "out and saved go together (the training forward's output and BackwardStats)"
-    reason = reason or _stats_refusal(out, saved, q, lse)
+    reason = reason or _backward_stats_refusal(out, saved, q, lse)
     if reason is not None:
         raise ValueError(reason)
     dq, dk, dv = output_like(q), output_like(k), output_like(v)
@@ -541,9 +547,7 @@ def flash_attention_varlen_backward(dout, q, k, v, lse, cu_seqlens_q, cu_seqlens
     if reason is None and (lse.shape != (q.shape[1], q.shape[0]) or lse.dtype != torch.float32
                            or not lse.is_contiguous()):
         reason = "lse must be the varlen forward's contiguous float32 (heads, total_q) log-sum-exp"
-    if reason is None and (out is None) != (saved is None):
-        reason = "out and saved go together (the training forward's output and BackwardStats)"
-    reason = reason or _stats_refusal(out, saved, q, lse)
+    reason = reason or _backward_stats_refusal(out, saved, q, lse)
     if reason is not None:
         raise ValueError(reason)
     dout = kernel_layout(dout.unsqueeze(0)).squeeze(0)

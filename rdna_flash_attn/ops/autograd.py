@@ -61,8 +61,9 @@ def _backward(dout, q, k, v, out, lse, stats, attn_mask, is_causal, scale, botto
     return tuple(_in_memory_order_of(grad, t) for grad, t in zip(grads, (q, k, v)))
 
 
-def _training(q, k, v) -> bool:
-    """Whether the forward should save what makes the backward's dQ one sweep."""
+def needs_gradients(q, k, v) -> bool:
+    """Whether autograd will want gradients of this call (the forward then saves what makes the
+    backward's dQ one sweep)."""
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
@@ -121,7 +122,7 @@ if HAS_CUSTOM_OP:
         """Attention through the kernels, differentiable in q, k and v; (B, H, S, D) views, SDPA's
         attn_mask (not differentiated), fewer key/value heads than query heads allowed."""
         return _fwd_op(q, k, v, attn_mask, bool(is_causal), None if scale is None else float(scale),
-                       bool(bottom_right), _training(q, k, v))[0]
+                       bool(bottom_right), needs_gradients(q, k, v))[0]
 
 else:
 
@@ -145,7 +146,7 @@ else:
         """Attention through the kernels, differentiable in q, k and v; (B, H, S, D) views, SDPA's
         attn_mask (not differentiated), fewer key/value heads than query heads allowed."""
         return _FlashAttention.apply(q, k, v, attn_mask, bool(is_causal), None if scale is None else float(scale),
-                                     bool(bottom_right), _training(q, k, v))
+                                     bool(bottom_right), needs_gradients(q, k, v))
 
 
 class _VarlenAttention(torch.autograd.Function):
@@ -176,4 +177,4 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                            is_causal: bool = False, scale: float | None = None):
     """(out, lse) of attention.flash_attention_varlen_forward, differentiable in q, k and v."""
     return _VarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                                  bool(is_causal), None if scale is None else float(scale), _training(q, k, v))
+                                  bool(is_causal), None if scale is None else float(scale), needs_gradients(q, k, v))
