@@ -17,19 +17,24 @@ from .options import toggles
 KNOWN_PARAMETERS = ("mask", "attn_precision", "skip_reshape")  # after (q, k, v, heads)
 
 
-def routed_attention_function(original, fallback_name: str = "Forge's attention_function"):
+def routed_attention_function(original, fallback_name: str = "Forge's attention_function",
+                              batch_first_masks: bool = False):
     """A ComfyUI-style attention function, as Forge's `attention_function`, reForge's and Forge Classic's
     `optimized_attention` have it: `(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False)`
     (Forge Classic's, and SD3's own `attention` in A1111 and Forge, stop after mask), q, k, v (B, N, H*D),
     or (B, H, N, D) with skip_reshape; returns (B, N, H*D). The kernels accumulate in float32, which is what an `attn_precision` of
-    float32 asks for. Masks go to the kernels where every backend reads them as SDPA does
-    (`_mask_read_alike`). A call the kernels do not take goes to `original` with its own arguments."""
+    float32 asks for. Float masks go to the kernels where every backend of the host reads them alike
+    (`_mask_read_alike`); `batch_first_masks`: the host's backends all read a 3-D mask as (batch,
+    queries, keys), as ComfyUI's do (reForge). A call the kernels do not take goes to `original` with
+    its own arguments."""
 
     def on_kernels(q, k, v, heads, mask, skip_reshape):
         if skip_reshape:
             q4, k4, v4 = q, k, v
         else:
             q4, k4, v4 = (_heads_first(t, heads) for t in (q, k, v))
+        if mask is not None and mask.dim() == 3:  # only with batch_first_masks (_mask_read_alike)
+            mask = mask[:, None]
         out = rdna_flash_attn.attention_or_reason(q4, k4, v4, attn_mask=mask, fallback_name=fallback_name)
         return out.transpose(1, 2).flatten(2) if isinstance(out, torch.Tensor) else None
 
@@ -37,7 +42,8 @@ def routed_attention_function(original, fallback_name: str = "Forge's attention_
         named = dict(zip(KNOWN_PARAMETERS, args), **kwargs)
         skip_reshape, mask = named.get("skip_reshape", False), named.get("mask")
         known_form = len(args) <= len(KNOWN_PARAMETERS) and set(named) <= set(KNOWN_PARAMETERS)
-        if known_form and _mask_read_alike(mask) and toggles.unet and _routable(q, k, v, heads, skip_reshape):
+        if (known_form and _mask_read_alike(mask, batch_first_masks) and toggles.unet
+                and _routable(q, k, v, heads, skip_reshape)):
             try:
                 out = on_kernels(q, k, v, heads, mask, skip_reshape)
             except Exception as error:
@@ -51,12 +57,14 @@ def routed_attention_function(original, fallback_name: str = "Forge's attention_
     return attention_function
 
 
-def _mask_read_alike(mask) -> bool:
-    """No mask, or one every attention backend of these hosts applies as SDPA does: an additive float
-    mask of 2 (queries, keys) or 4 (batch, heads, queries, keys) dimensions. Their PyTorch backends hand
-    a 3-D mask to SDPA as (heads, queries, keys) in Forge but as (batch, queries, keys) in reForge, and
-    their other backends read bool masks as key padding: those stay with the host's function."""
-    return mask is None or (isinstance(mask, torch.Tensor) and mask.is_floating_point() and mask.dim() in (2, 4))
+def _mask_read_alike(mask, batch_first_masks: bool) -> bool:
+    """No mask, or one every attention backend of the host applies alike: an additive float mask of 2
+    (queries, keys) or 4 (batch, heads, queries, keys) dimensions, or of 3 where the host's backends all
+    read it as (batch, queries, keys). Forge's and Forge Classic's PyTorch backends hand a 3-D mask to
+    SDPA as it is (heads, queries, keys) while their split and sub-quadratic backends read it otherwise,
+    and bool masks are key padding to some backends of every host: those stay with the host's function."""
+    dims = (2, 3, 4) if batch_first_masks else (2, 4)
+    return mask is None or (isinstance(mask, torch.Tensor) and mask.is_floating_point() and mask.dim() in dims)
 
 
 def _heads_first(t: torch.Tensor, heads: int) -> torch.Tensor:

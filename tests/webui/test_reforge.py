@@ -61,6 +61,31 @@ def test_refused_calls_run_the_hosts_function_with_their_own_arguments(ldm_patch
     assert seen == [None]
 
 
+def three_d_bias(batch=2, tokens=64, context=77):
+    """A (batch, queries, keys) float mask, as reForge's Flux gets a style model's attention bias."""
+    return torch.randn(batch, tokens, context, generator=torch.Generator().manual_seed(4)).half()
+
+
+def test_a_three_dimensional_float_mask_runs_on_the_kernels_read_as_reforge_reads_it(ldm_patched, fake_gpu):
+    entry.setup()
+    q, k, v = qkv()
+    mask = three_d_bias()
+    out = ldm_patched.cross_attention(q, k, v, 8, mask=mask)
+    assert len(fake_gpu.launches) == 1 and ldm_patched.calls["optimized_attention"] == 0
+    host = ldm_patched.attention_pytorch(q.float(), k.float(), v.float(), 8, mask.float())
+    torch.testing.assert_close(out.float(), host, **KERNEL_TOL)  # SDPA would read it as (heads, queries, keys)
+
+
+def test_forge_classic_keeps_three_dimensional_masks_on_its_own_attention(ldm_patched, fake_gpu, monkeypatch):
+    from modules_forge import forge_version
+
+    monkeypatch.setattr(forge_version, "version", "classic")  # its backends read 3-D masks in two ways
+    entry.setup()
+    q, k, v = qkv()
+    ldm_patched.cross_attention(q, k, v, 8, mask=three_d_bias())
+    assert fake_gpu.launches == [] and ldm_patched.calls["optimized_attention"] == 1
+
+
 def test_vae_blocks_of_a_loaded_model_route_and_come_back(ldm_patched, fake_gpu):
     from modules import script_callbacks
 

@@ -17,6 +17,8 @@ def attention_pytorch(q, k, v, heads, mask=None, attn_precision=None, skip_resha
         q, k, v = (t.view(b, -1, heads, dim_head).transpose(1, 2) for t in (q, k, v))
     if mask is not None and mask.ndim == 2:
         mask = mask.unsqueeze(0)
+    if mask is not None and mask.ndim == 3:  # (batch, queries, keys), as every reForge backend reads it
+        mask = mask.unsqueeze(1)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
     if skip_output_reshape:
         return out
