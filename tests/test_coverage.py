@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 WEBUI_FAKES = REPO / "tests" / "webui" / "fakes"
 # Folders of real Forge / reForge / Forge Classic checkouts to measure (os.pathsep-separated); none in CI
 WEBUI_FOLDERS = [Path(p) for p in os.environ.get("RDNA_FA_TEST_WEBUIS", "").split(os.pathsep) if p]
+SGM_FOLDER = os.environ.get("RDNA_FA_TEST_SGM")  # a folder holding sgm (A1111's repositories/generative-models)
 CPU = torch.device("cpu")
 
 
@@ -133,8 +134,23 @@ def test_a_real_a1111_ldm_run_and_its_check(tmp_path, disabled, code):
         assert (0 < record["difference_from_host"] < 1e-2) if code == 0 else record["difference_from_host"] < 1e-5
 
 
+@pytest.mark.skipif(not (SGM_FOLDER and a1111_harness.ldm_available()),
+                    reason="no sgm folder in RDNA_FA_TEST_SGM, or A1111's ldm not installed")
+@pytest.mark.parametrize("disabled, code", [("0", 0), ("1", 1)])
+def test_a_real_a1111_sdxl_run_on_sgm(tmp_path, disabled, code):
+    baseline = REPO / "bench" / "results" / "coverage-a1111.json"
+    result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--host", "a1111", "--sgm",
+                             SGM_FOLDER, "--families", "sdxl,sdxl_vae", "--out", str(tmp_path), "--check",
+                             str(baseline)], cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "RDNA_FA_DISABLE": disabled})
+    assert result.returncode == code, result.stderr
+    records = json.loads((tmp_path / "coverage-a1111.json").read_text())["families"]
+    assert [r["family"] for r in records] == ["sdxl", "sdxl_vae"]
+    assert all(r["attention_flops"] > 0 and r["kernel_share"] == (1.0 if code == 0 else 0.0) for r in records)
+
+
 def test_an_unknown_family_or_device_is_refused_with_status_2(tmp_path):
-    for arguments in (["--families", "sd3"], ["--device", "mps"]):
+    for arguments in (["--families", "sd3"], ["--device", "mps"], ["--sgm", str(tmp_path)]):
         result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--host", "a1111", "--out",
                                  str(tmp_path), *arguments], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert result.returncode == 2 and result.stderr.startswith("coverage: ")

@@ -1,16 +1,19 @@
 """A1111's model code as a host, in this process: tiny random-weight SD1.5- and SD2-config UNets and
 the SD VAE decoder from `ldm` (A1111's Stable Diffusion repository, as the stable-diffusion-sdkit
-package ships it), and this repository's WebUI extension's forwards installed on ldm's classes as
-A1111 installs an optimization (`extension.a1111.ForwardPatch`, with no hypernetwork and no
-upcast). Used by the coverage benchmark (tools/coverage.py).
+package ships it), where `sgm` is importable (Stability AI's generative-models, which A1111 clones
+into repositories/generative-models for SDXL) an SDXL-config UNet and SDXL's VAE decoder from it, and
+this repository's WebUI extension's forwards installed on ldm's and sgm's classes as A1111 installs an
+optimization (`extension.a1111.ForwardPatch`, with no hypernetwork and no upcast). Used by the
+coverage benchmark (tools/coverage.py).
 
-What it does not have: A1111's own modules (its sampler, hypernetworks, settings), and `sgm`, the
-model code of A1111's SDXL, which no package CI installs ships.
+What it does not have: A1111's own modules (its sampler, hypernetworks, settings, SD3's
+`modules.models.sd3`); no package CI installs ships `sgm`.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 
 import torch
 from torch import nn
@@ -33,10 +36,29 @@ VAE = "vae"
 DECODER = dict(ch=32, out_ch=3, ch_mult=[1, 2], num_res_blocks=1, attn_resolutions=[], dropout=0.0, in_channels=3,
                resolution=64, z_channels=4, double_z=True)
 FAMILIES = (*UNETS, VAE)
+# SDXL as A1111 builds it from sgm (its sd_xl_base.yaml, scaled down): head dim 64, no attention at the
+# first level, label vector, the "softmax-xformers" attention type (plain CrossAttention without xformers,
+# as A1111 runs it: it switches sgm's xformers off)
+SDXL_VAE = "sdxl_vae"
+SGM_UNETS = {"sdxl": dict(in_channels=4, out_channels=4, model_channels=64, attention_resolutions=[2], num_res_blocks=1,
+                          channel_mult=[1, 2], num_head_channels=64, use_linear_in_transformer=True,
+                          transformer_depth=[1, 2], context_dim=TEXT_WIDTH, num_classes="sequential",
+                          adm_in_channels=64, spatial_transformer_attn_type="softmax-xformers",
+                          use_spatial_transformer=True, legacy=False)}  # the last two: older sgm only
+SGM_FAMILIES = (*SGM_UNETS, SDXL_VAE)
+RELEASED = {SDXL_VAE: VAE}  # whose released head dims a family has
 
 
 def ldm_available() -> bool:
     return importlib.util.find_spec("ldm") is not None
+
+
+def sgm_available() -> bool:
+    return importlib.util.find_spec("sgm") is not None
+
+
+def families() -> tuple[str, ...]:
+    return (*FAMILIES, *(SGM_FAMILIES if sgm_available() else ()))
 
 
 def extension_modules():
@@ -46,23 +68,36 @@ def extension_modules():
 
 
 def build(family: str, device: torch.device) -> nn.Module:
-    from ldm.modules.diffusionmodules.model import Decoder
-    from ldm.modules.diffusionmodules.openaimodel import UNetModel
+    if family in SGM_FAMILIES:
+        from sgm.modules.diffusionmodules.model import Decoder
+        from sgm.modules.diffusionmodules.openaimodel import UNetModel
 
-    model = Decoder(**DECODER) if family == VAE else UNetModel(**UNETS[family])
+        if family == SDXL_VAE:
+            model = Decoder(**DECODER)
+        else:  # the settings this sgm's UNet takes (A1111 pins a 2023 one; newer ones dropped two)
+            accepted = inspect.signature(UNetModel).parameters
+            model = UNetModel(**{key: value for key, value in SGM_UNETS[family].items() if key in accepted})
+    else:
+        from ldm.modules.diffusionmodules.model import Decoder
+        from ldm.modules.diffusionmodules.openaimodel import UNetModel
+
+        model = Decoder(**DECODER) if family == VAE else UNetModel(**UNETS[family])
     initialise(model)  # every weight random: ldm zero-initialises its output layers, which would hide attention
     return model.eval().to(device)
 
 
 def run(model: nn.Module, family: str, device: torch.device) -> torch.Tensor:
-    """One call as A1111 makes it: the UNet on a CFG batch of 2 (latent 16 x 16, 77 text tokens), or
-    the decoder on a 16 x 16 latent."""
+    """One call as A1111 makes it: the UNet on a CFG batch of 2 (latent 16 x 16, 77 text tokens, SDXL's
+    label vector), or the decoder on a 16 x 16 latent."""
     generator = torch.Generator().manual_seed(5)
-    if family == VAE:
+    if family in (VAE, SDXL_VAE):
         return model(torch.randn(1, 4, 16, 16, generator=generator).to(device))
     latent = torch.randn(2, 4, 16, 16, generator=generator).to(device)
     context = torch.randn(2, TEXT_TOKENS, TEXT_WIDTH, generator=generator).to(device)
-    return model(latent, timesteps=torch.tensor([500, 500], device=device), context=context)
+    extra = {}
+    if family in SGM_UNETS:
+        extra["y"] = torch.randn(2, SGM_UNETS[family]["adm_in_channels"], generator=generator).to(device)
+    return model(latent, timesteps=torch.tensor([500, 500], device=device), context=context, **extra)
 
 
 def attention_flops_of_call(module: nn.Module, args: tuple, kwargs: dict) -> int:
@@ -78,7 +113,14 @@ def attention_flops_of_call(module: nn.Module, args: tuple, kwargs: dict) -> int
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's CrossAttention and AttnBlock modules, ldm's and (where importable) sgm's."""
     from ldm.modules.attention import CrossAttention
     from ldm.modules.diffusionmodules.model import AttnBlock
 
-    return [m for m in model.modules() if isinstance(m, (CrossAttention, AttnBlock))]
+    classes = [CrossAttention, AttnBlock]
+    if sgm_available():
+        from sgm.modules.attention import CrossAttention as SgmCrossAttention
+        from sgm.modules.diffusionmodules.model import AttnBlock as SgmAttnBlock
+
+        classes += [SgmCrossAttention, SgmAttnBlock]
+    return [m for m in model.modules() if isinstance(m, tuple(classes))]

