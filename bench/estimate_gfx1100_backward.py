@@ -31,8 +31,9 @@ from rdna_flash_attn.ops.launch_args import BwdArgs  # noqa: E402
 from rdna_flash_attn.runtime.codeobject import load_code_object  # noqa: E402
 from rdna_flash_attn.tools.report import find_objdump, occupancy  # noqa: E402
 
-# The backward's targets (issue 13) are at d64 and d128; the forward estimate covers more head dims.
-HEAD_DIMS = (64, 128)
+# The backward's targets (issue 22) are at d64 and d128; SD1.5's 40, 80 and 160 are reported beside them,
+# on useful FLOPs (d40 runs padded to 48).
+HEAD_DIMS = (40, 64, 80, 128, 160)
 
 TARGET_TFLOPS, PUBLISHED_TFLOPS = 35.0, 25.0  # DESIGN.md section 5; best published 7900 XTX backward
 FRAG, THREADS_PER_WAVE = 16, 32
@@ -132,19 +133,39 @@ def loop_trips(cfg: Cfg, main: int, v) -> dict[int, int]:
             # dK/dV: the 16-query fragment loop (#pragma unroll 1); with K held in registers the
             # head-dim loop inside it is unrolled completely
             trips[h] = v.block_tile // FRAG
-        elif any(op.startswith("v_wmma") for op in ops):  # head-dim loop, #pragma unroll 2
-            trips[h] = dim_frags // 2
+        elif any(op.startswith("v_wmma") for op in ops):  # head-dim loop, #pragma unroll kDimUnroll
+            trips[h] = dim_frags // dim_unroll(v)
         elif any(op.startswith("ds_store") and op != "ds_store_b128" for op in ops):
-            # load_transposed (32-bit or 16-bit stores): (rows / 2) key pairs x (cols / 8) per thread
-            trips[h] = v.block_tile // 2 * chunk_frags * 2 // v.threads
+            # load_transposed (32-bit or 16-bit stores): (rows / 2) key pairs x (cols / 8), a thread's
+            # share; the wave of thread 0 takes the most trips, and every wave waits for it at the barrier
+            trips[h] = transposed_trips(v, chunk_frags)
         elif "ds_store_b128" in ops:  # load_rows: rows x d/8 16-byte chunks per thread, COPY_BATCH a trip
-            loads = v.block_tile * dim_frags * 2 // v.threads
-            trips[h] = -(-loads // min(loads, COPY_BATCH))
+            trips[h] = row_loads(v, dim_frags) // min(row_loads(v, dim_frags), COPY_BATCH)
         else:
             raise RuntimeError(f"{v.symbol}: unrecognised loop at {h:#x}: {Counter(ops).most_common(5)}")
         if trips[h] < 1:
             raise RuntimeError(f"{v.symbol}: loop at {h:#x} has {trips[h]} trips")
     return trips
+
+
+def dim_unroll(v) -> int:
+    """The head-dim loop's unroll factor (kDimUnroll in kernels/fa_bwd.h): 2 over an even number of
+    fragments (dK/dV: up to d128), else 1 (a remainder iteration costs registers)."""
+    even = (v.d_pad // FRAG) % 2 == 0
+    return 2 if even and (v.kind == "dq" or v.d_pad <= 128) else 1
+
+
+def row_loads(v, dim_frags: int) -> int:
+    """load_rows' 16-byte loads per thread (kLoads in kernels/tiles.h, rounded up to whole batches: a
+    partial last batch's guarded load is counted as issued, as the trace takes every lane branch)."""
+    loads = -(-v.block_tile * dim_frags * 2 // v.threads)
+    batch = min(loads, COPY_BATCH)
+    return -(-loads // batch) * batch
+
+
+def transposed_trips(v, chunk_frags: int) -> int:
+    """load_transposed's trips for the threads of the first wave: (rows / 2) x (cols / 8) items."""
+    return -(-(v.block_tile // 2 * chunk_frags * 2) // v.threads)
 
 
 def flag_of(block: list[Insn]) -> str | None:
@@ -198,6 +219,9 @@ def trace(cfg: Cfg, main: int, trips: dict[int, int], flags: dict[str, bool]) ->
             if i.op.startswith("s_") and args[0] not in given:  # track the compiler's phi flags
                 if i.op == "s_mov_b32" and args[1] in ("-1", "0"):
                     flags[args[0]] = args[1] == "-1"
+                elif i.op == "s_cselect_b32" and args[1:3] == ["-1", "0"] and cfg.innermost(pc) not in (None, main):
+                    # load_rows' "b + n < kLoads" in an odd batch count: counted as issued, every trip
+                    flags[args[0]] = True
                 else:
                     flags.pop(args[0], None)
             for reg in valu_sgpr_writes(i):  # a lane mask written over a phi flag's register
@@ -238,8 +262,8 @@ def paths(v, hw) -> dict[str, tuple[int, int]]:
     whose WMMA wants each operand in both half-waves, one on gfx12."""
     dim, out, tile = v.d_pad // FRAG, v.d_chunk // FRAG, v.block_tile
     operand = hw.operand_copies * dim  # one operand's loads over the head dim
-    rows = tile * dim * 2 // v.threads  # load_rows: one 16-byte load per trip
-    trans = 2 * (tile // 2 * out * 2 // v.threads)  # load_transposed: two loads per trip
+    rows = row_loads(v, dim)  # load_rows: one 16-byte load each
+    trans = 2 * transposed_trips(v, out)  # load_transposed: two loads per trip
     if v.kind == "dq":  # per key tile: K, V rows; the Q and dO operands
         base = rows * 2 + 2 * operand
         return {"sweep 0 (delta)": (2 * dim * tile // FRAG, base),
