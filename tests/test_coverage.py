@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import rdna_flash_attn as rfa
 from rdna_flash_attn.config import settings
 from rdna_flash_attn.dispatch import router
+from rdna_flash_attn.dispatch.sdpa_patch import patch_sdpa
 from rdna_flash_attn.ops import attention
 from rdna_flash_attn.runtime import loader
 from rdna_flash_attn.tools import a1111_harness, comfyui_harness, diffusers_harness, webui_harness
@@ -30,6 +31,7 @@ WEBUI_FAKES = REPO / "tests" / "webui" / "fakes"
 # Folders of real Forge / reForge / Forge Classic checkouts to measure (os.pathsep-separated); none in CI
 WEBUI_FOLDERS = [Path(p) for p in os.environ.get("RDNA_FA_TEST_WEBUIS", "").split(os.pathsep) if p]
 SGM_FOLDER = os.environ.get("RDNA_FA_TEST_SGM")  # a folder holding sgm (A1111's repositories/generative-models)
+SD_SCRIPTS_FOLDER = os.environ.get("RDNA_FA_TEST_SD_SCRIPTS")  # a kohya sd-scripts folder, its requirements installed
 CPU = torch.device("cpu")
 
 
@@ -67,6 +69,9 @@ def test_sdpa_calls_are_counted_however_they_are_reached():
         F.scaled_dot_product_attention(q, k, k)
         torch._C._nn.scaled_dot_product_attention(q, k, k)  # what the dispatcher's fallback calls
     assert counted.flops == 2 * 4 * 2 * 4 * 10 * 7 * 16
+    with patch_sdpa(), SdpaFlops() as counted:  # the override in place: its CPU fallback is counted
+        F.scaled_dot_product_attention(q, k, k)
+    assert counted.flops == 4 * 2 * 4 * 10 * 7 * 16 and counted.calls == 1
 
 
 def test_regressions_name_families_that_left_the_kernels():
@@ -157,15 +162,18 @@ def test_an_unknown_family_or_device_is_refused_with_status_2(tmp_path):
 
 
 @pytest.mark.skipif(not diffusers_harness.diffusers_available(), reason="diffusers not installed")
-def test_a_real_diffusers_run_counts_each_route(tmp_path):
+@pytest.mark.parametrize("disabled, share", [("0", 1.0), ("1", 0.0)])
+def test_a_real_diffusers_run_counts_each_route(tmp_path, disabled, share):
+    # disabled: every call falls back to torch's SDPA, counted even with the override in place
     families = ["flux (processor)", "flux (override)", "sd3 (processor)", "sd15 (processor)"]
     result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--host", "diffusers", "--families",
                              ",".join(families), "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
-                            timeout=300)
+                            timeout=300, env={**os.environ, "RDNA_FA_DISABLE": disabled})
     assert result.returncode == 0, result.stderr
     records = {r["family"]: r for r in json.loads((tmp_path / "coverage-diffusers.json").read_text())["families"]}
     assert records.keys() == set(families)
-    assert all(r["kernel_share"] == 1.0 and r["attention_flops"] > 0 for r in records.values())
+    assert all(r["kernel_share"] == share and r["attention_flops"] > 0 for r in records.values())
+    assert all(all(calls > 0 for calls in r["fallback_reasons"].values()) for r in records.values())
 
 
 @pytest.mark.skipif(not diffusers_harness.diffusers_available(), reason="diffusers not installed")
@@ -215,3 +223,29 @@ def test_a_real_webui_run_and_its_check(tmp_path, folder, disabled, code):
         assert record["attention_flops"] > 0
         assert record["kernel_share"] == (1.0 if code == 0 else 0.0)
         assert (0 < record["difference_from_host"] < 1e-2) if code == 0 else record["difference_from_host"] == 0
+
+
+def test_an_sd_scripts_run_without_an_sd_scripts_folder_is_refused_with_status_2(tmp_path):
+    for arguments in ([], ["--sd-scripts", str(tmp_path)]):
+        result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--host", "sd-scripts", "--out",
+                                 str(tmp_path), *arguments], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and result.stderr.startswith("coverage: "), result.stderr
+
+
+@pytest.mark.skipif(not SD_SCRIPTS_FOLDER, reason="no sd-scripts folder in RDNA_FA_TEST_SD_SCRIPTS")
+@pytest.mark.parametrize("disabled, code", [("0", 0), ("1", 1)])
+def test_a_real_sd_scripts_run_and_its_check(tmp_path, disabled, code):
+    baseline = REPO / "bench" / "results" / "coverage-sd-scripts.json"
+    families = ["sd15 (no --sdpa)", "flux", "flux (--apply_t5_attn_mask)"]
+    result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--host", "sd-scripts",
+                             "--sd-scripts", SD_SCRIPTS_FOLDER, "--families", ",".join(families), "--out", str(tmp_path),
+                             "--check", str(baseline)], cwd=REPO, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "RDNA_FA_DISABLE": disabled})
+    assert result.returncode == code, result.stderr
+    records = {r["family"]: r for r in json.loads((tmp_path / "coverage-sd-scripts.json").read_text())["families"]}
+    # without --sdpa sd-scripts computes the U-Net's attention itself: counted, never on the kernels
+    assert records["sd15 (no --sdpa)"]["kernel_share"] == 0.0
+    assert list(records["sd15 (no --sdpa)"]["fallback_reasons"]) == [coverage.OWN_MATMUL]
+    for family in families[1:]:
+        assert records[family]["attention_flops"] > 0
+        assert records[family]["kernel_share"] == (1.0 if code == 0 else 0.0)

@@ -55,7 +55,8 @@ def comfyui_version(folder: Path) -> str | None:
 TORCHVISION_STUBS = ("torchvision", "torchvision.transforms", "torchvision.models")
 
 
-def _stub_torchvision() -> None:
+def stub_torchvision() -> None:
+    """Bare torchvision stand-ins in sys.modules where torchvision is absent (see the module's docstring)."""
     if importlib.util.find_spec("torchvision") is not None:
         return
     for name in TORCHVISION_STUBS:
@@ -71,7 +72,7 @@ def start_comfyui(folder: Path, cpu: bool = True, pytorch_attention: bool = Fals
     if str(folder) in sys.path:
         sys.path.remove(str(folder))
     sys.path.insert(0, str(folder))
-    _stub_torchvision()
+    stub_torchvision()
     argv = sys.argv
     sys.argv = [argv[0], *(["--cpu"] if cpu else []), *(["--use-pytorch-cross-attention"] if pytorch_attention else [])]
     try:

