@@ -199,6 +199,12 @@ def valu_sgpr_writes(i: Insn) -> list[str]:
     return [a for a in dsts if _SGPR.match(a)]
 
 
+def in_row_copy_loop(cfg: Cfg, block: int, main: int) -> bool:
+    """Whether `block` lies in a load_rows loop (16-byte LDS stores) inside the main loop."""
+    loop = cfg.innermost(block)
+    return loop not in (None, main) and "ds_store_b128" in cfg.ops(cfg.loops[loop])
+
+
 def trace(cfg: Cfg, main: int, trips: dict[int, int], flags: dict[str, bool]) -> Counter:
     """Times each instruction runs in one main-loop iteration: all lanes active (every divergent block
     runs), inner loops run their trip counts, uniform branches follow the given SGPR flag values."""
@@ -219,7 +225,7 @@ def trace(cfg: Cfg, main: int, trips: dict[int, int], flags: dict[str, bool]) ->
             if i.op.startswith("s_") and args[0] not in given:  # track the compiler's phi flags
                 if i.op == "s_mov_b32" and args[1] in ("-1", "0"):
                     flags[args[0]] = args[1] == "-1"
-                elif i.op == "s_cselect_b32" and args[1:3] == ["-1", "0"] and cfg.innermost(pc) not in (None, main):
+                elif i.op == "s_cselect_b32" and args[1:3] == ["-1", "0"] and in_row_copy_loop(cfg, pc, main):
                     # load_rows' "b + n < kLoads" in an odd batch count: counted as issued, every trip
                     flags[args[0]] = True
                 else:

@@ -17,23 +17,33 @@ from .options import toggles
 KNOWN_PARAMETERS = ("mask", "attn_precision", "skip_reshape")  # after (q, k, v, heads)
 
 
-def routed_attention_function(original, fallback_name: str = "Forge's attention_function",
-                              batch_first_masks: bool = False):
+def routed_attention_function(original, fallback_name: str = "Forge's attention_function"):
     """A ComfyUI-style attention function, as Forge's `attention_function`, reForge's and Forge Classic's
     `optimized_attention` have it: `(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False)`
     (Forge Classic's, and SD3's own `attention` in A1111 and Forge, stop after mask), q, k, v (B, N, H*D),
     or (B, H, N, D) with skip_reshape; returns (B, N, H*D). The kernels accumulate in float32, which is what an `attn_precision` of
     float32 asks for. Float masks go to the kernels where every backend of the host reads them alike
-    (`_mask_read_alike`); `batch_first_masks`: the host's backends all read a 3-D mask as (batch,
-    queries, keys), as ComfyUI's do (reForge). A call the kernels do not take goes to `original` with
-    its own arguments."""
+    (`_mask_read_alike`), 3-D ones where `original` reads them as (batch, queries, keys)
+    (`_reads_3d_masks_batch_first`, tried at the first such call). A call the kernels do not take goes
+    to `original` with its own arguments."""
+    batch_first = None  # whether `original` reads 3-D masks batch first: unknown until one comes
+
+    def mask_taken(mask) -> bool:
+        nonlocal batch_first
+        if _mask_read_alike(mask):
+            return True
+        if not (isinstance(mask, torch.Tensor) and mask.is_floating_point() and mask.dim() == 3):
+            return False
+        if batch_first is None:
+            batch_first = _reads_3d_masks_batch_first(original)
+        return batch_first
 
     def on_kernels(q, k, v, heads, mask, skip_reshape):
         if skip_reshape:
             q4, k4, v4 = q, k, v
         else:
             q4, k4, v4 = (_heads_first(t, heads) for t in (q, k, v))
-        if mask is not None and mask.dim() == 3:  # only with batch_first_masks (_mask_read_alike)
+        if mask is not None and mask.dim() == 3:  # (batch, queries, keys): mask_taken
             mask = mask[:, None]
         out = rdna_flash_attn.attention_or_reason(q4, k4, v4, attn_mask=mask, fallback_name=fallback_name)
         return out.transpose(1, 2).flatten(2) if isinstance(out, torch.Tensor) else None
@@ -42,8 +52,7 @@ def routed_attention_function(original, fallback_name: str = "Forge's attention_
         named = dict(zip(KNOWN_PARAMETERS, args), **kwargs)
         skip_reshape, mask = named.get("skip_reshape", False), named.get("mask")
         known_form = len(args) <= len(KNOWN_PARAMETERS) and set(named) <= set(KNOWN_PARAMETERS)
-        if (known_form and _mask_read_alike(mask, batch_first_masks) and toggles.unet
-                and _routable(q, k, v, heads, skip_reshape)):
+        if known_form and toggles.unet and _routable(q, k, v, heads, skip_reshape) and mask_taken(mask):
             try:
                 out = on_kernels(q, k, v, heads, mask, skip_reshape)
             except Exception as error:
@@ -57,14 +66,36 @@ def routed_attention_function(original, fallback_name: str = "Forge's attention_
     return attention_function
 
 
-def _mask_read_alike(mask, batch_first_masks: bool) -> bool:
-    """No mask, or one every attention backend of the host applies alike: an additive float mask of 2
-    (queries, keys) or 4 (batch, heads, queries, keys) dimensions, or of 3 where the host's backends all
-    read it as (batch, queries, keys). Forge's and Forge Classic's PyTorch backends hand a 3-D mask to
-    SDPA as it is (heads, queries, keys) while their split and sub-quadratic backends read it otherwise,
-    and bool masks are key padding to some backends of every host: those stay with the host's function."""
-    dims = (2, 3, 4) if batch_first_masks else (2, 4)
-    return mask is None or (isinstance(mask, torch.Tensor) and mask.is_floating_point() and mask.dim() in dims)
+def _mask_read_alike(mask) -> bool:
+    """No mask, or one every attention backend of these hosts applies as SDPA does: an additive float
+    mask of 2 (queries, keys) or 4 (batch, heads, queries, keys) dimensions. Bool masks are key padding
+    to some of their backends, and 3-D masks are read batch first by some and heads first by others
+    (`_reads_3d_masks_batch_first` asks the host's function)."""
+    return mask is None or (isinstance(mask, torch.Tensor) and mask.is_floating_point() and mask.dim() in (2, 4))
+
+
+PROBE_HEADS, PROBE_HEAD_DIM, PROBE_TOKENS = 2, 4, 3
+
+
+def _reads_3d_masks_batch_first(function) -> bool:
+    """Whether the host's attention function reads a 3-D float mask as (batch, queries, keys), as all of
+    today's reForge backends do (and ComfyUI's), tried on a tiny CPU input. Forge's and Forge Classic's
+    PyTorch backends, and older reForge's, hand it to SDPA as it is, (heads, queries, keys), while their
+    split backends read it batch first: which one a user runs is the host's choice, so the function
+    itself is asked. Any failure (a backend that cannot run on the CPU) counts as no: such masks then
+    stay with the host."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, PROBE_TOKENS, PROBE_HEADS * PROBE_HEAD_DIM, generator=generator) for _ in range(3))
+    mask = torch.randn(2, PROBE_TOKENS, PROBE_TOKENS, generator=generator)  # batch 2 = heads 2: either reading runs
+    try:
+        out = function(q, k, v, PROBE_HEADS, mask=mask)
+    except Exception:
+        return False
+    q4, k4, v4 = (t.unflatten(-1, (PROBE_HEADS, PROBE_HEAD_DIM)).transpose(1, 2) for t in (q, k, v))
+    weights = (q4 @ k4.transpose(-2, -1) * PROBE_HEAD_DIM**-0.5 + mask[:, None]).softmax(-1)
+    expected = (weights @ v4).transpose(1, 2).flatten(2)
+    return (isinstance(out, torch.Tensor) and out.shape == expected.shape
+            and torch.allclose(out.float(), expected, atol=1e-4, rtol=1e-3))
 
 
 def _heads_first(t: torch.Tensor, heads: int) -> torch.Tensor:

@@ -8,11 +8,13 @@ routing function, and the same modules get the host's back on unload. The VAE's 
 attention function per instance (`self.optimized_attention`), set when the block is built: each loaded
 model's blocks get the routing function at its load. Calls the kernels do not take run on the host's
 own function with their own arguments. 3-D float masks (Flux's style-model bias, padded prompts) reach
-the kernels in reForge, whose backends all read them as (batch, queries, keys), not in Forge Classic.
+the kernels where the WebUI's function reads them as (batch, queries, keys), as all of today's reForge
+backends do; Forge Classic's PyTorch backend does not.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -33,13 +35,7 @@ def fork_name() -> str:
     return "Forge Classic" if getattr(forge_version, "version", "") == CLASSIC_VERSION else "reForge"
 
 
-def _route(original):
-    """reForge's backends all read a 3-D mask as (batch, queries, keys), as ComfyUI's do; Forge Classic's
-    do not agree with each other (attention_functions._mask_read_alike)."""
-    return routed_attention_function(original, fallback_name="the WebUI's own attention",
-                                     batch_first_masks=fork_name() == "reForge")
-
-
+_route = functools.partial(routed_attention_function, fallback_name="the WebUI's own attention")
 rebinding = Rebinding(ATTENTION_MODULE, {"optimized_attention": _route, "optimized_attention_masked": _route},
                       rebind_home=True)
 _vae_blocks: weakref.WeakSet = weakref.WeakSet()  # blocks whose attention function we replaced

@@ -70,6 +70,7 @@ def test_sdpa_calls_are_counted_however_they_are_reached():
         torch._C._nn.scaled_dot_product_attention(q, k, k)  # what the dispatcher's fallback calls
     assert counted.flops == 2 * 4 * 2 * 4 * 10 * 7 * 16
     with patch_sdpa(), SdpaFlops() as counted:  # the override in place: its CPU fallback is counted
+        assert F.scaled_dot_product_attention is not router.torch_sdpa
         F.scaled_dot_product_attention(q, k, k)
     assert counted.flops == 4 * 2 * 4 * 10 * 7 * 16 and counted.calls == 1
 
@@ -200,9 +201,10 @@ def test_webui_folders_are_told_apart(tmp_path):
         webui_harness.detect(tmp_path)
 
 
-def test_a_webui_run_without_a_webui_folder_is_refused_with_status_2(tmp_path):
-    for arguments in ([], ["--webui", str(tmp_path)]):
-        result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--host", "webui", "--out",
+@pytest.mark.parametrize("host, folder_option", [("webui", "--webui"), ("sd-scripts", "--sd-scripts")])
+def test_a_folder_host_without_its_folder_is_refused_with_status_2(tmp_path, host, folder_option):
+    for arguments in ([], [folder_option, str(tmp_path)]):  # none given; one that holds no such host
+        result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--host", host, "--out",
                                  str(tmp_path), *arguments], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert result.returncode == 2 and result.stderr.startswith("coverage: "), result.stderr
 
@@ -223,13 +225,6 @@ def test_a_real_webui_run_and_its_check(tmp_path, folder, disabled, code):
         assert record["attention_flops"] > 0
         assert record["kernel_share"] == (1.0 if code == 0 else 0.0)
         assert (0 < record["difference_from_host"] < 1e-2) if code == 0 else record["difference_from_host"] == 0
-
-
-def test_an_sd_scripts_run_without_an_sd_scripts_folder_is_refused_with_status_2(tmp_path):
-    for arguments in ([], ["--sd-scripts", str(tmp_path)]):
-        result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--host", "sd-scripts", "--out",
-                                 str(tmp_path), *arguments], cwd=REPO, capture_output=True, text=True, timeout=120)
-        assert result.returncode == 2 and result.stderr.startswith("coverage: "), result.stderr
 
 
 @pytest.mark.skipif(not SD_SCRIPTS_FOLDER, reason="no sd-scripts folder in RDNA_FA_TEST_SD_SCRIPTS")

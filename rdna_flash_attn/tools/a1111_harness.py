@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .comfyui_harness import initialise
-from .webui_harness import extension_module
+from .host_code import cross_attention_flops, extension_module
 
 TEXT_WIDTH = 32
 TEXT_TOKENS = 77
@@ -37,8 +37,8 @@ DECODER = dict(ch=32, out_ch=3, ch_mult=[1, 2], num_res_blocks=1, attn_resolutio
                resolution=64, z_channels=4, double_z=True)
 FAMILIES = (*UNETS, VAE)
 # SDXL as A1111 builds it from sgm (its sd_xl_base.yaml, scaled down): head dim 64, no attention at the
-# first level, label vector, the "softmax-xformers" attention type (plain CrossAttention without xformers,
-# as A1111 runs it: it switches sgm's xformers off)
+# first level, label vector, the "softmax-xformers" attention type (plain CrossAttention once xformers is
+# switched off, as A1111 does in build())
 SDXL_VAE = "sdxl_vae"
 SGM_UNETS = {"sdxl": dict(in_channels=4, out_channels=4, model_channels=64, attention_resolutions=[2], num_res_blocks=1,
                           channel_mult=[1, 2], num_head_channels=64, use_linear_in_transformer=True,
@@ -69,8 +69,13 @@ def extension_modules():
 
 def build(family: str, device: torch.device) -> nn.Module:
     if family in SGM_FAMILIES:
+        import sgm.modules.attention
         from sgm.modules.diffusionmodules.model import Decoder
         from sgm.modules.diffusionmodules.openaimodel import UNetModel
+
+        # as A1111 sets them (modules/sd_models_xl.py): the vanilla CrossAttention its optimizations replace
+        sgm.modules.attention.SDP_IS_AVAILABLE = True
+        sgm.modules.attention.XFORMERS_IS_AVAILABLE = False
 
         if family == SDXL_VAE:
             model = Decoder(**DECODER)
@@ -107,9 +112,7 @@ def attention_flops_of_call(module: nn.Module, args: tuple, kwargs: dict) -> int
     if x.dim() == 4:  # AttnBlock: one head over the channels
         tokens = x.shape[2] * x.shape[3]
         return 4 * x.shape[0] * tokens * tokens * x.shape[1]
-    context = args[1] if len(args) > 1 else kwargs.get("context")
-    keys = x.shape[1] if context is None else context.shape[1]
-    return 4 * x.shape[0] * x.shape[1] * keys * module.to_q.out_features
+    return cross_attention_flops(module, args, kwargs)
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:

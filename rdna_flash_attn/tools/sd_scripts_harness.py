@@ -21,7 +21,6 @@ backward pass); SD3, Lumina and the other models sd-scripts trains.
 from __future__ import annotations
 
 import importlib
-import sys
 from pathlib import Path
 
 import torch
@@ -29,6 +28,7 @@ from torch import nn
 
 from . import comfyui_harness
 from .comfyui_harness import initialise
+from .host_code import put_first_on_path
 
 TEXT_TOKENS = 77
 SD15_TEXT_WIDTH, SDXL_TEXT_WIDTH, SDXL_LABEL_WIDTH = 768, 2048, 2816
@@ -51,9 +51,7 @@ def start(folder: Path) -> None:
     """Put the sd-scripts folder first on sys.path (its `library` package)."""
     if not (folder / "library" / "original_unet.py").is_file():
         raise NotSdScripts(f"{folder} holds no sd-scripts (library/original_unet.py)")
-    if str(folder) in sys.path:
-        sys.path.remove(str(folder))
-    sys.path.insert(0, str(folder))
+    put_first_on_path(folder)
     comfyui_harness.stub_torchvision()
 
 
@@ -108,11 +106,3 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     """The U-Nets' CrossAttention modules (empty for Flux, whose attention is a function)."""
     classes = tuple(getattr(_library(name), "CrossAttention") for name in ("original_unet", "sdxl_original_unet"))
     return [m for m in model.modules() if isinstance(m, classes)]
-
-
-def attention_flops_of_call(module: nn.Module, args: tuple, kwargs: dict) -> int:
-    """4 * batch * queries * keys * inner width of a U-Net CrossAttention call, from its inputs."""
-    x = args[0]
-    context = args[1] if len(args) > 1 else kwargs.get("context")
-    keys = x.shape[1] if context is None else context.shape[1]
-    return 4 * x.shape[0] * x.shape[1] * keys * module.to_q.out_features

@@ -12,8 +12,9 @@ these WebUIs' model classes share, keeping the settings each class's constructor
 
 What it does not have: the WebUI's `modules` (settings, callbacks, scripts, sampler), so the
 extension's own start (`setup`, which reads the settings and registers callbacks) is not run; masked
-calls (the conditionings that carry masks are built by the WebUI's text encoders and nodes, absent
-here); families a WebUI's folder does not hold are skipped.
+calls other than Flux's style-model bias, handed to the model as the WebUI's conditioning would hand
+it (its text encoders and nodes, which make the others, are absent here); families a WebUI's folder
+does not hold are skipped.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import contextlib
 import importlib
 import inspect
 import re
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from . import comfyui_harness
-from .comfyui_harness import REPO_ROOT, TEXT_WIDTH, initialise
+from .comfyui_harness import TEXT_WIDTH, initialise
+from .host_code import extension_module, put_first_on_path
 
 VAE = "vae"
 # flux_masked: Flux with a style model's attention bias, a (B, L, L) float mask, where the WebUI's Flux
@@ -104,26 +105,10 @@ def detect(folder: Path) -> WebUI:
     raise NotAWebUI(f"{folder} holds no Forge (backend/attention.py), reForge or Forge Classic (ldm_patched/)")
 
 
-def commit(folder: Path) -> str | None:
-    """The git commit the folder is checked out at (the folder itself a git work tree's top, not a
-    folder inside another repository), or None."""
-    try:
-        done = subprocess.run(["git", "-C", str(folder), "rev-parse", "--show-toplevel", "HEAD"], capture_output=True,
-                              text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    lines = done.stdout.split()
-    if done.returncode != 0 or len(lines) != 2 or Path(lines[0]).resolve() != folder.resolve():
-        return None
-    return lines[1]
-
-
 def start(webui: WebUI, cpu: bool) -> None:
     """Put the WebUI's folder first on sys.path and set its arguments before its memory management
     reads them. Its start-up prints go to stderr, keeping stdout for the benchmark's table."""
-    if str(webui.folder) in sys.path:
-        sys.path.remove(str(webui.folder))
-    sys.path.insert(0, str(webui.folder))
+    put_first_on_path(webui.folder)
     with contextlib.redirect_stdout(sys.stderr):
         arguments = importlib.import_module(webui.args_module).args
         arguments.attention_pytorch = True
@@ -146,16 +131,6 @@ def available_families(webui: WebUI) -> list[str]:
 def _source(webui: WebUI, family: str) -> Path:
     module = webui.classes[MASKED_VARIANTS.get(family, family)].split(":")[0]
     return webui.folder.joinpath(*module.split(".")).with_suffix(".py")
-
-
-def extension_module(name: str):
-    """This repository's WebUI extension's module `name` (extension/<name>.py); raises FileNotFoundError
-    outside a checkout of the repository (the extension is not part of the installed package)."""
-    if not (REPO_ROOT / "extension" / f"{name}.py").is_file():
-        raise FileNotFoundError(f"{REPO_ROOT} holds no WebUI extension (extension/): run from a clone of the repository")
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    return importlib.import_module(f"extension.{name}")
 
 
 def _settings(webui: WebUI, family: str, model_class) -> dict:

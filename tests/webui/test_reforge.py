@@ -71,19 +71,31 @@ def test_a_three_dimensional_float_mask_runs_on_the_kernels_read_as_reforge_read
     q, k, v = qkv()
     mask = three_d_bias()
     out = ldm_patched.cross_attention(q, k, v, 8, mask=mask)
-    assert len(fake_gpu.launches) == 1 and ldm_patched.calls["optimized_attention"] == 0
+    # one call of reForge's own function: the probe of how it reads 3-D masks, on a tiny CPU input
+    assert len(fake_gpu.launches) == 1 and ldm_patched.calls["optimized_attention"] == 1
     host = ldm_patched.attention_pytorch(q.float(), k.float(), v.float(), 8, mask.float())
     torch.testing.assert_close(out.float(), host, **KERNEL_TOL)  # SDPA would read it as (heads, queries, keys)
+    ldm_patched.cross_attention(q, k, v, 8, mask=mask)
+    assert len(fake_gpu.launches) == 2 and ldm_patched.calls["optimized_attention"] == 2  # asked once
 
 
-def test_forge_classic_keeps_three_dimensional_masks_on_its_own_attention(ldm_patched, fake_gpu, monkeypatch):
-    from modules_forge import forge_version
+def test_a_host_function_reading_three_dimensional_masks_heads_first_keeps_them(ldm_patched, fake_gpu, monkeypatch):
+    # Forge Classic's PyTorch backend (and older reForge's) hands a 3-D mask to SDPA as it is
+    def heads_first_attention(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False):
+        ldm_patched.calls["optimized_attention"] += 1
+        b, _, width = q.shape
+        q, k, v = (t.view(b, -1, heads, width // heads).transpose(1, 2) for t in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out.transpose(1, 2).reshape(b, -1, width)
 
-    monkeypatch.setattr(forge_version, "version", "classic")  # its backends read 3-D masks in two ways
+    monkeypatch.setattr(ldm_patched, "optimized_attention", heads_first_attention)
+    monkeypatch.setattr(ldm_patched, "optimized_attention_masked", heads_first_attention)
     entry.setup()
     q, k, v = qkv()
-    ldm_patched.cross_attention(q, k, v, 8, mask=three_d_bias())
-    assert fake_gpu.launches == [] and ldm_patched.calls["optimized_attention"] == 1
+    mask = three_d_bias(batch=8)  # one (queries, keys) mask per head
+    out = ldm_patched.cross_attention(q, k, v, 8, mask=mask)
+    assert fake_gpu.launches == [] and ldm_patched.calls["optimized_attention"] == 2  # the probe, then the call
+    torch.testing.assert_close(out, heads_first_attention(q, k, v, 8, mask=mask))
 
 
 def test_vae_blocks_of_a_loaded_model_route_and_come_back(ldm_patched, fake_gpu):
