@@ -53,7 +53,25 @@ MASK_MAKERS = {
     "full additive (1,1,Sq,Sk)": lambda g, sq, sk, dt: torch.randn(1, 1, sq, sk, generator=g).to(dt),
     "full bool (1,1,Sq,Sk)": lambda g, sq, sk, dt: torch.rand(1, 1, sq, sk, generator=g) > 0.25,
 }
-CASES = tuple(MASK_MAKERS)
+VARLEN = "varlen (packed, cu_seqlens)"
+CASES = (*MASK_MAKERS, VARLEN)
+KEY_PADDING = "key padding, additive (B,1,1,Sk)"
+
+# Shapes masked and packed calls take in the models (issue 20): (name, dtype, d, mask case, batch, heads,
+# query lengths, key lengths, length every entry is padded to or None), one length per batch entry.
+# Flux's joint attention under the T5 mask (512 text + 4096 image tokens), Wan's cross-attention to
+# its 512 T5 tokens, HunyuanVideo's joint attention, an SDXL call with a full (Sq, Sk) bias; a packed
+# batch of four prompts of different lengths, as flash-attn's varlen callers hand it, against the
+# same batch padded to its longest with a key-padding mask (the padded rows computed and thrown away).
+PACKED = (4608, 3584, 2560, 1536)
+SHAPES = (
+    ("Flux, T5 key padding", "bf16", 128, KEY_PADDING, 1, 24, (4608,), (4608,), None),
+    ("Wan 2.x cross-attention, T5 key padding", "bf16", 128, KEY_PADDING, 1, 40, (32760,), (512,), None),
+    ("HunyuanVideo, T5 key padding", "bf16", 128, KEY_PADDING, 1, 24, (16384,), (16384,), None),
+    ("SDXL, full additive bias", "f16", 64, "full additive (1,1,Sq,Sk)", 2, 10, (4096,), (4096,), None),
+    ("packed batch of 4 (varlen)", "bf16", 128, VARLEN, 4, 24, PACKED, PACKED, None),
+    ("the same batch padded to 4608, key padding", "bf16", 128, KEY_PADDING, 4, 24, PACKED, PACKED, 4608),
+)
 
 
 def masks(kind: str, seq_q: int, seq_k: int, dtype: torch.dtype):
@@ -61,14 +79,20 @@ def masks(kind: str, seq_q: int, seq_k: int, dtype: torch.dtype):
 
 
 def executed(library: InterpretedLibrary, variant, dtype: str, head_dim: int, case: str, key_tiles: int):
-    """Executions per code offset of one forward launch (one workgroup), and its wave count."""
+    """Executions per code offset of one forward launch (one workgroup), and its wave count. VARLEN:
+    the same problem as a packed batch of one entry."""
     generator = torch.Generator().manual_seed(0)
     seq_k = key_tiles * variant.block_n
     q = torch.randn(1, 1, variant.block_rows, head_dim, generator=generator).to(TORCH_DTYPES[dtype])
     k, v = (torch.randn(1, 1, seq_k, head_dim, generator=generator).to(TORCH_DTYPES[dtype]) for _ in range(2))
     library.traces.clear()
     with runtime.explicit_library(library):
-        ops.flash_attention_forward(q, k, v, attn_mask=masks(case, variant.block_rows, seq_k, q.dtype))
+        if case == VARLEN:
+            packed = [t[0].transpose(0, 1).contiguous() for t in (q, k, v)]  # (tokens, heads, d)
+            ops.flash_attention_varlen_forward(*packed, torch.tensor([0, variant.block_rows], dtype=torch.int32),
+                                               torch.tensor([0, seq_k], dtype=torch.int32), variant.block_rows, seq_k)
+        else:
+            ops.flash_attention_forward(q, k, v, attn_mask=masks(case, variant.block_rows, seq_k, q.dtype))
     trace = library.traces[variant.symbol]
     return trace.by_offset, trace.waves
 
@@ -130,6 +154,11 @@ def analyse_backward(path: Path, objdump: str) -> list[dict]:
     return rows
 
 
+def row_flops(variant, d: int) -> int:
+    """Useful FLOPs of one wave's key tile: its 16 query rows against block_n keys, its share of d."""
+    return 4 * 16 * variant.block_n * d // variant.d_chunks
+
+
 def analyse(path: Path, objdump: str) -> list[dict]:
     data = path.read_bytes()
     co = load_code_object(path)
@@ -141,11 +170,10 @@ def analyse(path: Path, objdump: str) -> list[dict]:
     for dtype in DTYPES:
         for d in HEAD_DIMS:
             for case in CASES:
-                variant = variants.fwd_variant(dtype, d, masked=case != "none")
+                variant = variants.fwd_variant(dtype, d, masked=case not in ("none", VARLEN))
                 counts = tile_counts(library, functions[variant.symbol], variant, dtype, d, case)
                 occ = occupancy(co.target, kernels[variant.symbol], variant.threads)
-                model = estimator.model(counts, hw, variant, occ.waves_per_simd,
-                                        flops=4 * 16 * variant.block_n * d // variant.d_chunks,
+                model = estimator.model(counts, hw, variant, occ.waves_per_simd, flops=row_flops(variant, d),
                                         groups=(estimator.SEQ // variant.block_rows) * variant.d_chunks
                                         * estimator.BATCH_HEADS)
                 rows.append({
@@ -161,6 +189,42 @@ def analyse(path: Path, objdump: str) -> list[dict]:
             for r in rows[-len(CASES):]:
                 r["vs_unmasked_pess"] = round(r["model"]["tflops_pess"] / none["model"]["tflops_pess"], 3)
     return rows
+
+
+def shape_rows(rows: list[dict], shapes=SHAPES) -> list[dict]:
+    """SHAPES priced with the per-tile counts of `rows`: every workgroup of the launch runs its key
+    tiles at the modelled per-tile rate, the partly filled last query and key tiles computed in full
+    (they count as work, not as useful FLOPs), the launch's tail from its own workgroup count. FLOPs
+    are the useful ones, 4 * Sq * Sk * d per entry and head."""
+    priced = []
+    for name, dtype, d, case, batch, heads, lengths_q, lengths_k, padded_to in shapes:
+        for target in sorted({r["target"] for r in rows}):
+            row = next(r for r in rows if (r["target"], r["dtype"], r["d"], r["mask"]) == (target, dtype, d, case))
+            variant = variants.fwd_variant(dtype, d, masked=case not in ("none", VARLEN))
+            hw, m = estimator.HARDWARE[target], row["model"]
+            tiles = groups = useful = 0
+            for length_q, length_k in zip(lengths_q * batch if len(lengths_q) == 1 else lengths_q,
+                                          lengths_k * batch if len(lengths_k) == 1 else lengths_k):
+                run_q, run_k = (padded_to, padded_to) if padded_to else (length_q, length_k)
+                blocks = -(-run_q // variant.block_rows) * variant.d_chunks * heads
+                groups += blocks
+                tiles += blocks * -(-run_k // variant.block_n)
+                useful += 4 * length_q * length_k * d * heads
+            resident = m["resident_workgroups"]
+            tail = groups / resident / -(-groups // resident)
+            per_cycle = hw.cus * estimator.SIMDS_PER_CU * hw.clock_hz
+            factor = estimator.CALIBRATION[target]
+            # every wave of a workgroup runs each of its key tiles; waves_per_simd of them share a SIMD
+            wave_tiles = tiles * variant.waves
+            seconds = {which: wave_tiles * m[f"cycles_{which}"] / per_cycle for which in ("opt", "pess")}
+            priced.append({"shape": name, "target": target, "dtype": dtype, "d": d, "mask": case,
+                           "batch": batch, "heads": heads, "lengths_q": list(lengths_q), "lengths_k": list(lengths_k),
+                           "padded_to": padded_to,
+                           "useful_gflop": round(useful / 1e9, 1), "workgroups": groups,
+                           "useful_share_of_tiles": round(useful / (wave_tiles * row_flops(variant, d)), 3),
+                           "tflops_pess": round(useful / (seconds["pess"] / tail) / 1e12 * factor, 1),
+                           "tflops_opt": round(useful / seconds["opt"] / 1e12 * factor, 1)})
+    return priced
 
 
 def backward_markdown(rows: list[dict]) -> str:
@@ -194,6 +258,23 @@ def markdown(rows: list[dict], sources: list[tuple[Path, str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def shapes_markdown(priced: list[dict]) -> str:
+    lines = ["", "## At the models' shapes", "",
+             "The per-tile counts above priced for whole launches (`shape_rows`): partly filled last query and "
+             "key tiles computed in full, TFLOP/s on useful FLOPs (4 Sq Sk d per entry and head), calibrated. "
+             "A packed batch (varlen) launches max(Sq) / block_rows workgroups per entry and head; those past an "
+             "entry's length return at once and are not counted here.", "",
+             "| shape | target | dtype | d | mask | B x H | Sq / Sk | useful GFLOP | useful share of the tiles | "
+             "pess | opt |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in priced:
+        lengths = ("/".join(map(str, r["lengths_q"])) if r["lengths_q"] == r["lengths_k"]
+                   else f"{'/'.join(map(str, r['lengths_q']))} / {'/'.join(map(str, r['lengths_k']))}")
+        lines.append(f"| {r['shape']} | {r['target']} | {r['dtype']} | {r['d']} | {r['mask']} | {r['batch']} x "
+                     f"{r['heads']} | {lengths} | {r['useful_gflop']:g} | {r['useful_share_of_tiles']:.3f} | "
+                     f"{r['tflops_pess']} | {r['tflops_opt']} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("hsaco", nargs="+", type=Path, help="code objects (gfx1100, gfx1201)")
@@ -210,12 +291,13 @@ def main(argv: list[str] | None = None) -> int:
         rows += analyse(path, objdump)
         backward += analyse_backward(path, objdump)
     sources = [(p, hashlib.sha256(p.read_bytes()).hexdigest()) for p in args.hsaco]
-    text = markdown(rows, sources) + backward_markdown(backward)
+    priced = shape_rows(rows)
+    text = markdown(rows, sources) + shapes_markdown(priced) + backward_markdown(backward)
     print(text)
     if args.json:
         args.json.write_text(json.dumps({"code_objects": [{"file": str(p), "sha256": h} for p, h in sources],
                                          "key_padding_target": KEY_PADDING_TARGET, "rows": rows,
-                                         "backward": backward}, indent=1))
+                                         "shapes": priced, "backward": backward}, indent=1))
     if args.md:
         args.md.write_text(text)
     return 0

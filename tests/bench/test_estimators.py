@@ -104,3 +104,23 @@ def test_the_backward_estimate_traces_every_path_of_a_shipped_code_object(target
     for r in results:
         now = r["estimate"]["now"]
         assert 0 < now["tflops_pess"] <= now["tflops_opt"] < estimator.HARDWARE[target].peak_tflops
+
+
+@pytest.mark.parametrize("target", ["gfx1100", "gfx1201"])
+def test_shape_pricing_reproduces_the_model_at_its_own_launch(target):
+    """estimate_masked.shape_rows priced at the model's launch (SEQ tokens, BATCH_HEADS entries x heads,
+    whole tiles) gives the model's own TFLOP/s; a ragged length costs the padding of its last tiles."""
+    variant = variants.fwd_variant("bf16", 128)
+    counts = estimator.TileCounts(wmma=64, valu=300, trans=16, salu=20, global_load_insts=16,
+                                  global_load_bytes=16 * 512, lds_read_insts=64, lds_read_bytes=64 * 512, vmem_rounds=1)
+    groups = estimator.SEQ // variant.block_rows * variant.d_chunks * estimator.BATCH_HEADS
+    model = estimator.model(counts, estimator.HARDWARE[target], variant, 2, flops=estimate_masked.row_flops(variant, 128),
+                            groups=groups)
+    rows = [{"target": target, "dtype": "bf16", "d": 128, "mask": "none", "model": model}]
+    seq = estimator.SEQ
+    whole, ragged = estimate_masked.shape_rows(rows, shapes=(
+        ("whole", "bf16", 128, "none", 1, estimator.BATCH_HEADS, (seq,), (seq,), None),
+        ("ragged", "bf16", 128, "none", 1, estimator.BATCH_HEADS, (seq - 100,), (seq - 100,), None)))
+    assert whole["tflops_pess"] == model["tflops_pess"] and whole["tflops_opt"] == model["tflops_opt"]
+    assert whole["useful_share_of_tiles"] == 1.0
+    assert ragged["useful_share_of_tiles"] < 1.0 and ragged["tflops_opt"] < whole["tflops_opt"]
