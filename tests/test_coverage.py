@@ -21,7 +21,7 @@ from rdna_flash_attn.dispatch import router
 from rdna_flash_attn.dispatch.sdpa_patch import patch_sdpa
 from rdna_flash_attn.ops import attention
 from rdna_flash_attn.runtime import loader
-from rdna_flash_attn.tools import a1111_harness, comfyui_harness, diffusers_harness, webui_harness
+from rdna_flash_attn.tools import a1111_harness, comfyui_harness, diffusers_harness, sd_scripts_harness, webui_harness
 from rdna_flash_attn.tools import coverage
 from rdna_flash_attn.tools.coverage import (FlopCounter, ReferenceLibrary, SdpaFlops, attention_flops,
                                             real_head_dim_refusals, regressions)
@@ -244,3 +244,39 @@ def test_a_real_sd_scripts_run_and_its_check(tmp_path, disabled, code):
     for family in families[1:]:
         assert records[family]["attention_flops"] > 0
         assert records[family]["kernel_share"] == (1.0 if code == 0 else 0.0)
+
+
+class TinyCrossAttention(torch.nn.Module):
+    """sd-scripts' CrossAttention call form, (x, context), one head of 64: its attention through PyTorch's
+    SDPA (as with --sdpa) or through its own matrix products (without)."""
+
+    def __init__(self, use_sdpa: bool):
+        super().__init__()
+        self.to_q = torch.nn.Linear(64, 64, bias=False, dtype=torch.float16)
+        self.use_sdpa = use_sdpa
+
+    def forward(self, x, context=None):
+        q, k = self.to_q(x)[:, None], context[:, None]
+        if self.use_sdpa:
+            return F.scaled_dot_product_attention(q, k, k)[:, 0]
+        return ((q @ k.transpose(-2, -1) * 64**-0.5).softmax(-1) @ k)[:, 0]
+
+
+@pytest.mark.parametrize("use_sdpa", [True, False])
+def test_sd_scripts_calls_are_counted_at_the_attention_modules_whichever_way_they_compute(
+        tmp_path, monkeypatch, use_sdpa):
+    generator = torch.Generator().manual_seed(0)
+    x, context = torch.randn(2, 16, 64, generator=generator).half(), torch.randn(2, 77, 64, generator=generator).half()
+    monkeypatch.setattr(sd_scripts_harness, "build", lambda family, device: TinyCrossAttention(use_sdpa))
+    monkeypatch.setattr(sd_scripts_harness, "run", lambda model, family, device: model(x, context=context))
+    monkeypatch.setattr(sd_scripts_harness, "attention_modules", lambda model: [model])
+    monkeypatch.setitem(sd_scripts_harness.RELEASED, "tiny", "sd15")
+    settings.force, settings.cache_dir = True, str(tmp_path)
+    with loader.stand_in(FlopCounter(ReferenceLibrary(), "cpu")) as library:
+        assert router.selftest_refusal(CPU) is None  # as the benchmark does, before anything is counted
+        record = coverage.measure_sd_scripts("tiny", library, CPU)
+    assert record["attention_flops"] == 4 * 2 * 16 * 77 * 64
+    if use_sdpa:  # the launcher's override hands it to the kernels
+        assert record["kernel_share"] == 1.0 and record["fallback_reasons"] == {}
+    else:  # nothing sees it but the module count
+        assert record["kernel_share"] == 0.0 and record["fallback_reasons"] == {coverage.OWN_MATMUL: 1}
