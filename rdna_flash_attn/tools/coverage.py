@@ -558,13 +558,14 @@ def _counting_library(stack: ExitStack, device: torch.device) -> FlopCounter:
 
 
 def _print_table(records: list[dict]) -> None:
-    print(f"{'family':<21} {'attention MFLOP':>15} {'on the kernels':>15} {'vs host':>8}  {'real head dims':<16} "
+    width = max([21, *(len(r["family"]) for r in records)])
+    print(f"{'family':<{width}} {'attention MFLOP':>15} {'on the kernels':>15} {'vs host':>8}  {'real head dims':<16} "
           "fallback reasons")
     for r in records:
         share = "-" if r["kernel_share"] is None else f"{100 * r['kernel_share']:.1f} %"
         dims = ",".join(map(str, r["real_head_dims"])) + (" refused" if r["real_head_dim_refusals"] else "")
-        print(f"{r['family']:<21} {r['attention_flops'] / 1e6:>15.1f} {share:>15} {r['difference_from_host']:>8.1e}  "
-              f"{dims:<16} {r['fallback_reasons'] or '-'}")
+        print(f"{r['family']:<{width}} {r['attention_flops'] / 1e6:>15.1f} {share:>15} "
+              f"{r['difference_from_host']:>8.1e}  {dims:<16} {r['fallback_reasons'] or '-'}")
 
 
 # The folder options each host takes; any other host refuses them.
