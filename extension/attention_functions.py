@@ -154,7 +154,8 @@ class Rebinding:
     """Module globals that hold a routing function instead of the host's attention function, so they
     can be put back. `routes` maps each function name of the host's attention module to the maker of
     its routing function; `rebind_home`: the attention module's own global too (where the host's
-    code looks the name up there at call time)."""
+    code looks the name up there at call time; modules imported later then take the routing function
+    from it, and restore() puts theirs back as well)."""
 
     def __init__(self, home: str, routes: dict, rebind_home: bool = False):
         self.home, self.routes, self.rebind_home = home, routes, rebind_home
@@ -182,3 +183,8 @@ class Rebinding:
             if _global(module, name) is ours:  # leave a later patch by someone else in place
                 setattr(module, name, original)
         self.bound.clear()
+        if self.rebind_home:  # modules imported since took the routing function from the home module
+            for name, ours in self._routes.items():
+                for module in list(sys.modules.values()):
+                    if _global(module, name) is ours:
+                        setattr(module, name, ours.rdna_original)

@@ -33,14 +33,26 @@ def reference_attention(q, k, v, heads, mask=None):
     return out.transpose(1, 2).reshape(b, -1, inner)
 
 
-def test_setup_rebinds_the_importers_and_keeps_the_memory_estimate(backend, fake_gpu):
+def test_setup_rebinds_forge_and_its_importers_and_keeps_the_memory_estimate(backend, fake_gpu):
     unet, vae, k_model = (sys.modules[f"backend.{name}"] for name in ("nn.unet", "nn.vae", "modules.k_model"))
-    estimate = k_model.memory_required((2, 4, 128, 128), torch.float16)
+    model = k_model.KModel(torch.float16)
+    estimate = model.memory_required((2, 4, 128, 128))
     assert entry.setup() == "forge"
     assert unet.attention_function.rdna_original is backend.attention_pytorch
     assert vae.attention_function_single_head_spatial.rdna_original is backend.pytorch_attention_single_head_spatial
-    assert backend.attention_function is backend.attention_pytorch  # Forge's own name is left alone
-    assert k_model.memory_required((2, 4, 128, 128), torch.float16) == estimate
+    assert backend.attention_function.rdna_original is backend.attention_pytorch
+    # estimated as with Forge's own PyTorch attention, not as for an unknown function (1.65 x, float32)
+    assert model.memory_required((2, 4, 128, 128)) == estimate
+    assert backend.attention_function.rdna_original is backend.attention_pytorch  # ours back after it
+
+
+def test_builtin_extensions_looking_the_function_up_in_forge_run_on_the_kernels(backend, fake_gpu):
+    # IP-Adapter, SAG, reference-only and StyleAlign call backend.attention.attention_function at call time
+    entry.setup()
+    q, k, v = torch.randn(2, 64, 320).half(), torch.randn(2, 77, 320).half(), torch.randn(2, 77, 320).half()
+    out = backend.attention_function(q, k, v, heads=8)
+    assert len(fake_gpu.launches) == 1 and backend.calls["attention_function"] == 0
+    torch.testing.assert_close(out.float(), reference_attention(q, k, v, 8), **KERNEL_TOL)
 
 
 def test_unet_attention_runs_on_the_kernels_and_matches_forge(backend, fake_gpu):
@@ -56,7 +68,7 @@ def test_unet_attention_runs_on_the_kernels_and_matches_forge(backend, fake_gpu)
 def test_skip_reshape_layout_as_flux_calls_it(backend, fake_gpu):
     entry.setup()
     flux = importlib.import_module("backend.nn.flux")  # a model type first loaded after the start
-    assert flux.attention_function is backend.attention_pytorch
+    assert flux.attention_function is backend.attention_function  # imported from Forge's module: ours
     from modules import script_callbacks
 
     script_callbacks.model_loaded_callback(object())
@@ -143,6 +155,8 @@ def test_unload_restores_every_module(backend, fake_gpu):
     assert sys.modules["backend.nn.unet"].attention_function is backend.attention_pytorch
     assert flux.attention_function is backend.attention_pytorch
     assert sys.modules["backend.nn.vae"].attention_function_single_head_spatial is backend.pytorch_attention_single_head_spatial
+    assert backend.attention_function is backend.attention_pytorch
+    assert not hasattr(sys.modules["backend.modules.k_model"].KModel.memory_required, "rdna_original")
     assert forge.rebinding.bound == []
 
 
