@@ -319,6 +319,12 @@ def tally(items) -> TileCounts:
 # --- The model -------------------------------------------------------------------------------------
 
 
+def tail_efficiency(groups: int, resident: int) -> float:
+    """The share of the last round's slots a launch of `groups` workgroups fills, `resident` at a time,
+    spread over all its rounds (the pessimistic bound pays the last round in full)."""
+    return groups / resident / math.ceil(groups / resident)
+
+
 def model(c: TileCounts, hw: Hardware, variant, waves_per_simd: int, flops: int, groups: int) -> dict:
     """Cycles one SIMD spends per wave per key tile, optimistic and pessimistic, and the TFLOP/s.
 
@@ -346,7 +352,7 @@ def model(c: TileCounts, hw: Hardware, variant, waves_per_simd: int, flops: int,
     # Tail: workgroups run in rounds of (resident workgroups); the pessimistic bound pays the last,
     # partly filled round in full.
     resident = hw.cus // CUS_PER_WGP * (waves_per_simd * SIMDS_PER_CU * CUS_PER_WGP // variant.waves)
-    tail = groups / resident / math.ceil(groups / resident)
+    tail = tail_efficiency(groups, resident)
 
     per_cycle = hw.cus * SIMDS_PER_CU * hw.clock_hz / 1e12
     tflops_opt, tflops_pess = flops / cycles_opt * per_cycle, flops / cycles_pess * per_cycle * tail

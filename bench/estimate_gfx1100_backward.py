@@ -140,7 +140,8 @@ def loop_trips(cfg: Cfg, main: int, v) -> dict[int, int]:
             # share; the wave of thread 0 takes the most trips, and every wave waits for it at the barrier
             trips[h] = transposed_trips(v, chunk_frags)
         elif "ds_store_b128" in ops:  # load_rows: rows x d/8 16-byte chunks per thread, COPY_BATCH a trip
-            trips[h] = row_loads(v, dim_frags) // min(row_loads(v, dim_frags), COPY_BATCH)
+            loads = row_loads(v, dim_frags)
+            trips[h] = loads // min(loads, COPY_BATCH)
         else:
             raise RuntimeError(f"{v.symbol}: unrecognised loop at {h:#x}: {Counter(ops).most_common(5)}")
         if trips[h] < 1:

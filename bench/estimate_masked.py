@@ -210,8 +210,7 @@ def shape_rows(rows: list[dict], shapes=SHAPES) -> list[dict]:
                 groups += blocks
                 tiles += blocks * -(-run_k // variant.block_n)
                 useful += 4 * length_q * length_k * d * heads
-            resident = m["resident_workgroups"]
-            tail = groups / resident / -(-groups // resident)
+            tail = estimator.tail_efficiency(groups, m["resident_workgroups"])
             per_cycle = hw.cus * estimator.SIMDS_PER_CU * hw.clock_hz
             factor = estimator.CALIBRATION[target]
             # every wave of a workgroup runs each of its key tiles; waves_per_simd of them share a SIMD

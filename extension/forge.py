@@ -19,8 +19,6 @@ import sys
 
 import torch
 
-import importlib
-
 from . import availability, options
 from .attention_functions import Rebinding, routed_attention_function, routed_single_head_spatial
 
@@ -60,10 +58,8 @@ def _estimated_with_forges_function(found):
 
 
 def _model_class():
-    try:
-        return getattr(importlib.import_module(MODEL_MODULE), MODEL_CLASS, None)
-    except ImportError:
-        return None
+    """KModel once Forge imported it (at its first model load, whose callback rebinds again)."""
+    return getattr(sys.modules.get(MODEL_MODULE), MODEL_CLASS, None)
 
 
 def rebind() -> None:

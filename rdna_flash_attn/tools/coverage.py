@@ -296,6 +296,15 @@ def measure_a1111(family: str, patch, library: FlopCounter, device: torch.device
                           released=a1111_harness.RELEASED.get(family))
 
 
+def _reasons_with_unseen_calls(sdpa_calls: int, unseen_reason: str) -> dict:
+    """The dispatcher's fallback reasons, and `unseen_reason` for the SDPA calls it never saw."""
+    reasons = dict(router.stats()["fallback_reasons"])
+    unseen = sdpa_calls - sum(reasons.values())
+    if unseen > 0:
+        reasons[unseen_reason] = unseen
+    return reasons
+
+
 NOT_ROUTED = ("torch's SDPA called outside the dispatcher (a layer the processor hook does not reach, or a "
               "name bound to torch's SDPA before the override)")
 
@@ -309,10 +318,7 @@ def measure_diffusers(name: str, library: FlopCounter, device: torch.device) -> 
         host = diffusers_harness.run(model, family, device)
     with diffusers_harness.routed(model, route), _measured(library) as sdpa, torch.inference_mode():
         out = diffusers_harness.run(model, family, device)
-    reasons = dict(router.stats()["fallback_reasons"])
-    unrouted = sdpa.calls - sum(reasons.values())  # SDPA calls the dispatcher never saw
-    if unrouted > 0:
-        reasons[NOT_ROUTED] = unrouted
+    reasons = _reasons_with_unseen_calls(sdpa.calls, NOT_ROUTED)
     return _family_record(DIFFUSERS, name, library.flops, sdpa.flops, reasons, relative_difference(out, host),
                           released=family)
 
@@ -335,10 +341,7 @@ def measure_webui(webui: webui_harness.WebUI, family: str, library: FlopCounter,
             webui_harness.run(model, family, device)  # reads 3-D masks) is not counted as attention
         with _measured(library) as sdpa, torch.inference_mode():
             out = webui_harness.run(model, family, device)
-    reasons = dict(router.stats()["fallback_reasons"])
-    undispatched = sdpa.calls - sum(reasons.values())
-    if undispatched > 0:
-        reasons[NOT_DISPATCHED] = undispatched
+    reasons = _reasons_with_unseen_calls(sdpa.calls, NOT_DISPATCHED)
     return _family_record(webui.name, family, library.flops, sdpa.flops, reasons, relative_difference(out, host))
 
 
