@@ -273,8 +273,8 @@ def test_patched_fallback_goes_to_the_sdpa_it_replaced(fake_gpu):
 
     F.scaled_dot_product_attention = hosts_sdpa
     try:
-        q, k, v = (torch.randn(1, 2, 8, 80, dtype=torch.float16) for _ in range(3))
-        mask = torch.ones(8, 8, dtype=torch.bool)  # no masked kernel at head dim 80
+        q, k, v = (torch.randn(1, 2, 8, 256, dtype=torch.float16) for _ in range(3))
+        mask = torch.ones(8, 8, dtype=torch.bool)  # no masked kernel at head dim 256
         with rfa.patch_sdpa():
             masked = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             F.scaled_dot_product_attention(q, k, v)

@@ -96,7 +96,7 @@ FALLBACKS = {
     "3-D inputs": (lambda: ([t[0] for t in qkv()], {}), "4-D"),
     "5-D inputs": (lambda: ([t.unsqueeze(0) for t in qkv()], {}), "4-D"),
     "mask at a head dim without masked kernels": (
-        lambda: (qkv(dim=80), {"attn_mask": torch.ones(40, 40, dtype=torch.bool)}), "masked kernels"),
+        lambda: (qkv(dim=256), {"attn_mask": torch.ones(40, 40, dtype=torch.bool)}), "masked kernels"),
     "dropout": (lambda: (qkv(), {"dropout_p": 0.1}), "dropout"),
     "dropout as a tensor": (lambda: (qkv(), {"dropout_p": torch.tensor(0.0)}), "dropout"),
     "scale as a tensor": (lambda: (qkv(), {"scale": torch.tensor(0.5)}), "scale"),

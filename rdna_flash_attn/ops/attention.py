@@ -100,9 +100,8 @@ def mask_refusal(attn_mask, q, k) -> str | None:
         return f"attn_mask is {attn_mask.dim()}-D (SDPA takes 2-D to 4-D masks)"
     if any(size not in (1, full) for size, full in zip(_padded_shape(attn_mask), target)):
         return f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to {target}"
-    if variants.padded_head_dim(q.shape[3]) not in variants.MASKED_PADDED_HEAD_DIMS:
-        return (f"attn_mask with head dim {q.shape[3]} (masked kernels take head dims "
-                f"{', '.join(map(str, variants.MASKED_HEAD_DIMS))})")
+    if q.shape[3] not in variants.MASKED_HEAD_DIMS:
+        return f"attn_mask with head dim {q.shape[3]} (masked kernels take head dims up to {variants.MASKED_HEAD_DIMS[-1]})"
     mask = kernel_mask(attn_mask, q, k)
     if sum(abs(stride) * (size - 1) for stride, size in zip(mask.stride()[2:], target[2:])) >= 2**31:
         return "attn_mask rows span more than 2^31 elements"  # the kernels' offsets in a (batch, head) are 32-bit

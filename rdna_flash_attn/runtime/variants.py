@@ -42,11 +42,20 @@ def padded_head_dim(head_dim: int) -> int:
 
 PADDED_HEAD_DIMS = tuple(sorted({padded_head_dim(d) for d in SUPPORTED_HEAD_DIMS}))
 # Head dims with masked variants: at the others (odd multiples of 16 from 80, and 256 and up) the
-# masked kernels spill registers on gfx11 (python -m rdna_flash_attn report --check), and their
-# masked calls fall back.
+# masked kernels spill registers on gfx11 (python -m rdna_flash_attn report --check). A masked call
+# runs in the next larger masked variant instead (PixArt's 72 and SD1.5's 80 in 96, Sana's 112 in 128),
+# which does the padding's matrix work: the kernels read no column past the call's head dim (Q's are
+# zero, K's and V's repeat real columns, and only the call's columns are stored). Past 224, masked
+# calls fall back.
 MASKED_PADDED_HEAD_DIMS = (16, 32, 48, 64, 96, 128, 160, 192, 224)
-MASKED_HEAD_DIMS = tuple(d for d in SUPPORTED_HEAD_DIMS if padded_head_dim(d) in MASKED_PADDED_HEAD_DIMS)
+MASKED_HEAD_DIMS = tuple(d for d in SUPPORTED_HEAD_DIMS if padded_head_dim(d) <= MASKED_PADDED_HEAD_DIMS[-1])
 _MASKED_SUFFIX = "_masked"
+
+
+def kernel_head_dim(head_dim: int, masked: bool = False) -> int:
+    """The head dim of the variant that runs a call at `head_dim` (one of MASKED_HEAD_DIMS if masked)."""
+    padded = padded_head_dim(head_dim)
+    return min(d for d in MASKED_PADDED_HEAD_DIMS if d >= padded) if masked else padded
 
 # Preferred (waves per workgroup, keys per LDS tile), best first; the first that fits LDS wins.
 _TILE_PREFERENCE = ((4, 64), (4, 32), (2, 32), (2, 16), (1, 16))
@@ -119,7 +128,7 @@ FWD_BY_SYMBOL = {v.symbol: v for v in FWD_VARIANTS}
 
 
 def fwd_variant(dtype: str, head_dim: int, masked: bool = False) -> FwdVariant:
-    return FWD_BY_SYMBOL[f"rdna_fa_fwd_{dtype}_d{padded_head_dim(head_dim)}" + _MASKED_SUFFIX * masked]
+    return FWD_BY_SYMBOL[f"rdna_fa_fwd_{dtype}_d{kernel_head_dim(head_dim, masked)}" + _MASKED_SUFFIX * masked]
 
 
 def _grad_chunk(d_pad: int) -> int:
@@ -191,7 +200,7 @@ ALL_SYMBOLS = tuple(FWD_BY_SYMBOL) + tuple(BWD_BY_SYMBOL)
 
 
 def bwd_variant(kind: str, dtype: str, head_dim: int, masked: bool = False) -> BwdVariant:
-    return BWD_BY_SYMBOL[f"rdna_fa_bwd_{kind}_{dtype}_d{padded_head_dim(head_dim)}" + _MASKED_SUFFIX * masked]
+    return BWD_BY_SYMBOL[f"rdna_fa_bwd_{kind}_{dtype}_d{kernel_head_dim(head_dim, masked)}" + _MASKED_SUFFIX * masked]
 
 
 def instantiation_lines() -> str:

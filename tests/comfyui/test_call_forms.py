@@ -85,7 +85,7 @@ def test_masked_calls_run_on_the_kernels_as_comfyui_reads_the_mask(mask, attenti
 
 def test_masked_calls_without_masked_kernels_run_the_original_backend_and_say_why_once(attention, routed, fake_gpu,
                                                                                        log_records):
-    q, k, v = flat_qkv(head_dim=80)  # no masked kernel
+    q, k, v = flat_qkv(head_dim=256)  # no masked kernel
     mask = MASKS["2-D"]()
     expected = attention.optimized_attention_masked(q, k, v, 8, mask, transformer_options={})
     for _ in range(2):
@@ -93,7 +93,7 @@ def test_masked_calls_without_masked_kernels_run_the_original_backend_and_say_wh
         assert torch.equal(out, expected)
     assert fake_gpu.launches == []
     ((reason, count),) = rdna_flash_attn.stats()["fallback_reasons"].items()
-    assert count == 2 and reason.startswith("attn_mask with head dim 80")
+    assert count == 2 and reason.startswith("attn_mask with head dim 256")
     assert [r.getMessage() for r in log_records.records].count(
         f"RDNA Flash Attention: not using the kernels: {reason} (ComfyUI's attention runs these calls)") == 1
 
@@ -195,7 +195,7 @@ def test_an_error_in_the_routing_code_runs_the_original_backend(fault, node_pack
     monkeypatch.setattr(routing, target, _raise)
     transformer_options = {}
     node_package.model_patch.install_override(transformer_options, routing.RoutingOptions(fallback=routing.FALLBACK_PYTORCH))
-    q, k, v = flat_qkv(head_dim=80 if masked else 16)  # no masked kernel at 80: the fallback is chosen
+    q, k, v = flat_qkv(head_dim=256 if masked else 16)  # no masked kernel at 256: the fallback is chosen
     mask = torch.zeros(2, 64, 7, dtype=torch.bfloat16) if masked else None
     expected = attention.optimized_attention_masked(q, k, v, 8, mask, transformer_options={})
     for _ in range(2):
@@ -255,7 +255,7 @@ def test_pytorch_fallback_option_uses_comfyuis_pytorch_backend(node_package, att
     routing = node_package.routing
     transformer_options = {}
     node_package.model_patch.install_override(transformer_options, routing.RoutingOptions(fallback=routing.FALLBACK_PYTORCH))
-    q, k, v = flat_qkv(head_dim=80)  # a masked call the kernels refuse (no masked kernel at 80)
+    q, k, v = flat_qkv(head_dim=256)  # a masked call the kernels refuse (no masked kernel at 256)
     mask = torch.zeros(2, 64, 7, dtype=torch.bfloat16)
     out = attention.optimized_attention_masked(q, k, v, 8, mask, transformer_options=transformer_options)
     expected = attention.attention_pytorch(q, k, v, 8, mask, transformer_options={})
