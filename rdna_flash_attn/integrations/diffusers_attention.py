@@ -124,6 +124,17 @@ def _processors(model: Any) -> dict[str, Any]:
     return dict(model.attn_processors)
 
 
+def _without_processor_registry(model: Any) -> bool:
+    """A diffusers model (it takes an attention backend) without attn_processors/set_attn_processor."""
+    return hasattr(model, "set_attention_backend") and not hasattr(model, "attn_processors")
+
+
+def _unregistered_processors(model: Any) -> dict[str, Any]:
+    """The processor of each attention layer (each submodule carrying one), named as attn_processors would."""
+    return {f"{name}.processor": module.processor for name, module in model.named_modules()
+            if name and hasattr(module, "processor")}
+
+
 def _replaceable(processor: Any) -> bool:
     return type(processor).__name__ in REPLACEABLE_PROCESSORS or isinstance(processor, RdnaFlashAttnProcessor)
 
@@ -171,20 +182,23 @@ def _remove_routing_hooks(model: Any) -> None:
 def install_attention_processor(model: Any, processor: RdnaFlashAttnProcessor | None = None) -> dict[str, Any]:
     """Put `processor` (default: a new RdnaFlashAttnProcessor) on every layer of `model` that runs
     diffusers' plain SDPA processor; other layers keep theirs, with torch's SDPA routed through the
-    dispatcher while they run. Returns the processors found before (layer name -> object), which the
-    model also keeps for restore_attention_processors(); installing again keeps the first install's
-    originals."""
-    previous = _processors(model)
-    if not getattr(sys.modules.get("diffusers.utils"), "USE_PEFT_BACKEND", True):
+    dispatcher while they run. A diffusers model that keeps no registry of its processors (Lumina 2,
+    HiDream, Z-Image and Cosmos in diffusers 0.42) keeps every one, each layer routed while it runs.
+    Returns the processors found before (layer name -> object), which the model also keeps for
+    restore_attention_processors(); installing again keeps the first install's originals."""
+    registered = not _without_processor_registry(model)
+    previous = _processors(model) if registered else _unregistered_processors(model)
+    if registered and not getattr(sys.modules.get("diffusers.utils"), "USE_PEFT_BACKEND", True):
         # Without the PEFT backend, diffusers' processors pass a LoRA `scale` to the projections;
         # ours would drop it, so every layer keeps diffusers' processor.
         log.warning("%s: diffusers runs without its PEFT backend (old diffusers or peft); "
                     "its attention processors are kept", type(model).__name__)
         return previous
-    processor = processor or RdnaFlashAttnProcessor()
-    chosen = {name: processor if _replaceable(current) else current for name, current in previous.items()}
-    model.set_attn_processor(chosen)
-    kept = sorted(name for name, current in previous.items() if not _replaceable(current))
+    if registered:
+        processor = processor or RdnaFlashAttnProcessor()
+        model.set_attn_processor({name: processor if _replaceable(current) else current
+                                  for name, current in previous.items()})
+    kept = sorted(name for name, current in previous.items() if not (registered and _replaceable(current)))
     _remove_routing_hooks(model)
     hooks = [hook for name in kept for hook in _route_while_running(model.get_submodule(name.removesuffix(".processor")))]
     if kept:
@@ -205,7 +219,8 @@ def restore_attention_processors(model: Any, previous: Mapping[str, Any] | None 
     previous = saved if previous is None else previous
     if previous is None:
         raise ValueError(f"{type(model).__name__}: no processors saved by install_attention_processor() to restore")
-    model.set_attn_processor(dict(previous))  # set_attn_processor pops from the dict it is given
+    if not _without_processor_registry(model):  # the others' processors were never replaced
+        model.set_attn_processor(dict(previous))  # set_attn_processor pops from the dict it is given
     _remove_routing_hooks(model)
     if saved is not None:
         delattr(model, _SAVED_ATTRIBUTE)
@@ -213,5 +228,5 @@ def restore_attention_processors(model: Any, previous: Mapping[str, Any] | None 
 
 def attention_processor_installed(model: Any) -> bool:
     """Whether any attention layer of `model` runs RdnaFlashAttnProcessor or is routed by its hooks."""
-    return bool(getattr(model, _HOOKS_ATTRIBUTE, None)) or any(
+    return bool(getattr(model, _HOOKS_ATTRIBUTE, None)) or not _without_processor_registry(model) and any(
         isinstance(p, RdnaFlashAttnProcessor) for p in _processors(model).values())

@@ -22,6 +22,7 @@ from rdna_flash_attn.integrations.diffusers_attention import (
     install_attention_processor,
     restore_attention_processors,
 )
+from rdna_flash_attn.tools import diffusers_harness
 
 TORCH_SDPA = F.scaled_dot_product_attention
 
@@ -199,7 +200,7 @@ def test_attention_layer_variants_match_diffusers_processor(fake_gpu, name):
     assert len(fake_gpu.launches) == 1 and relative_error(actual, expected) < 1e-3
 
 
-@pytest.mark.parametrize("dim_head, on_kernels", [(64, True), (80, False)])
+@pytest.mark.parametrize("dim_head, on_kernels", [(64, True), (80, True), (256, False)])
 def test_attention_mask_runs_on_the_kernels_where_a_masked_kernel_exists(fake_gpu, dim_head, on_kernels):
     torch.manual_seed(3)
     layer = Attention(query_dim=32, cross_attention_dim=24, heads=2, dim_head=dim_head).half()
@@ -213,7 +214,7 @@ def test_attention_mask_runs_on_the_kernels_where_a_masked_kernel_exists(fake_gp
     assert relative_error(actual.float(), expected.float()) < 1e-3
     assert len(fake_gpu.launches) == on_kernels
     reasons = rdna_flash_attn.stats()["fallback_reasons"]
-    assert reasons == {} if on_kernels else list(reasons)[0].startswith("attn_mask with head dim 80")
+    assert reasons == {} if on_kernels else list(reasons)[0].startswith("attn_mask with head dim 256")
 
 
 def tiny_flux():
@@ -252,6 +253,28 @@ def test_transformer_models_keep_their_processors_with_sdpa_routed_while_they_ru
     with torch.no_grad():
         flux(**inputs)
     assert len(fake_gpu.launches) == 2 and all(flux.attn_processors[n] is before[n] for n in before)
+
+
+def test_models_without_a_processor_registry_keep_their_processors_with_sdpa_routed(fake_gpu):
+    """Lumina 2's transformer has attention layers with processors but no attn_processors: each layer is
+    routed while it runs, its processor untouched, and restore takes the hooks off."""
+    rdna_flash_attn.settings.fp32_cast = "fp16"
+    lumina = diffusers_harness.build("lumina2", torch.device("cpu"))
+    inputs = diffusers_harness.inputs("lumina2", torch.device("cpu"))
+    before = {name: module.processor for name, module in lumina.named_modules() if hasattr(module, "processor")}
+    with torch.no_grad():
+        expected = diffusers_harness.forward(lumina, "lumina2", inputs)
+        previous = install_attention_processor(lumina)
+        assert attention_processor_installed(lumina) and len(previous) == len(before) == 3
+        actual = diffusers_harness.forward(lumina, "lumina2", inputs)
+    assert len(fake_gpu.launches) == 3 and relative_error(actual, expected) < 1e-3
+    assert all(module.processor is before[name] for name, module in lumina.named_modules() if name in before)
+    assert F.scaled_dot_product_attention is TORCH_SDPA
+    restore_attention_processors(lumina)
+    assert not attention_processor_installed(lumina)
+    with torch.no_grad():
+        diffusers_harness.forward(lumina, "lumina2", inputs)
+    assert len(fake_gpu.launches) == 3
 
 
 def sdpa_in_fp16(query, key, value, *args, **kwargs):
