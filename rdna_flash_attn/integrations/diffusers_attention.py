@@ -124,8 +124,9 @@ def _processors(model: Any) -> dict[str, Any]:
     return dict(model.attn_processors)
 
 
-def _without_processor_registry(model: Any) -> bool:
-    """A diffusers model (it takes an attention backend) without attn_processors/set_attn_processor."""
+def _processors_on_layers_only(model: Any) -> bool:
+    """A diffusers model (it takes an attention backend) whose attention layers carry processors that
+    no attn_processors registry lists."""
     return hasattr(model, "set_attention_backend") and not hasattr(model, "attn_processors")
 
 
@@ -183,22 +184,23 @@ def install_attention_processor(model: Any, processor: RdnaFlashAttnProcessor | 
     """Put `processor` (default: a new RdnaFlashAttnProcessor) on every layer of `model` that runs
     diffusers' plain SDPA processor; other layers keep theirs, with torch's SDPA routed through the
     dispatcher while they run. A diffusers model that keeps no registry of its processors (Lumina 2,
-    HiDream, Z-Image and Cosmos in diffusers 0.42) keeps every one, each layer routed while it runs.
-    Returns the processors found before (layer name -> object), which the model also keeps for
-    restore_attention_processors(); installing again keeps the first install's originals."""
-    registered = not _without_processor_registry(model)
-    previous = _processors(model) if registered else _unregistered_processors(model)
-    if registered and not getattr(sys.modules.get("diffusers.utils"), "USE_PEFT_BACKEND", True):
+    HiDream, Z-Image and Cosmos in diffusers 0.42) keeps every one, each layer routed while it runs
+    (`processor` is not used there). Returns the processors found before (layer name -> object), which
+    the model also keeps for restore_attention_processors(); installing again keeps the first install's
+    originals."""
+    on_layers = _processors_on_layers_only(model)
+    previous = _unregistered_processors(model) if on_layers else _processors(model)
+    if not on_layers and not getattr(sys.modules.get("diffusers.utils"), "USE_PEFT_BACKEND", True):
         # Without the PEFT backend, diffusers' processors pass a LoRA `scale` to the projections;
         # ours would drop it, so every layer keeps diffusers' processor.
         log.warning("%s: diffusers runs without its PEFT backend (old diffusers or peft); "
                     "its attention processors are kept", type(model).__name__)
         return previous
-    if registered:
+    if not on_layers:
         processor = processor or RdnaFlashAttnProcessor()
         model.set_attn_processor({name: processor if _replaceable(current) else current
                                   for name, current in previous.items()})
-    kept = sorted(name for name, current in previous.items() if not (registered and _replaceable(current)))
+    kept = sorted(name for name, current in previous.items() if on_layers or not _replaceable(current))
     _remove_routing_hooks(model)
     hooks = [hook for name in kept for hook in _route_while_running(model.get_submodule(name.removesuffix(".processor")))]
     if kept:
@@ -219,7 +221,10 @@ def restore_attention_processors(model: Any, previous: Mapping[str, Any] | None 
     previous = saved if previous is None else previous
     if previous is None:
         raise ValueError(f"{type(model).__name__}: no processors saved by install_attention_processor() to restore")
-    if not _without_processor_registry(model):  # the others' processors were never replaced
+    if _processors_on_layers_only(model):
+        for name, processor in previous.items():
+            model.get_submodule(name.removesuffix(".processor")).processor = processor
+    else:
         model.set_attn_processor(dict(previous))  # set_attn_processor pops from the dict it is given
     _remove_routing_hooks(model)
     if saved is not None:
@@ -228,5 +233,7 @@ def restore_attention_processors(model: Any, previous: Mapping[str, Any] | None 
 
 def attention_processor_installed(model: Any) -> bool:
     """Whether any attention layer of `model` runs RdnaFlashAttnProcessor or is routed by its hooks."""
-    return bool(getattr(model, _HOOKS_ATTRIBUTE, None)) or not _without_processor_registry(model) and any(
-        isinstance(p, RdnaFlashAttnProcessor) for p in _processors(model).values())
+    if getattr(model, _HOOKS_ATTRIBUTE, None):
+        return True
+    return not _processors_on_layers_only(model) and any(isinstance(p, RdnaFlashAttnProcessor)
+                                                         for p in _processors(model).values())

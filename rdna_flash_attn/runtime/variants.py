@@ -44,18 +44,22 @@ PADDED_HEAD_DIMS = tuple(sorted({padded_head_dim(d) for d in SUPPORTED_HEAD_DIMS
 # Head dims with masked variants: at the others (odd multiples of 16 from 80, and 256 and up) the
 # masked kernels spill registers on gfx11 (python -m rdna_flash_attn report --check). A masked call
 # runs in the next larger masked variant instead (PixArt's 72 and SD1.5's 80 in 96, Sana's 112 in 128),
-# which does the padding's matrix work: the kernels read no column past the call's head dim (Q's are
-# zero, K's and V's repeat real columns, and only the call's columns are stored). Past 224, masked
-# calls fall back.
+# which does the padding's matrix work: no column past the call's head dim reaches a result (the
+# forward's Q columns there are zero and its K/V ones repeat real columns; the backward zero-fills
+# every operand there), and only the call's columns are stored. Past 224, masked calls fall back.
 MASKED_PADDED_HEAD_DIMS = (16, 32, 48, 64, 96, 128, 160, 192, 224)
 MASKED_HEAD_DIMS = tuple(d for d in SUPPORTED_HEAD_DIMS if padded_head_dim(d) <= MASKED_PADDED_HEAD_DIMS[-1])
 _MASKED_SUFFIX = "_masked"
 
 
 def kernel_head_dim(head_dim: int, masked: bool = False) -> int:
-    """The head dim of the variant that runs a call at `head_dim` (one of MASKED_HEAD_DIMS if masked)."""
+    """The head dim of the variant that runs a call at `head_dim` (masked: one of MASKED_PADDED_HEAD_DIMS)."""
     padded = padded_head_dim(head_dim)
-    return min(d for d in MASKED_PADDED_HEAD_DIMS if d >= padded) if masked else padded
+    if not masked:
+        return padded
+    if padded > MASKED_PADDED_HEAD_DIMS[-1]:
+        raise ValueError(f"no masked kernel for head dim {head_dim} (masked kernels take up to {MASKED_HEAD_DIMS[-1]})")
+    return min(d for d in MASKED_PADDED_HEAD_DIMS if d >= padded)
 
 # Preferred (waves per workgroup, keys per LDS tile), best first; the first that fits LDS wins.
 _TILE_PREFERENCE = ((4, 64), (4, 32), (2, 32), (2, 16), (1, 16))

@@ -106,7 +106,7 @@ def doctor(_args: argparse.Namespace) -> int:
     _line("torch", f"{torch.__version__} (HIP {torch.version.hip or '-'}, CUDA {torch.version.cuda or '-'})")
     _line("backward", "kernels" if settings.training else "PyTorch SDPA (RDNA_FA_TRAINING=0)")
     _line("float32 inputs", "PyTorch SDPA" if settings.fp32_cast == "off" else f"kernels in {settings.fp32_cast}")
-    _line("attention masks", f"kernels at head dims {', '.join(map(str, variants.MASKED_HEAD_DIMS))}; "
+    _line("attention masks", f"kernels at head dims {variants.MASKED_HEAD_DIMS[0]}-{variants.MASKED_HEAD_DIMS[-1]}; "
                              "PyTorch SDPA at the others")
     _flash_attn_line()
     _line("self-test cache", selftest.cache_dir() / selftest.CACHE_FILE_NAME)

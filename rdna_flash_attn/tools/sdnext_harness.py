@@ -14,7 +14,9 @@ loads them.
 What is not SD.Next's: `modules.shared`, which starts the whole WebUI (Gradio, model loader, every
 requirement); a stand-in holds its `url` and the options above, their values read from SD.Next's own
 files (`shared_defaults`, `ui_definitions`). On the CPU the ROCm defaults need a GPU name: SD.Next's
-`rocm.Agent` is given "gfx1100". Not run: SD.Next's pipelines, offloading, samplers and model
+`rocm.Agent` is given "gfx1100". With a diffusers newer than the commit SD.Next pins, `set_sdpa_params`
+logs one warning per call (its last statement reads a flag diffusers no longer has), after its
+overrides are in place: the attention set-up is complete. Not run: SD.Next's pipelines, offloading, samplers and model
 loader; the "Attention method" settings other than its default (Scaled-Dot-Product); SD.Next's own
 transformer classes in `pipelines/`.
 """

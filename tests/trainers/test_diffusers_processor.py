@@ -261,17 +261,21 @@ def test_models_without_a_processor_registry_keep_their_processors_with_sdpa_rou
     rdna_flash_attn.settings.fp32_cast = "fp16"
     lumina = diffusers_harness.build("lumina2", torch.device("cpu"))
     inputs = diffusers_harness.inputs("lumina2", torch.device("cpu"))
-    before = {name: module.processor for name, module in lumina.named_modules() if hasattr(module, "processor")}
+    before = {f"{name}.processor": module.processor for name, module in lumina.named_modules()
+              if hasattr(module, "processor")}
     with torch.no_grad():
         expected = diffusers_harness.forward(lumina, "lumina2", inputs)
         previous = install_attention_processor(lumina)
         assert attention_processor_installed(lumina) and len(previous) == len(before) == 3
         actual = diffusers_harness.forward(lumina, "lumina2", inputs)
     assert len(fake_gpu.launches) == 3 and relative_error(actual, expected) < 1e-3
-    assert all(module.processor is before[name] for name, module in lumina.named_modules() if name in before)
+    assert previous == before
     assert F.scaled_dot_product_attention is TORCH_SDPA
-    restore_attention_processors(lumina)
+    lumina.get_submodule(next(iter(before)).removesuffix(".processor")).processor = "replaced since"
+    restore_attention_processors(lumina, previous)
     assert not attention_processor_installed(lumina)
+    assert all(module.processor is before[f"{name}.processor"] for name, module in lumina.named_modules()
+               if f"{name}.processor" in before)
     with torch.no_grad():
         diffusers_harness.forward(lumina, "lumina2", inputs)
     assert len(fake_gpu.launches) == 3
