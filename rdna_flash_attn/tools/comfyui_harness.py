@@ -5,12 +5,14 @@ of its families built from ComfyUI's own model code, sampled by its own sampler.
 Used by the coverage benchmark (tools/coverage.py), the ComfyUI tests and bench/comfyui_unet_gpu.py.
 ComfyUI's folder goes first on sys.path (its `nodes` module, not this repository's `nodes/`
 package). torchvision is often absent (PyPI's build is CUDA and breaks a CPU torch); ComfyUI imports
-it at module level only for Stable Cascade and Cosmos models built nowhere here, so a bare stand-in
-module satisfies those imports; any use of it fails loudly.
+it at module level only for Stable Cascade's EfficientNet encoder and ControlNet, Cosmos models and
+ACE-Step's audio VAE, none of whose torchvision parts run here, so a bare stand-in module satisfies
+those imports; any use of it fails loudly.
 
 The model configs follow ComfyUI's comfy/supported_models.py (SD15, SD20, SDXL, Flux, SD3, Wan 2.1,
 HunyuanVideo, Qwen-Image, Chroma, Lumina 2, PixArt, HiDream, LTXV, HunyuanDiT, Cosmos Predict2,
-Hunyuan3D 2.0 and 2.1):
+Hunyuan3D 2.0 and 2.1, and from ComfyUI 0.3.75 Flux.2, Z-Image, HunyuanImage 2.1, OmniGen2, Chroma
+Radiance, AuraFlow, Mochi, HunyuanVideo 1.5, Wan 2.2 5B, Stable Cascade stages C and B, Stable Audio):
 the same model_base classes, latent formats and extra UNet settings, declared here because that module
 imports the text encoders (transformers), which neither the benchmark nor the tests need.
 """
@@ -208,18 +210,141 @@ MODELS["hunyuan3d_21"] = ("Hunyuan3Dv2_1", "Hunyuan3Dv2_1", {}, dict(
     num_moe_layers=1, num_experts=2, moe_top_k=1, guidance_cond_proj_dim=None), 64, False)
 OPTIONLESS_MODELS.update({"hunyuan_dit": 5 * 2, "hunyuan3d_21": 4 * 2})
 LATENT_FRAMES.update({"ltxv": 2, "cosmos": 2})
-LATENT_TOKENS = {"hunyuan3d": 64, "hunyuan3d_21": 64}  # shape latents: a token axis, no image
+LATENT_TOKENS = {"hunyuan3d": 64, "hunyuan3d_21": 64}  # shape latents (audio latents below): a token axis, no image
+
+# Families of ComfyUI 0.3.75 (supported_models.Flux2, ZImage, HunyuanImage21, Omnigen2, ChromaRadiance,
+# AuraFlow, GenmoMochi, HunyuanVideo15, WAN22_T2V), with the settings its model detection
+# (comfy/model_detection.py) gives the released checkpoints, scaled down.
+MODELS.update({
+    # Flux.2: Flux's blocks with global modulation, no biases, 4 RoPE axes and 128 latent channels unpatched;
+    # model_base.Flux2 left-pads the text to 512 tokens with zeros, attended unmasked (2 x 32 here; 48 x 128
+    # for real)
+    "flux2": ("Flux2", "Flux2", {}, dict(image_model="flux2", in_channels=128, out_channels=128, vec_in_dim=None,
+                                        context_in_dim=TEXT_WIDTH, hidden_size=64, mlp_ratio=3.0, num_heads=2, depth=1,
+                                        depth_single_blocks=1, axes_dim=[8, 8, 8, 8], theta=2000, patch_size=1,
+                                        qkv_bias=False, guidance_embed=True, global_modulation=True, mlp_silu_act=True,
+                                        ops_bias=False, default_ref_method="index", ref_index_scale=10.0), 128, False),
+    # Z-Image: Lumina 2's NextDiT with its Z-Image modulation (a 256-wide timestep embedding, so dim >= 256)
+    # and text and image tokens padded to multiples of 32 with learned pad tokens, unmasked (8 x 32 here;
+    # 30 x 128 for real)
+    "z_image": ("Lumina2", "Flux", {}, dict(image_model="lumina2", patch_size=2, in_channels=16, dim=256, n_layers=1,
+                                            n_refiner_layers=1, n_heads=8, n_kv_heads=8, multiple_of=16,
+                                            ffn_dim_multiplier=8.0 / 3.0, qk_norm=True, cap_feat_dim=TEXT_WIDTH,
+                                            axes_dims=(8, 12, 12), axes_lens=(64, 64, 64), rope_theta=256.0,
+                                            z_image_modulation=True, time_scale=1000.0,
+                                            pad_tokens_multiple=32), 16, False),
+    # HunyuanImage 2.1: HunyuanVideo's model on 2-D latents of 64 channels, patch 1, no pooled vector (its
+    # glyph ByT5 input only for quoted text, left out) (2 x 32 here; 28 x 128 for real)
+    "hunyuan_image21": ("HunyuanImage21", "HunyuanImage21", {}, dict(
+        image_model="hunyuan_video", in_channels=64, out_channels=64, vec_in_dim=None, context_in_dim=TEXT_WIDTH,
+        hidden_size=64, mlp_ratio=2.0, num_heads=2, depth=1, depth_single_blocks=1, axes_dim=[16, 16], theta=256,
+        patch_size=[1, 1], qkv_bias=True, guidance_embed=False, byt5=False, meanflow=False,
+        use_cond_type_embedding=False, vision_in_dim=None), 64, False),
+    # OmniGen2: Lumina-like refiners and joint blocks, grouped key/value heads repeated before the call
+    # (2 x 32 over 1 key/value head here; 21 x 120 over 7 for real)
+    "omnigen2": ("Omnigen2", "Flux", {}, dict(image_model="omnigen2", patch_size=2, in_channels=16, out_channels=None,
+                                              hidden_size=64, num_layers=1, num_refiner_layers=1, num_attention_heads=2,
+                                              num_kv_heads=1, multiple_of=16, ffn_dim_multiplier=None, norm_eps=1e-5,
+                                              axes_dim_rope=(8, 12, 12), axes_lens=(64, 64, 64),
+                                              text_feat_dim=TEXT_WIDTH, timestep_scale=1000.0), 16, False),
+    # Chroma Radiance: Chroma's blocks on pixel patches (4 x 4 here, 16 x 16 for real) and a NeRF head
+    # (4 x 16 here; 24 x 128 for real)
+    "chroma_radiance": ("ChromaRadiance", "ChromaRadiance", {}, dict(
+        image_model="chroma_radiance", in_channels=3, out_channels=3, context_in_dim=TEXT_WIDTH, hidden_size=64,
+        mlp_ratio=2.0, num_heads=4, depth=1, depth_single_blocks=1, axes_dim=[4, 6, 6], theta=10000, patch_size=4,
+        qkv_bias=True, in_dim=64, out_dim=64, hidden_dim=64, n_layers=2, nerf_hidden_size=16, nerf_mlp_ratio=2,
+        nerf_depth=1, nerf_max_freqs=4, nerf_tile_size=512, nerf_final_head_type="conv",
+        nerf_embedder_dtype=torch.float32), 3, True),
+    # AuraFlow: joint (double) then single blocks over 8 register tokens, text and image (2 x 32 here;
+    # 12 x 256 for real)
+    "aura_flow": ("AuraFlow", "SDXL", {}, dict(in_channels=4, out_channels=4, patch_size=2, dim=64, n_layers=2,
+                                               n_double_layers=1, n_heads=2, global_conddim=64,
+                                               cond_seq_dim=TEXT_WIDTH, max_seq=64), 4, False),
+    # Mochi: asymmetric joint attention over video and the prompt's tokens, cropped to the T5 mask's length
+    # (no mask passed); an attention pool over the T5 tokens calls torch's SDPA itself with that mask
+    # (2 x 32 here; 24 x 128 for real). Its code requires an x MLP of 1536 * 8.
+    "mochi": ("GenmoMochi", "Mochi", {}, dict(image_model="mochi_preview", depth=2, patch_size=2, num_heads=2,
+                                              hidden_size_x=64, hidden_size_y=32, mlp_ratio_x=1536 * 8 / 64,
+                                              mlp_ratio_y=2.0, learn_sigma=False, in_channels=12, qk_norm=True,
+                                              qkv_bias=False, out_bias=True, attn_drop=0.0, patch_embed_bias=True,
+                                              posenc_preserve_area=True, timestep_mlp_bias=True,
+                                              attend_to_padding=False, timestep_scale=1000.0, use_t5=True,
+                                              t5_feat_dim=TEXT_WIDTH, t5_token_length=7,
+                                              rope_theta=10000.0), 12, False),
+    # HunyuanVideo 1.5: HunyuanVideo's model with patch 1, 32 latent channels and the image and mask
+    # channels model_base concatenates, a condition-type embedding and a vision input (2 x 32 here;
+    # 16 x 128 for real)
+    "hunyuan_video15": ("HunyuanVideo15", "HunyuanVideo15", {}, dict(
+        image_model="hunyuan_video", in_channels=65, out_channels=32, vec_in_dim=None, context_in_dim=TEXT_WIDTH,
+        hidden_size=64, mlp_ratio=2.0, num_heads=2, depth=1, depth_single_blocks=1, axes_dim=[8, 12, 12], theta=256,
+        patch_size=[1, 1, 1], qkv_bias=True, guidance_embed=False, byt5=False, meanflow=False,
+        use_cond_type_embedding=True, vision_in_dim=32), 32, False),
+    # Wan 2.2 5B (text/image-to-video): Wan 2.1's blocks on Wan 2.2's 48-channel latents (2 x 32 here; 24 x 128
+    # for real)
+    "wan22": ("WAN22", "Wan22", {}, dict(image_model="wan2.1", model_type="t2v", patch_size=(1, 2, 2), text_len=7,
+                                         in_dim=48, dim=64, ffn_dim=128, freq_dim=32, text_dim=TEXT_WIDTH, out_dim=48,
+                                         num_heads=2, num_layers=2), 48, False),
+})
+# Stable Cascade's prior (stage C): convolution and attention blocks whose self-attention also takes the text,
+# pooled-text and image-embedding tokens as keys (2 x 32 here; 32 x 64 for real)
+MODELS["stable_cascade"] = ("StableCascade_C", "SC_Prior", {}, dict(
+    stable_cascade_stage="c", c_in=16, c_out=16, c_r=64, patch_size=1, c_cond=64, c_hidden=[64, 64], nhead=[2, 2],
+    blocks=[[1, 1], [1, 1]], block_repeat=[[1, 1], [1, 1]], level_config=["CTA", "CTA"], c_clip_text=TEXT_WIDTH,
+    c_clip_text_pooled=TEXT_WIDTH, c_clip_img=768, c_clip_seq=4, kernel_size=3, dropout=[0.0, 0.0], self_attn=True,
+    t_conds=["sca", "crp"], switch_level=[False]), 16, True)
+# Stable Cascade's decoder (stage B): attention only at its deeper levels, over the image and the pooled text's
+# tokens (2 x 32 here; 20 x 64 for real)
+MODELS["stable_cascade_b"] = ("StableCascade_B", "SC_B", {}, dict(
+    stable_cascade_stage="b", c_in=4, c_out=4, c_r=64, patch_size=2, c_cond=64, c_hidden=[32, 64], nhead=[-1, 2],
+    blocks=[[1, 1], [1, 1]], block_repeat=[[1, 1], [1, 1]], level_config=["CT", "CTA"], c_clip=TEXT_WIDTH,
+    c_clip_seq=4, c_effnet=16, c_pixels=3, kernel_size=3, dropout=[0.0, 0.0], self_attn=True, t_conds=["sca"]), 4, True)
+# Stable Audio Open: a DiT over 1-D audio latents with self- and cross-attention to T5 tokens and the two
+# seconds embeddings model_base appends, which fix the text width at 768; its cross-attention splits the
+# 768-wide keys into heads of the model's head dim and repeats them to the query heads, so the model is
+# at least 768 wide (24 x 32 here, keys in 24 heads; 24 x 64 for real, keys in 12 heads repeated twice)
+MODELS["stable_audio"] = ("StableAudio1", "StableAudio1", {}, dict(
+    audio_model="dit1.0", io_channels=64, patch_size=1, embed_dim=768, cond_token_dim=768, project_cond_tokens=False,
+    global_cond_dim=1536, project_global_cond=True, depth=1, num_heads=24, transformer_type="continuous_transformer",
+    global_cond_type="prepend"), 64, False)
+TEXT_WIDTHS = {"stable_audio": 768}  # families whose text width is not TEXT_WIDTH
+# ACE-Step is left out: its lyric encoder is a fixed 1024-wide, 6-block Conformer (about 100M parameters
+# whatever the config) computing its attention with its own matrix products, which this benchmark cannot see.
+
+
+def _stable_audio_embedders() -> dict:
+    """The seconds-start and seconds-total embedders' weights StableAudio1 loads from the checkpoint."""
+    from comfy.ldm.audio.embedders import NumberConditioner
+
+    weights = {}
+    for seed, key in enumerate(("seconds_start_embedder_weights", "seconds_total_embedder_weights")):
+        embedder = NumberConditioner(768, min_val=0, max_val=512)
+        initialise(embedder, seed=seed)
+        weights[key] = embedder.state_dict()
+    return weights
+
+
+# Arguments model_base classes take beside the config, as supported_models passes them (or a function
+# returning them)
+MODEL_KWARGS = {"wan22": {"image_to_video": True}, "stable_audio": _stable_audio_embedders}
+LATENT_FRAMES.update({"mochi": 2, "hunyuan_video15": 2, "wan22": 2})
+LATENT_SIZE.update({"chroma_radiance": 32})  # pixels: 8 x 8 patches of 4
+LATENT_TOKENS["stable_audio"] = 64
 
 # Masked calls: the same models given the masks ComfyUI attaches to some conditionings (Flux with a style
 # model's "attn_bias" strength; HunyuanVideo with a prompt shorter than its padded length). Lumina 2's text
-# encoder pads no prompt in this ComfyUI, so its masked refiner calls need a newer one.
+# encoder pads no prompt in this ComfyUI, so its masked refiner calls need a newer one; nor do the Qwen and
+# Mistral encoders of Z-Image, OmniGen2, HunyuanImage 2.1, HunyuanVideo 1.5 and Flux.2 (their model code
+# takes a mask only where a prompt is padded). Mochi's T5 encoder pads every prompt to 256 tokens and
+# returns the mask: its model crops the text to the prompt's tokens for the joint attention (no mask there)
+# and hands the mask to its attention pool, which calls torch's SDPA itself (a bool mask, 8 heads of 512 for
+# real), out of the node's reach.
 PADDED_PROMPT_VARIANTS = {"hunyuan_video_masked": "hunyuan_video"}
 MASKED_VARIANTS = {"flux_masked": "flux", **PADDED_PROMPT_VARIANTS}
 for _variant, _family in MASKED_VARIANTS.items():
     MODELS[_variant] = MODELS[_family]
     if _family in LATENT_FRAMES:
         LATENT_FRAMES[_variant] = LATENT_FRAMES[_family]
-MASKED_FAMILIES = ("ltxv", *MASKED_VARIANTS)
+MASKED_FAMILIES = ("ltxv", "mochi", *MASKED_VARIANTS)
 
 # The head dims of the released checkpoints (hidden width / heads, from their configs), which the tiny
 # models above do not have: the coverage benchmark checks the kernels take them (with a mask where the
@@ -230,6 +355,23 @@ REAL_HEAD_DIMS = {
     "hidream": (128,), "ltxv": (64,), "hunyuan_dit": (88, 256), "cosmos": (128,), "hunyuan3d": (64,),
     "hunyuan3d_21": (128,), "flux_masked": (128,), "hunyuan_video_masked": (128,), "vae": (512,),
 }
+# The families of ComfyUI 0.3.75, from what its comfy/model_detection.py derives from the checkpoints (and
+# the released configs):
+REAL_HEAD_DIMS.update({
+    "flux2": (128,),  # FLUX.2 [dev]: 48 heads, 6144 wide; detection sets axes_dim [32, 32, 32, 32] (= head dim)
+    "z_image": (128,),  # Z-Image: dim 3840, n_heads 30 (detection, "Z image"), axes_dims [32, 48, 48]
+    "hunyuan_image21": (128,),  # HunyuanImage 2.1: 3584 wide, 28 heads; detection: num_heads = width // 128
+    "omnigen2": (120,),  # OmniGen2: hidden_size 2520, 21 heads over 7 key/value heads, axes_dim_rope [40, 40, 40]
+    "chroma_radiance": (128,),  # Chroma Radiance: Flux's 3072 width and 24 heads (detection's Flux branch)
+    "aura_flow": (256,),  # AuraFlow v0.1-0.3 (fal/AuraFlow config.json): 12 heads x 256; ComfyUI's MMDiT defaults
+    "mochi": (128,),  # Mochi 1: hidden_size_x 3072, 24 heads (detection); its attention pool's 4096 / 8 = 512
+                      # calls torch's SDPA directly, never through ComfyUI's attention (see MASKED_FAMILIES)
+    "hunyuan_video15": (128,),  # HunyuanVideo 1.5: 2048 wide, 16 heads; detection: num_heads = width // 128
+    "wan22": (128,),  # Wan 2.2 TI2V-5B (wan_ti2v_5B.py): dim 3072, 24 heads; detection: num_heads = dim // 128
+    "stable_cascade": (64,),  # Stage C: c_hidden 2048, nhead 32 (StageC defaults; lite 1536 / 24)
+    "stable_cascade_b": (64,),  # Stage B: c_hidden 1280, nhead 20 at its attention levels (lite 1152 / 18)
+    "stable_audio": (64,),  # Stable Audio Open 1.0: embed_dim 1536, 24 heads (cross-attention keys: 12 heads)
+})
 
 
 def initialise(module: torch.nn.Module, seed: int = 0) -> None:
@@ -255,12 +397,14 @@ def model_config(name: str, unet_config: dict, dtype: torch.dtype):
     import comfy.supported_models_base
 
     base_class, latent_format, extra, _, _, _ = MODELS[name]
+    kwargs = MODEL_KWARGS.get(name, {})
+    kwargs = kwargs() if callable(kwargs) else kwargs
 
     class Config(comfy.supported_models_base.BASE):
         unet_extra_config = extra
 
         def get_model(self, state_dict=None, prefix="", device=None):
-            return getattr(comfy.model_base, base_class)(self, device=device)
+            return getattr(comfy.model_base, base_class)(self, device=device, **kwargs)
 
     Config.latent_format = getattr(comfy.latent_formats, latent_format)
     config = Config(unet_config)
@@ -311,8 +455,12 @@ def _text_extras(name: str, generator: torch.Generator, tokens: int, text_width:
     if name == "hunyuan_dit":
         return {"attention_mask": padded_prompt(tokens), "attention_mask_mt5xl": padded_prompt(tokens),
                 "conditioning_mt5xl": torch.randn(1, tokens, 64, generator=generator)}
-    if name == "ltxv":  # its T5 encoder always returns the mask
+    if name in ("ltxv", "mochi"):  # their T5 encoders always return the mask (Mochi's pads to 256 tokens)
         return {"attention_mask": padded_prompt(tokens)}
+    if name in ("omnigen2", "z_image"):  # their Qwen encoders return the mask of an unpadded prompt: all ones
+        return {"attention_mask": padded_prompt(tokens, padding=0)}
+    if name in ("flux2", "hunyuan_video15"):  # LLM encoders: no pooled vector, but ComfyUI's text encoding
+        return {"pooled_output": None}      # always sets the key, which their model_base reads
     if name in PADDED_PROMPT_VARIANTS:
         return {} if negative else {"attention_mask": padded_prompt(tokens)}
     if name == "flux_masked":
@@ -322,9 +470,10 @@ def _text_extras(name: str, generator: torch.Generator, tokens: int, text_width:
     return {}
 
 
-def conditioning(name: str, seed: int, text_width: int = TEXT_WIDTH, pooled_width: int = TEXT_WIDTH, tokens: int = 7,
+def conditioning(name: str, seed: int, text_width: int | None = None, pooled_width: int = TEXT_WIDTH, tokens: int = 7,
                  size: int = 16, negative: bool = False):
     generator = torch.Generator().manual_seed(seed)
+    text_width = text_width or TEXT_WIDTHS.get(name, TEXT_WIDTH)
     extra = {"pooled_output": torch.randn(1, pooled_width, generator=generator)} if MODELS[name][5] else {}
     text = torch.randn(1, tokens, text_width, generator=generator)
     return [[text, {**extra, **_text_extras(name, generator, tokens, text_width, size, negative)}]]

@@ -67,6 +67,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import math
 import sys
 import tempfile
 import time
@@ -263,6 +264,20 @@ def _measured(library: FlopCounter):
         yield sdpa
 
 
+def _reasons_with_unseen_calls(sdpa_calls: int, unseen_reason: str, reasons: dict | None = None) -> dict:
+    """`reasons` (default: the dispatcher's fallback reasons), and `unseen_reason` for the SDPA calls
+    none of them accounts for."""
+    reasons = dict(router.stats()["fallback_reasons"] if reasons is None else reasons)
+    unseen = sdpa_calls - sum(reasons.values())
+    if unseen > 0:
+        reasons[unseen_reason] = unseen
+    return reasons
+
+
+NOT_SEEN_BY_NODE = ("torch's SDPA called by the model's own code, not through ComfyUI's attention functions (the "
+                    "node cannot route it)")
+
+
 def measure_model(family: str, node_package, library: FlopCounter, device: torch.device) -> dict:
     """One routed sampling step of the tiny `family` model, and its difference from the unrouted one."""
     model = harness.build(family, device=device)
@@ -273,8 +288,8 @@ def measure_model(family: str, node_package, library: FlopCounter, device: torch
     node_package.routing.comfy_fallbacks.clear()
     with _measured(library) as sdpa, torch.inference_mode():
         latent = harness.sample(routed, family, steps=1)
-    return _family_record(COMFYUI, family, library.flops, sdpa.flops, _reasons(node_package),
-                          relative_difference(latent, host))
+    reasons = _reasons_with_unseen_calls(sdpa.calls, NOT_SEEN_BY_NODE, _reasons(node_package))
+    return _family_record(COMFYUI, family, library.flops, sdpa.flops, reasons, relative_difference(latent, host))
 
 
 def measure_vae(node_package, library: FlopCounter) -> dict:
@@ -314,15 +329,6 @@ def measure_a1111(family: str, patch, library: FlopCounter, device: torch.device
     return _family_record(A1111, family, library.flops, counted.flops - library.flops,
                           dict(router.stats()["fallback_reasons"]), relative_difference(out, host),
                           released=a1111_harness.RELEASED.get(family))
-
-
-def _reasons_with_unseen_calls(sdpa_calls: int, unseen_reason: str) -> dict:
-    """The dispatcher's fallback reasons, and `unseen_reason` for the SDPA calls it never saw."""
-    reasons = dict(router.stats()["fallback_reasons"])
-    unseen = sdpa_calls - sum(reasons.values())
-    if unseen > 0:
-        reasons[unseen_reason] = unseen
-    return reasons
 
 
 NOT_ROUTED = ("torch's SDPA called outside the dispatcher (a layer the processor hook does not reach, or a "
@@ -437,7 +443,7 @@ def plot(records: list[dict], path: Path, title: str) -> None:
     axes.barh(names, shares, color="tab:green")
     axes.barh(names, [100 - s for s in shares], left=shares, color="tab:gray")
     for index, share in enumerate(shares):
-        axes.text(min(share, 88), index, f"{share:.0f} %", va="center", ha="left")
+        axes.text(min(share, 88), index, f"{math.floor(share)} %", va="center", ha="left")
     axes.set_xlim(0, 100)
     axes.invert_yaxis()
     axes.set_xlabel("attention FLOPs on the kernels (%)")
@@ -605,8 +611,11 @@ def _sdnext_measurer(args, device: torch.device) -> Measurer:
     families = _families(args.families, list(diffusers_harness.MODELS))
     try:
         sdnext = sdnext_harness.SdNext(args.sdnext.resolve(), args.sdnext_backend, device)
-    except (sdnext_harness.NotSdNext, FileNotFoundError) as error:
+    except sdnext_harness.NotSdNext as error:
         raise Unavailable(str(error)) from error
+    except Exception as error:  # an SD.Next whose modules changed: it cannot be measured, which is no regression
+        raise Unavailable(f"SD.Next's modules in {args.sdnext} did not start as the harness expects "
+                          f"({type(error).__name__}: {error})") from error
     return Measurer(families, lambda family, library: measure_sdnext(sdnext, family, library, device), sdnext.host_name,
                     sdnext.result_name, dict(sdnext_commit=host_code.commit(args.sdnext), sdnext_settings=sdnext.settings,
                          diffusers=importlib.metadata.version("diffusers")))
@@ -627,7 +636,8 @@ def _print_table(records: list[dict]) -> None:
     print(f"{'family':<{width}} {'attention MFLOP':>15} {'on the kernels':>15} {'vs host':>8}  {'real head dims':<16} "
           "fallback reasons")
     for r in records:
-        share = "-" if r["kernel_share"] is None else f"{100 * r['kernel_share']:.1f} %"
+        # rounded down: a family with any call off the kernels never reads 100 %
+        share = "-" if r["kernel_share"] is None else f"{math.floor(1000 * r['kernel_share']) / 10:.1f} %"
         dims = ",".join(map(str, r["real_head_dims"])) + (" refused" if r["real_head_dim_refusals"] else "")
         print(f"{r['family']:<{width}} {r['attention_flops'] / 1e6:>15.1f} {share:>15} "
               f"{r['difference_from_host']:>8.1e}  {dims:<16} {r['fallback_reasons'] or '-'}")

@@ -105,8 +105,6 @@ REAL_HEAD_DIMS = {
     # Efficient-Large-Model/Sana_1600M_1024px_diffusers (20 x 112) and Sana_Sprint_0.6B_1024px (16 x 72):
     # cross-attention only, the self-attention being linear
     "sana": (112, 72),
-    "flux2": (128,),  # black-forest-labs/FLUX.2-dev: 48 heads x 128 (diffusers' Flux2Transformer2DModel defaults)
-    "z_image": (128,),  # Tongyi-MAI/Z-Image-Turbo: dim 3840, 30 heads
 }
 
 
