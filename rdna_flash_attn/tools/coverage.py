@@ -616,9 +616,10 @@ def _sdnext_measurer(args, device: torch.device) -> Measurer:
     except Exception as error:  # an SD.Next whose modules changed: it cannot be measured, which is no regression
         raise Unavailable(f"SD.Next's modules in {args.sdnext} did not start as the harness expects "
                           f"({type(error).__name__}: {error})") from error
+    fields = dict(sdnext_commit=host_code.commit(args.sdnext), sdnext_settings=sdnext.settings,
+                  diffusers=importlib.metadata.version("diffusers"))
     return Measurer(families, lambda family, library: measure_sdnext(sdnext, family, library, device), sdnext.host_name,
-                    sdnext.result_name, dict(sdnext_commit=host_code.commit(args.sdnext), sdnext_settings=sdnext.settings,
-                         diffusers=importlib.metadata.version("diffusers")))
+                    sdnext.result_name, fields)
 
 
 def _counting_library(stack: ExitStack, device: torch.device) -> FlopCounter:
