@@ -49,14 +49,6 @@ class NotSdNext(Exception):
     """The folder is not an SD.Next checkout this harness can run."""
 
 
-class Options(types.SimpleNamespace):
-    """SD.Next's `shared.opts` as the attention code and the extension read it (attributes, `data`)."""
-
-    @property
-    def data(self) -> dict:
-        return vars(self)
-
-
 def _source(folder: Path, relative: str) -> str:
     return (folder / relative).read_text(encoding="utf-8")
 
@@ -94,7 +86,7 @@ class SdNext:
         self.shared = types.ModuleType("modules.shared")
         self.shared.url = _url(folder)
         self.shared.cmd_opts = types.SimpleNamespace(lowvram=False, medvram=False, device_id=None)
-        self.shared.opts = Options(**_ui_defaults(folder))
+        self.shared.opts = types.SimpleNamespace(**_ui_defaults(folder))  # read as attributes
         sys.modules["modules.shared"] = self.shared
         with contextlib.redirect_stdout(sys.stderr):
             self.devices = importlib.import_module("modules.devices")
