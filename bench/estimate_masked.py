@@ -74,6 +74,11 @@ SHAPES = (
 )
 
 
+def runs_masked(case: str) -> bool:
+    """Whether `case` runs in a masked kernel variant (a packed batch runs in the unmasked ones)."""
+    return case not in ("none", VARLEN)
+
+
 def masks(kind: str, seq_q: int, seq_k: int, dtype: torch.dtype):
     return MASK_MAKERS[kind](torch.Generator().manual_seed(1), seq_q, seq_k, dtype)
 
@@ -110,7 +115,7 @@ BACKWARD_CASES = ("none", "key padding, additive (B,1,1,Sk)", "full additive (1,
 
 def backward_tile(library, body, kind: str, dtype: str, head_dim: int, case: str) -> estimator.TileCounts:
     """What one more streamed tile (keys for dQ, both sweeps; queries for dK/dV) executes per wave."""
-    variant = variants.bwd_variant(kind, dtype, head_dim, masked=case != "none")
+    variant = variants.bwd_variant(kind, dtype, head_dim, masked=runs_masked(case))
     rows = variant.waves * 16
     runs = []
     for tiles in (3, 4):
@@ -146,7 +151,7 @@ def analyse_backward(path: Path, objdump: str) -> list[dict]:
     for d in HEAD_DIMS:
         for kind in ("dq", "dkdv"):
             for case in BACKWARD_CASES:
-                symbol = variants.bwd_variant(kind, "f16", d, masked=case != "none").symbol
+                symbol = variants.bwd_variant(kind, "f16", d, masked=runs_masked(case)).symbol
                 c = backward_tile(library, functions[symbol], kind, "f16", d, case)
                 rows.append({"target": co.target, "d": d, "kernel": symbol, "mask": case, "counts_per_wave_tile": {
                     k: round(getattr(c, k), 2) for k in ("wmma", "valu", "trans", "salu", "global_load_insts",
@@ -170,7 +175,7 @@ def analyse(path: Path, objdump: str) -> list[dict]:
     for dtype in DTYPES:
         for d in HEAD_DIMS:
             for case in CASES:
-                variant = variants.fwd_variant(dtype, d, masked=case not in ("none", VARLEN))
+                variant = variants.fwd_variant(dtype, d, masked=runs_masked(case))
                 counts = tile_counts(library, functions[variant.symbol], variant, dtype, d, case)
                 occ = occupancy(co.target, kernels[variant.symbol], variant.threads)
                 model = estimator.model(counts, hw, variant, occ.waves_per_simd, flops=row_flops(variant, d),
@@ -200,7 +205,7 @@ def shape_rows(rows: list[dict], shapes=SHAPES) -> list[dict]:
     for name, dtype, d, case, batch, heads, lengths_q, lengths_k, padded_to in shapes:
         for target in sorted({r["target"] for r in rows}):
             row = next(r for r in rows if (r["target"], r["dtype"], r["d"], r["mask"]) == (target, dtype, d, case))
-            variant = variants.fwd_variant(dtype, d, masked=case not in ("none", VARLEN))
+            variant = variants.fwd_variant(dtype, d, masked=runs_masked(case))
             hw, m = estimator.HARDWARE[target], row["model"]
             tiles = groups = useful = 0
             for length_q, length_k in zip(lengths_q * batch if len(lengths_q) == 1 else lengths_q,

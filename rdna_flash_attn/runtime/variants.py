@@ -48,7 +48,10 @@ PADDED_HEAD_DIMS = tuple(sorted({padded_head_dim(d) for d in SUPPORTED_HEAD_DIMS
 # forward's Q columns there are zero and its K/V ones repeat real columns; the backward zero-fills
 # every operand there), and only the call's columns are stored. Past 224, masked calls fall back.
 MASKED_PADDED_HEAD_DIMS = (16, 32, 48, 64, 96, 128, 160, 192, 224)
-MASKED_HEAD_DIMS = tuple(d for d in SUPPORTED_HEAD_DIMS if padded_head_dim(d) <= MASKED_PADDED_HEAD_DIMS[-1])
+# padded head dim -> the masked variant its masked calls run in (looked up on every launch)
+_MASKED_VARIANT_HEAD_DIM = {d: min(m for m in MASKED_PADDED_HEAD_DIMS if m >= d)
+                            for d in PADDED_HEAD_DIMS if d <= MASKED_PADDED_HEAD_DIMS[-1]}
+MASKED_HEAD_DIMS = tuple(d for d in SUPPORTED_HEAD_DIMS if padded_head_dim(d) in _MASKED_VARIANT_HEAD_DIM)
 _MASKED_SUFFIX = "_masked"
 
 
@@ -57,9 +60,9 @@ def kernel_head_dim(head_dim: int, masked: bool = False) -> int:
     padded = padded_head_dim(head_dim)
     if not masked:
         return padded
-    if padded > MASKED_PADDED_HEAD_DIMS[-1]:
+    if padded not in _MASKED_VARIANT_HEAD_DIM:
         raise ValueError(f"no masked kernel for head dim {head_dim} (masked kernels take up to {MASKED_HEAD_DIMS[-1]})")
-    return min(d for d in MASKED_PADDED_HEAD_DIMS if d >= padded)
+    return _MASKED_VARIANT_HEAD_DIM[padded]
 
 # Preferred (waves per workgroup, keys per LDS tile), best first; the first that fits LDS wins.
 _TILE_PREFERENCE = ((4, 64), (4, 32), (2, 32), (2, 16), (1, 16))
