@@ -151,9 +151,10 @@ def analyse_backward(path: Path, objdump: str) -> list[dict]:
     for d in HEAD_DIMS:
         for kind in ("dq", "dkdv"):
             for case in BACKWARD_CASES:
-                symbol = variants.bwd_variant(kind, "f16", d, masked=runs_masked(case)).symbol
-                c = backward_tile(library, functions[symbol], kind, "f16", d, case)
-                rows.append({"target": co.target, "d": d, "kernel": symbol, "mask": case, "counts_per_wave_tile": {
+                variant = variants.bwd_variant(kind, "f16", d, masked=runs_masked(case))
+                c = backward_tile(library, functions[variant.symbol], kind, "f16", d, case)
+                rows.append({"target": co.target, "d": d, "kernel": variant.symbol, "mask": case,
+                             "tile_rows": variant.block_tile, "counts_per_wave_tile": {
                     k: round(getattr(c, k), 2) for k in ("wmma", "valu", "trans", "salu", "global_load_insts",
                                                           "vmem_rounds")}})
     return rows
@@ -233,12 +234,15 @@ def shape_rows(rows: list[dict], shapes=SHAPES) -> list[dict]:
 
 def backward_markdown(rows: list[dict]) -> str:
     lines = ["", "## Backward (f16): executed instructions per wave and streamed tile", "",
-             "dQ: one more key tile (both of its sweeps); dK/dV: one more query tile. Counts only, no model.", "",
-             "| target | d | kernel | mask | VALU | TRANS | WMMA | loads | vmem waits to 0 |", "|---|---|---|---|---|---|---|---|---|"]
+             "dQ: one more key tile (both of its sweeps); dK/dV: one more query tile; a tile's keys or queries "
+             "in the column 'rows' (kernels of one head dim may stream tiles of different sizes). "
+             "Counts only, no model.", "",
+             "| target | d | kernel | mask | rows | VALU | TRANS | WMMA | loads | vmem waits to 0 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c = r["counts_per_wave_tile"]
-        lines.append(f"| {r['target']} | {r['d']} | {r['kernel']} | {r['mask']} | {c['valu']:g} | {c['trans']:g} | "
-                     f"{c['wmma']:g} | {c['global_load_insts']:g} | {c['vmem_rounds']:g} |")
+        lines.append(f"| {r['target']} | {r['d']} | {r['kernel']} | {r['mask']} | {r['tile_rows']} | {c['valu']:g} | "
+                     f"{c['trans']:g} | {c['wmma']:g} | {c['global_load_insts']:g} | {c['vmem_rounds']:g} |")
     return "\n".join(lines) + "\n"
 
 

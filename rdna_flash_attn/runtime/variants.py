@@ -186,12 +186,29 @@ class BwdVariant(_WaveTiled):
         return 2 * lds(self.block_tile, self.d_pad, self.d_chunk)
 
 
+# Unfused dK/dV workgroups (past BWD_FUSED_MAX_D) stream 16-query tiles: a dK wave's reads per query
+# fragment (V, past d128 also K, re-read from global memory on gfx11; LDS waits at d80) stall less
+# when the smaller tiles' LDS admits twice the waves, and the queries' summation order is the same
+# (bench/results/backward_estimate_gfx1100.md, update 8). These spill registers on gfx11 at 16 queries
+# (python -m rdna_flash_attn report --check) and take 32: (padded head dim, masked).
+_DKDV_SPILL_AT_16_QUERIES = frozenset({(96, False), (96, True), (128, True), (160, True), (192, True), (224, True)})
+
+
+def _tile_candidates(kind: str, d_pad: int, d_chunk: int, masked: bool) -> tuple[int, ...]:
+    """Rows per LDS tile to try, best first; the first whose LDS fits is taken."""
+    if kind == "dq":
+        # dQ keeps S^T and dP^T of the whole key tile live beside its accumulators: past 64 gradient
+        # columns a 64-key tile spills on gfx11.
+        return (32, 16) if d_chunk > 64 else (64, 32, 16)
+    if d_pad <= BWD_FUSED_MAX_D:
+        return (64, 32, 16)
+    return (32, 16) if (d_pad, masked) in _DKDV_SPILL_AT_16_QUERIES else (16,)
+
+
 def _bwd_variant(kind: str, dtype: str, d_pad: int, masked: bool = False) -> BwdVariant:
     d_chunk = _grad_chunk(d_pad)
     lds = lds_elems_dkdv if kind == "dkdv" else lds_elems_dq
-    # dQ keeps S^T and dP^T of the whole key tile live beside its accumulators: past 64 gradient
-    # columns a 64-key tile spills on gfx11.
-    tiles = (32, 16) if kind == "dq" and d_chunk > 64 else (64, 32, 16)
+    tiles = _tile_candidates(kind, d_pad, d_chunk, masked)
     for tile in tiles:
         staging = BWD_WAVES * FRAG * (d_chunk + LDS_ROW_PAD)
         elems = lds(tile, d_pad, d_chunk)
