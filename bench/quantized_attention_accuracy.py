@@ -33,10 +33,13 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from rdna_flash_attn.tools.benchmark import SHAPES as MODEL_SHAPES, Shape  # noqa: E402
 
 BARS = {"8-bit QK": {"cosine_min": 0.9995, "rel_l1_max": 0.01},
         "8-bit QK+PV": {"cosine_min": 0.999, "rel_l1_max": 0.03}}
@@ -50,27 +53,12 @@ INT8_MAX = 127.0
 FP8_MAX = 448.0  # OCP e4m3 (gfx12's fp8), torch.float8_e4m3fn
 
 
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    batch: int
-    heads: int
-    seq_q: int
-    seq_k: int
-    head_dim: int
-
-
-# The models' shapes; the model evaluates `heads_sampled` heads and `rows_sampled` query rows of each
-# (every key: a row's output depends on all keys and on no other row).
-SHAPES = (
-    Shape("SD1.5 512 px, d40", 2, 8, 4096, 4096, 40),
-    Shape("SD1.5 512 px, d80", 2, 8, 1024, 1024, 80),
-    Shape("SD1.5 512 px, d160", 2, 8, 256, 256, 160),
-    Shape("SDXL 1024 px, d64", 2, 10, 4096, 4096, 64),
-    Shape("Flux 1024 px, d128", 1, 24, 4608, 4608, 128),
-    Shape("Wan 2.x 720p self-attention, d128", 1, 40, 32760, 32760, 128),
-    Shape("Wan 2.x cross-attention (512 text keys), d128", 1, 40, 32760, 512, 128),
-)
+# The models' shapes (the benchmark's table); the model evaluates `heads_sampled` heads and
+# `rows_sampled` query rows of each, against every key: a row's output depends on all keys and on no
+# other row.
+SHAPE_NAMES = ("sd15-self-4096", "sd15-self-1024", "sd15-self-256", "sd15-cross-4096", "sdxl-self-4096",
+               "sd3-joint-4250", "flux-joint-4608", "wan-self-32760", "wan-cross-32760")
+SHAPES = tuple(next(s for s in MODEL_SHAPES if s.name == name) for name in SHAPE_NAMES)
 
 
 def diffusion_like(shape: Shape, heads: int, rows: int, dtype: torch.dtype, generator: torch.Generator,
@@ -107,8 +95,8 @@ def diffusion_like(shape: Shape, heads: int, rows: int, dtype: torch.dtype, gene
     mu_v, s_v = channels(1.0)
     s_v[:, :, ::32] *= 6
     q = q_norm * tokens(rows, mu_q, s_q)
-    k = tokens(shape.seq_k, mu_k, s_k)
-    v = tokens(shape.seq_k, mu_v, s_v)
+    k = tokens(shape.k_tokens, mu_k, s_k)
+    v = tokens(shape.k_tokens, mu_v, s_v)
     return tuple(x.to(dtype) for x in (q, k, v))
 
 
@@ -186,7 +174,7 @@ def passes(scheme: str, e: dict) -> bool | None:
 def evaluate_case(shape: Shape, dtype: torch.dtype, heads: int, rows: int, seed: int, blockings, schemes,
                   q_norm: float = 2.0) -> list[dict]:
     generator = torch.Generator().manual_seed(seed)
-    n_heads, n_rows = min(heads, shape.heads), min(rows, shape.seq_q)
+    n_heads, n_rows = min(heads, shape.heads), min(rows, shape.q_tokens)
     q, k, v = diffusion_like(shape, n_heads, n_rows, dtype, generator, q_norm)
     softmax_scale = 1 / math.sqrt(shape.head_dim)
     ref, peakedness = reference(q, k, v, softmax_scale)
@@ -220,7 +208,7 @@ SENSITIVITY_SCHEMES = ("exact", "qk-int8", "qkpv-int8-fp8-vsmooth")
 
 
 def sensitivity(heads: int, rows: int, seed: int, progress=None) -> list[dict]:
-    flux = next(s for s in SHAPES if s.name.startswith("Flux"))
+    flux = next(s for s in SHAPES if s.name == "flux-joint-4608")
     results = []
     for q_norm in SENSITIVITY_Q_NORMS:
         results += evaluate_case(flux, torch.float16, heads, rows, seed, (DEFAULT_BLOCKING, "per row / per key"),
