@@ -3,7 +3,8 @@
 
 Decides what an RDNA4 8-bit path can ship: which 8-bit format for Q K^T, which scale granularity, and
 whether P and V in fp8 can meet the issue's bars. Each scheme is the arithmetic a gfx12 kernel would do
-(exact products of 8-bit values, fp32 sums as the 8-bit WMMA accumulates, scales applied in fp32)
+(exact products of 8-bit values; sums in fp32, as the fp8 WMMA accumulates, and exact for int8, whose
+WMMA sums in int32: below 2^24 here; scales applied in fp32)
 on inputs with the statistics that make 8-bit attention hard in diffusion models (see `diffusion_like`).
 Judged as SageAttention's own evaluation judges its kernels: cosine similarity and relative L1 of the
 output against the same attention in float64.
@@ -125,9 +126,9 @@ def reference(q, k, v, softmax_scale: float) -> tuple[torch.Tensor, dict]:
     scores = (q.double() @ k.double().transpose(-1, -2)) * softmax_scale
     p = torch.softmax(scores, dim=-1)
     entropy = -(p * torch.log(p.clamp_min(1e-300))).sum(dim=-1) / math.log(p.shape[-1])
-    rows = {"logit_std": float(scores.std(dim=-1).mean()), "max_probability": float(p.amax(dim=-1).mean()),
-            "entropy_over_uniform": float(entropy.mean())}
-    return p @ v.double(), rows
+    peakedness = {"logit_std": float(scores.std(dim=-1).mean()), "max_probability": float(p.amax(dim=-1).mean()),
+                  "entropy_over_uniform": float(entropy.mean())}
+    return p @ v.double(), peakedness
 
 
 def scheme_output(scheme: str, q, k, v, softmax_scale: float, blocking: tuple[int, int]) -> torch.Tensor:

@@ -188,9 +188,10 @@ class BwdVariant(_WaveTiled):
 
 # Unfused dK/dV workgroups (past BWD_FUSED_MAX_D) stream 16-query tiles: a dK wave's reads per query
 # fragment (V, past d128 also K, re-read from global memory on gfx11; LDS waits at d80) stall less
-# when the smaller tiles' LDS admits twice the waves, and the queries' summation order is the same
-# (bench/results/backward_estimate_gfx1100.md, update 8). These spill registers on gfx11 at 16 queries
-# (python -m rdna_flash_attn report --check) and take 32: (padded head dim, masked).
+# when the smaller tiles' LDS admits two to four times the waves, and the queries' summation order is
+# the same (bench/results/backward_estimate_gfx1100.md, update 8). In trial builds these spilled
+# registers on gfx11 at 16 queries and take 32 on every target (one table for all): (padded head dim,
+# masked).
 _DKDV_SPILL_AT_16_QUERIES = frozenset({(96, False), (96, True), (128, True), (160, True), (192, True), (224, True)})
 
 

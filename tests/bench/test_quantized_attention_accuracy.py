@@ -27,10 +27,13 @@ def fresh_generator() -> torch.Generator:
 
 @pytest.mark.parametrize("rows", [1, 16])
 def test_int8_blocks_round_to_the_nearest_step_of_their_own_scale(rows):
-    x = torch.randn(2, 48, 40, generator=fresh_generator()) * 5
+    seed = fresh_seed()
+    x = torch.randn(2, 48, 40, generator=torch.Generator().manual_seed(seed)) * 5
     codes, scale = model.blockwise_quantize(x, rows, "int8")
     assert torch.equal(codes, codes.round()) and codes.abs().max() <= model.INT8_MAX
-    assert (x - codes * scale).abs().le(scale / 2 * (1 + 1e-6)).all()
+    # float32 rounds the division by the scale: half a step, plus a relative 1e-4
+    error = (x.double() - codes.double() * scale.double()).abs()
+    assert error.le(scale.double() * (0.5 + 1e-4)).all(), f"seed {seed}"
     # every block uses its full range: its largest value maps to +-127
     assert codes.abs().amax(dim=-1).unflatten(1, (-1, rows)).amax(dim=-1).eq(model.INT8_MAX).all()
 
@@ -43,11 +46,13 @@ def test_int8_blocks_of_a_ragged_length_keep_their_rows():
 
 
 def test_fp8_codes_are_e4m3_values_within_its_relative_step():
-    x = torch.randn(1, 64, 32, generator=fresh_generator())
+    seed = fresh_seed()
+    x = torch.randn(1, 64, 32, generator=torch.Generator().manual_seed(seed))
     codes, scale = model.blockwise_quantize(x, 16, "fp8")
     assert torch.equal(codes.to(torch.float8_e4m3fn).float(), codes)
     normal = codes.abs() >= 2.0**-6
-    assert ((x - codes * scale).abs() <= (codes * scale).abs() * 2.0**-4 * (1 + 1e-6))[normal].all()
+    error = (x.double() - codes.double() * scale.double()).abs()
+    assert (error <= (codes.double() * scale.double()).abs() * 2.0**-4 * (1 + 1e-4))[normal].all(), f"seed {seed}"
 
 
 def test_the_generator_puts_outlier_offsets_on_some_key_channels():
@@ -66,8 +71,10 @@ def test_subtracting_the_keys_mean_leaves_softmax_unchanged():
 
 
 def test_errors_of_the_schemes_keep_the_order_the_conclusions_rest_on():
-    results = {r["scheme"]: r for r in model.evaluate_case(SMALL, torch.float16, 2, 96, fresh_seed(),
+    seed = fresh_seed()
+    results = {r["scheme"]: r for r in model.evaluate_case(SMALL, torch.float16, 2, 96, seed,
                                                           (model.DEFAULT_BLOCKING,), tuple(model.SCHEMES))}
+    print(f"seed {seed}")  # shown by pytest when an assertion below fails
     l1 = {s: r["rel_l1"] for s, r in results.items()}
     assert l1["exact"] < l1["qk-int8"] / 10  # the 16-bit kernels are far from the 8-bit errors
     assert l1["qk-int8"] < l1["qk-int8-raw"]  # smoothing K pays for itself
@@ -78,11 +85,15 @@ def test_errors_of_the_schemes_keep_the_order_the_conclusions_rest_on():
 
 
 def test_scheme_outputs_approach_the_reference_on_flat_rows():
-    """Small queries give nearly uniform rows: every scheme then clears its bar by a wide margin."""
-    rows = model.evaluate_case(SMALL, torch.bfloat16, 2, 96, 3, tuple(model.BLOCKINGS), tuple(model.SCHEMES),
+    """Small queries give nearly uniform rows: every 8-bit scheme then clears its L1 bar with a quarter of
+    it to spare (the worst of 300 seeds used 0.46 of it)."""
+    seed = fresh_seed()
+    rows = model.evaluate_case(SMALL, torch.bfloat16, 2, 96, seed, tuple(model.BLOCKINGS), tuple(model.SCHEMES),
                                q_norm=0.25)
-    assert all(r["passes"] in (None, True) for r in rows if r["scheme"] not in ("qk-fp8", "qk-int8-raw"))
-    assert all(r["inputs"]["max_probability"] < 0.1 for r in rows)
+    assert all(r["inputs"]["max_probability"] < 0.1 for r in rows), f"seed {seed}"
+    for r in rows:
+        if r["mode"] is not None:
+            assert r["passes"] and r["rel_l1"] < 0.75 * model.BARS[r["mode"]]["rel_l1_max"], (f"seed {seed}", r)
 
 
 def test_the_report_names_every_scheme_and_the_bars():
