@@ -33,7 +33,8 @@ TARGETS = ("gfx1100", "gfx1201")
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 
 # (head dim, seq_q, seq_k, causal, layout): head dims reach every forward class (4x64, 4x32, 2x32,
-# two chunks, 512) and every dQ / dK-dV class (64, 128, 144, 160, 320, 384, 512).
+# two chunks, 512) and every dQ / dK-dV class (64, 128, 144, 160, 320, 384, 512; and SD1.5's 80: K and V
+# held in registers, 16-query tiles).
 FORWARD_SHAPES = (
     (40, 77, 130, False, "bshd"),
     (64, 64, 64, False, "bhsd"),
@@ -52,6 +53,7 @@ BACKWARD_SHAPES = (
     (320, 17, 17, True, "bshd"),
     (384, 9, 20, False, "bhsd"),
     (512, 20, 9, True, "bhsd"),
+    (80, 33, 40, True, "bshd"),
 )
 
 
