@@ -102,26 +102,27 @@ struct TileCopy {
   template <bool MASKED>
   static RDNA_DEV void batch(int b, u16* k_lds, u16* vt_lds, const u16* k, i64 k_stride, const u16* v, i64 v_stride,
                              int key0, int seqlen, int col0, int head_dim, int tid) {
-    // The tile's first rows: uniform, so the per-load address is a loop-invariant offset plus this.
+    // The tile's first rows: uniform, so every load is this base plus a 32-bit byte offset per lane
+    // (load16_at; the dispatch keeps sequence strides below 2^23 elements, so 64 rows fit).
     const u16* k_tile = k + i64(key0) * k_stride;
     const u16* v_tile = v + i64(key0) * v_stride;
     u32x4 k_val[kKPerBatch];
     u32x4 v_val[kVPerBatch][2];
     // With a whole number of threads per K row, a thread keeps its column and steps by whole rows:
-    // one 64-bit base per thread instead of one address per load kept live across the loop.
+    // one offset per thread, with the row steps in the uniform base, instead of one per load.
     constexpr int kRowStep = THREADS % kKChunks == 0 ? THREADS / kKChunks : 0;
     const int k_col = min_int(tid % kKChunks * 8, head_dim - 8);
-    const u16* k_thread = k_tile + i64(tid / kKChunks) * k_stride + k_col;
+    const u32 k_thread = u32(tid / kKChunks * int(k_stride) + k_col) * 2u;
     #pragma unroll
     for (int n = 0; n < kKPerBatch; ++n) {
       const int i = tid + (b * kKPerBatch + n) * THREADS;
       const int r = i / kKChunks, c = i % kKChunks * 8;
       if (b * kKPerBatch + n < kKLoads && exists<kKTotal>(i)) {
         if (MASKED || kRowStep == 0)
-          k_val[n] = load16(k_tile + i64(MASKED ? min_int(r, seqlen - 1 - key0) : r) * k_stride +
-                            min_int(c, head_dim - 8));
+          k_val[n] = load16_at(k_tile, u32((MASKED ? min_int(r, seqlen - 1 - key0) : r) * int(k_stride) +
+                                           min_int(c, head_dim - 8)) * 2u);
         else
-          k_val[n] = load16(k_thread + i64((b * kKPerBatch + n) * kRowStep) * k_stride);
+          k_val[n] = load16_at(k_tile + i64((b * kKPerBatch + n) * kRowStep) * k_stride, k_thread);
       }
     }
     #pragma unroll
@@ -132,7 +133,7 @@ struct TileCopy {
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = MASKED ? min_int(r + h, seqlen - 1 - key0) : r + h;
-          v_val[n][h] = load16(v_tile + i64(row) * v_stride + col);
+          v_val[n][h] = load16_at(v_tile, u32(row * int(v_stride) + col) * 2u);
           if (MASKED && key0 + r + h >= seqlen) v_val[n][h] = zero_u32x4();
         }
       }

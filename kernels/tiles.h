@@ -13,6 +13,11 @@ RDNA_DEV u16 element_of(const u32x4& v, int e) { return u16(v[e >> 1] >> (16 * (
 
 RDNA_DEV u32x4 load16(const u16* p) { return *reinterpret_cast<const u32x4*>(p); }
 RDNA_DEV void store16(u16* p, const u32x4& v) { *reinterpret_cast<u32x4*>(p) = v; }
+// 16 bytes at a wave-uniform base plus a 32-bit byte offset: the global load's scalar-base form, whose
+// address unit adds the two (a 64-bit address per lane costs two VALU adds per load).
+RDNA_DEV u32x4 load16_at(const u16* uniform_base, u32 byte_offset) {
+  return load16(reinterpret_cast<const u16*>(reinterpret_cast<const char*>(uniform_base) + byte_offset));
+}
 
 // Copies rows [row0, row0 + ROWS) x columns [0, COLS) of a (seq, dim) matrix into LDS, zero where
 // the row is past seqlen or the column past head_dim: padding never reaches the arithmetic.

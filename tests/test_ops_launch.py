@@ -84,6 +84,17 @@ def test_misaligned_input_is_refused_after_its_signature_was_prepared(library):
     assert len(library.launches) == 1
 
 
+def test_a_sequence_stride_past_the_kernels_32_bit_tile_offsets_is_refused_by_name(library):
+    q, k, v = tensors(shape=(1, 1, 2, 8))
+    wide = torch.zeros(2**23 + 8, dtype=q.dtype)
+    far_apart = wide.as_strided((1, 1, 2, 8), (2**23 + 8, 2**23 + 8, 2**23, 1))
+    assert ops.forward_refusal(q, far_apart, v) == "key sequence stride 8388608 is 2^23 elements or more"
+    below = wide.as_strided((1, 1, 2, 8), (2**23 + 8, 2**23 + 8, 2**23 - 8, 1))
+    assert ops.forward_refusal(q, below, v) is None
+    # what the kernels are handed without a choice (a gradient) is copied compactly instead
+    assert ops.kernel_layout(far_apart).stride(2) == 8
+
+
 def test_given_out_and_lse_are_written_where_they_lie(library):
     q, k, v = tensors(layout="bshd")
     ops.flash_attention_forward(q, k, v)
