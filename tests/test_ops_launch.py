@@ -84,15 +84,27 @@ def test_misaligned_input_is_refused_after_its_signature_was_prepared(library):
     assert len(library.launches) == 1
 
 
-def test_a_sequence_stride_past_the_kernels_32_bit_tile_offsets_is_refused_by_name(library):
+def test_a_key_or_value_sequence_stride_past_the_32_bit_tile_offsets_is_refused_by_name(library):
     q, k, v = tensors(shape=(1, 1, 2, 8))
     wide = torch.zeros(2**23 + 8, dtype=q.dtype)
     far_apart = wide.as_strided((1, 1, 2, 8), (2**23 + 8, 2**23 + 8, 2**23, 1))
     assert ops.forward_refusal(q, far_apart, v) == "key sequence stride 8388608 is 2^23 elements or more"
+    assert ops.forward_refusal(q, k, far_apart) == "value sequence stride 8388608 is 2^23 elements or more"
+    assert ops.forward_refusal(far_apart, k, v) is None  # Q's rows and O's use 64-bit addresses
     below = wide.as_strided((1, 1, 2, 8), (2**23 + 8, 2**23 + 8, 2**23 - 8, 1))
-    assert ops.forward_refusal(q, below, v) is None
-    # what the kernels are handed without a choice (a gradient) is copied compactly instead
-    assert ops.kernel_layout(far_apart).stride(2) == 8
+    assert ops.forward_refusal(q, below, below) is None
+    # a packed batch's limit is on its tokens' stride
+    packed = wide.as_strided((2, 1, 8), (2**23, 8, 1))
+    assert ops.varlen_refusal(q[0].transpose(0, 1), packed, packed, *(torch.tensor([0, 2], dtype=torch.int32),) * 2,
+                              2, 2) == "key sequence stride 8388608 is 2^23 elements or more"
+
+
+def test_the_stride_limit_keeps_every_forward_tiles_offsets_within_32_bits():
+    """TileCopy's offsets reach (block_n - 1) rows, and (threads / 16-byte chunks per row - 1) rows on
+    its per-thread path: both must stay below 2^32 bytes at the largest stride the dispatch lets in."""
+    for variant in variants.FWD_VARIANTS:
+        rows = max(variant.block_n, 32 * variant.waves // max(1, variant.d_pad // 8))
+        assert (rows * ops._MAX_KV_SEQ_STRIDE + variant.d_pad) * 2 < 2**32, variant.symbol
 
 
 def test_given_out_and_lse_are_written_where_they_lie(library):

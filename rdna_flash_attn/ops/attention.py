@@ -30,9 +30,9 @@ _SUPPORTED_HEAD_DIMS = frozenset(variants.SUPPORTED_HEAD_DIMS)
 _VECTOR_ELEMS = 8  # the kernels move 16-byte vectors of 16-bit values
 _MAX_GRID_YZ = 65535
 _MAX_SEQLEN = 2**31 - 1024
-# The forward kernel addresses a key tile's rows with 32-bit byte offsets from a tile base (its loads'
-# scalar-base form): up to 128 rows apart, so a sequence stride must stay below 2^23 elements.
-_MAX_SEQ_STRIDE = 2**23
+# The forward kernel addresses a K or V tile's rows with 32-bit byte offsets from the tile's base (its
+# loads' scalar-base form): at most 64 rows apart, so their sequence strides stay below 2^23 elements.
+_MAX_KV_SEQ_STRIDE = 2**23
 _EMPTY = "empty tensor"
 LOG2_E = 1.4426950408889634  # the kernels take the softmax scale in base 2
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
@@ -77,6 +77,9 @@ def forward_refusal(q, k, v, is_causal: bool = False, scale: float | None = None
         reason = _layout_refusal(name, t)
         if reason:
             return reason
+    for name, t in (("key", k), ("value", v)):
+        if t.stride(2) >= _MAX_KV_SEQ_STRIDE:
+            return f"{name} sequence stride {t.stride(2)} is 2^23 elements or more"
     if scale is not None and not math.isfinite(scale):
         return "softmax scale is not finite"
     return mask_refusal(attn_mask, q, k)
@@ -165,8 +168,6 @@ def _layout_refusal(name: str, t: torch.Tensor) -> str | None:
         return f"{name} is not contiguous in head_dim"
     if any(t.stride(i) % _VECTOR_ELEMS for i in range(3)):
         return f"{name} strides are not multiples of 8 elements (16 bytes)"
-    if t.stride(2) >= _MAX_SEQ_STRIDE:
-        return f"{name} sequence stride {t.stride(2)} is 2^23 elements or more"
     if not _aligned(t):
         return f"{name} does not start on a 16-byte boundary (storage offset)"
     return None
