@@ -323,9 +323,8 @@ def _stable_audio_embedders() -> dict:
     return weights
 
 
-# Arguments model_base classes take beside the config, as supported_models passes them (or a function
-# returning them)
-MODEL_KWARGS = {"wan22": {"image_to_video": True}, "stable_audio": _stable_audio_embedders}
+# Functions returning the arguments model_base classes take beside the config, as supported_models passes them
+MODEL_KWARGS = {"wan22": lambda: {"image_to_video": True}, "stable_audio": _stable_audio_embedders}
 LATENT_FRAMES.update({"mochi": 2, "hunyuan_video15": 2, "wan22": 2})
 LATENT_SIZE.update({"chroma_radiance": 32})  # pixels: 8 x 8 patches of 4
 LATENT_TOKENS["stable_audio"] = 64
@@ -397,8 +396,7 @@ def model_config(name: str, unet_config: dict, dtype: torch.dtype):
     import comfy.supported_models_base
 
     base_class, latent_format, extra, _, _, _ = MODELS[name]
-    kwargs = MODEL_KWARGS.get(name, {})
-    kwargs = kwargs() if callable(kwargs) else kwargs
+    kwargs = MODEL_KWARGS.get(name, dict)()
 
     class Config(comfy.supported_models_base.BASE):
         unet_extra_config = extra
