@@ -52,6 +52,7 @@ class Hardware:
     lds_bytes_clk_cu: int  # assumed 128 (32 banks x 4 B per CU), see the .md
     operand_copies: int  # gfx11 WMMA operands are duplicated in both half-waves (DESIGN.md section 3)
     published_tflops: float  # best measured forward published (issue 23's anchors), d128
+    eight_bit_rate: float = 1.0  # 8-bit WMMA (iu8, fp8) issue rate over the 16-bit one (calculator: 8 vs 16 cycles)
 
     @property
     def clock_hz(self) -> float:  # the clock the peak figure implies: 2.50 GHz (7900 XTX), 2.97 (9070 XT)
@@ -67,7 +68,7 @@ class Hardware:
 
 HARDWARE = {
     "gfx1100": Hardware("RX 7900 XTX", 96, 122.9, 512, 960, 5300, 128, 2, 67.0),  # SDPA/AOTriton, comfy-kitchen
-    "gfx1201": Hardware("RX 9070 XT", 64, 194.6, 1024, 640, None, 128, 1, 117.9),  # gcnasm v201 assembly, bf16
+    "gfx1201": Hardware("RX 9070 XT", 64, 194.6, 1024, 640, None, 128, 1, 117.9, 2.0),  # gcnasm v201 assembly, bf16
 }
 
 # The calibration (issue 22; bench/estimate_external.py, bench/results/estimator_calibration.md): this
@@ -91,6 +92,7 @@ def target_of(hw: Hardware) -> str:
 _HEADER = re.compile(r"^[0-9a-fA-F]+ <(.+)>:$")
 _INSN = re.compile(r"^\s+(\S+)\s*(.*?)\s*//\s*([0-9A-Fa-f]+):")
 _TRANS = re.compile(r"^v_(exp|log|rcp|rsq|sqrt|sin|cos)_")
+_EIGHT_BIT_WMMA = re.compile(r"^v_wmma_\w+_(iu8|fp8|bf8)")
 _WIDTH = re.compile(r"_(2addr_(?:stride64_)?)?[biu](8|16|32|64|96|128)")
 # Scheduling hints and cache control: they take no pipe time in this model.
 _HINTS = ("s_nop", "s_delay_alu", "s_set_inst_prefetch_distance", "s_clause", "buffer_gl0_inv",
@@ -178,6 +180,7 @@ class InnerLoop:
 @dataclass
 class TileCounts:
     wmma: int = 0
+    wmma_8bit: int = 0  # of which on 8-bit operands (Hardware.eight_bit_rate)
     valu: int = 0  # issues; a VOPD pair is one issue
     vopd: int = 0  # of which dual-issue pairs
     trans: int = 0
@@ -305,6 +308,7 @@ def tally(items) -> TileCounts:
         if kind in ("wmma", "valu", "trans", "salu", "branch", "barrier", "waitcnt", "hint", "smem", "global_store"):
             setattr(c, kind, getattr(c, kind) + n)
         c.vopd += n * i.op.startswith("v_dual_")
+        c.wmma_8bit += n * bool(_EIGHT_BIT_WMMA.match(i.op))
         if kind in ("lds_read", "lds_write", "global_load"):
             setattr(c, f"{kind}_insts", getattr(c, f"{kind}_insts") + n)
             setattr(c, f"{kind}_bytes", getattr(c, f"{kind}_bytes") + n * 32 * lane_bytes(i.op))
@@ -330,7 +334,7 @@ def model(c: TileCounts, hw: Hardware, variant, waves_per_simd: int, flops: int,
 
     flops: useful FLOP per wave per tile; groups: workgroups of the launch (for the tail)."""
     t = {}
-    t["wmma"] = c.wmma * hw.wmma_cycles
+    t["wmma"] = (c.wmma - c.wmma_8bit + c.wmma_8bit / hw.eight_bit_rate) * hw.wmma_cycles
     # WMMA and VALU share the SIMD's issue and datapath (same 512 FLOP/clk/CU peak): they add up.
     t["simd_opt"] = t["wmma"] + c.valu + c.trans  # TRANS runs beside the VALU: one issue cycle each
     t["simd_pess"] = t["wmma"] + c.valu + c.trans * TRANS_CYCLES_PESS

@@ -3,6 +3,9 @@
 // are generated from rdna_flash_attn/runtime/variants.py by kernels/build.py.
 #include "fa_fwd.h"
 #include "fa_bwd.h"
+#if defined(__GFX12__)
+#include "fa_fwd8.h"  // 8-bit WMMA at twice the 16-bit rate: gfx12 only
+#endif
 
 // MASKED: the variant that reads the argument block's attention mask; the others ignore it.
 #define RDNA_FA_FWD_INSTANCE(symbol, dtype, d_pad, waves, block_n, d_chunk, copy_loads, masked)    \
@@ -21,6 +24,12 @@
   RDNA_KERNEL(32 * (waves)) symbol(const rdna::BwdArgs args) {                                      \
     RDNA_LDS_ARRAY(rdna::u16, lds, (rdna::DqShape<d_pad, waves, block_n, d_chunk>::kLdsElems));    \
     rdna::dq_body<rdna::dtype, d_pad, waves, block_n, d_chunk, masked>(args, lds);                 \
+  }
+
+#define RDNA_FA_FWD8_INSTANCE(symbol, dtype, d_pad, waves, block_n)                                 \
+  RDNA_KERNEL(32 * (waves)) symbol(const rdna::Fwd8Args args) {                                     \
+    RDNA_LDS_ARRAY(rdna::u16, lds, (2 * rdna::Fwd8Shape<d_pad, waves, block_n>::kLdsWords));        \
+    rdna::fwd8_body<rdna::dtype, d_pad, waves, block_n>(args, reinterpret_cast<rdna::u32*>(lds));   \
   }
 
 #include "instances.inc"

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 LOGGER_NAME = "rdna_flash_attn"
 PROJECT_NAME = "RDNA Flash Attention"  # what the console lines of every host say first
 FP32_CAST_CHOICES = ("off", "bf16", "fp16")
+PRECISION_CHOICES = ("exact", "8bit-qkpv")
 
 log = logging.getLogger(LOGGER_NAME)
 
@@ -75,6 +76,16 @@ def _check_fp32_cast(value: Any) -> str:
     return choice
 
 
+def _check_precision(value: Any) -> str:
+    choice = value.strip().lower() if isinstance(value, str) else value
+    if choice == "8bit-qk":
+        raise ValueError("8-bit QK alone is not offered: its int8 scores missed their accuracy bar "
+                         "(bench/results/quantized_attention_accuracy.md); 8bit-qkpv is")
+    if choice not in PRECISION_CHOICES:
+        raise ValueError(f"expected one of {', '.join(PRECISION_CHOICES)}, got {value!r}")
+    return choice
+
+
 def _check_log_level(value: Any) -> str | None:
     if value is None:
         return None
@@ -111,6 +122,12 @@ class Settings:
         "off",
         "off | bf16 | fp16: float32 inputs fall back to SDPA (off), or run on the kernels in that "
         "precision and come back as float32.",
+    )
+    precision: str = _option(
+        "RDNA_FA_PRECISION",
+        "exact",
+        "exact | 8bit-qkpv: 8bit-qkpv runs inference calls (no gradients, mask or causal) on RDNA4 (gfx12) in "
+        "approximate 8-bit attention (int8 Q K^T, fp8 P V); RDNA3 has no faster 8-bit rate and stays exact.",
     )
     log_level: str | None = _option(
         "RDNA_FA_LOG_LEVEL",
@@ -162,6 +179,7 @@ _CHECKS = {
     "force": _check_bool,
     "training": _check_bool,
     "fp32_cast": _check_fp32_cast,
+    "precision": _check_precision,
     "log_level": _check_log_level,
     "cache_dir": _check_optional_str,
 }

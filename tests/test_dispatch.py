@@ -53,7 +53,8 @@ def test_supported_calls_run_on_the_kernels_and_match_sdpa(fake_gpu, dtype, shap
     batch, heads, q_len, k_len, dim = shape
     q, k, v = qkv(batch, heads, q_len, k_len, dim, dtype)
     out = rfa.scaled_dot_product_attention(q, k, v, **kwargs)
-    assert rfa.stats() == {"kernel": 1, "fallback": 0, "fallback_reasons": {}}
+    assert rfa.stats() == {"kernel": 1, "kernel_8bit": 0, "fallback": 0, "fallback_reasons": {},
+                           "exact_not_8bit_reasons": {}}
     assert len(fake_gpu.launches) == 1
     assert_close_to_sdpa(out, q, k, v, **kwargs)
 
@@ -366,7 +367,8 @@ def test_counters_count_each_path_and_reset(fake_gpu):
     stats["fallback_reasons"].clear()  # a copy: callers cannot corrupt the counters
     assert rfa.stats()["fallback"] == 2
     rfa.reset_stats()
-    assert rfa.stats() == {"kernel": 0, "fallback": 0, "fallback_reasons": {}}
+    assert rfa.stats() == {"kernel": 0, "kernel_8bit": 0, "fallback": 0, "fallback_reasons": {},
+                           "exact_not_8bit_reasons": {}}
 
 
 def test_each_fallback_reason_is_logged_once(fake_gpu, log_records):
@@ -557,7 +559,8 @@ def test_masks_run_on_the_kernels_with_sdpas_result(fake_gpu, mask_shape, dtype)
         out = rfa.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
                                                   attn_mask=mask if dtype == torch.bool else mask.float())
-    assert rfa.stats() == {"kernel": 1, "fallback": 0, "fallback_reasons": {}}
+    assert rfa.stats() == {"kernel": 1, "kernel_8bit": 0, "fallback": 0, "fallback_reasons": {},
+                           "exact_not_8bit_reasons": {}}
     torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=0)
     assert "mask" in rfa.explain(q, k, v, attn_mask=mask)
 

@@ -25,6 +25,14 @@ struct Isa {
     for (int j = 0; j < 4; ++j) out.w[j] = packed[j];
     return out;
   }
+  // 8-bit operands (int8, fp8; fa_fwd8.h): a lane holds the same 8 k values, k = 8 * (l / 16) + byte,
+  // four to a word; the int8 accumulator's layout is the float one.
+  struct alignas(8) Operand8 { u32 w[2]; };
+  static RDNA_DEV void mma_i8(v8i& c, const Operand8& a, const Operand8& b) { c = wmma_gfx12_i8(a.w, b.w, c); }
+  static RDNA_DEV void mma_fp8(v8f& c, const Operand8& a, const Operand8& b) { c = wmma_gfx12_fp8(a.w, b.w, c); }
+  // The B operand with k = key from this lane's accumulator keys (acc_key order), four to a word.
+  static RDNA_DEV Operand8 keys_to_operand8(u32 keys_0_3, u32 keys_4_7) { return Operand8{{keys_0_3, keys_4_7}}; }
+
   // Accumulator rows 8 * (l / 16) .. + 7 of this lane's column, packed in pairs: the lane's own.
   static RDNA_DEV u32x4 rows_to_run(const u16 (&bits)[8], int) {
     u32x4 run;

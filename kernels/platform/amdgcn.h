@@ -104,6 +104,27 @@ RDNA_DEV v8f wmma_gfx12(f16, const u32 (&a)[4], const u32 (&b)[4], v8f c) {
 RDNA_DEV v8f wmma_gfx12(bf16, const u32 (&a)[4], const u32 (&b)[4], v8f c) {
   return __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32_gfx12(as_vector_s16(a), as_vector_s16(b), c);
 }
+
+typedef int v2i __attribute__((ext_vector_type(2)));
+typedef int v8i __attribute__((ext_vector_type(8)));
+RDNA_DEV v8i zero_v8i() { return v8i{0, 0, 0, 0, 0, 0, 0, 0}; }
+
+// Signed int8 operands, exact int32 sums (no clamp).
+RDNA_DEV v8i wmma_gfx12_i8(const u32 (&a)[2], const u32 (&b)[2], v8i c) {
+  return __builtin_amdgcn_wmma_i32_16x16x16_iu8_w32_gfx12(true, __builtin_bit_cast(v2i, a), true,
+                                                         __builtin_bit_cast(v2i, b), c, false);
+}
+// OCP e4m3 operands, float32 sums.
+RDNA_DEV v8f wmma_gfx12_fp8(const u32 (&a)[2], const u32 (&b)[2], v8f c) {
+  return __builtin_amdgcn_wmma_f32_16x16x16_fp8_fp8_w32_gfx12(__builtin_bit_cast(v2i, a), __builtin_bit_cast(v2i, b),
+                                                              c);
+}
+// Four values as e4m3 (nearest even), a first in the low byte: two v_cvt_pk_fp8_f32, the second
+// writing the high half of the first's result.
+RDNA_DEV u32 pack_fp8x4(float a, float b, float c, float d) {
+  const int low = __builtin_amdgcn_cvt_pk_fp8_f32(a, b, 0, false);
+  return u32(__builtin_amdgcn_cvt_pk_fp8_f32(c, d, low, true));
+}
 #endif
 
 }  // namespace rdna

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #define RDNA_DEV __device__ __forceinline__
 #define RDNA_KERNEL(threads) extern "C" __global__ void __launch_bounds__(threads)
@@ -166,6 +167,72 @@ __device__ __noinline__ v8f emulate_wmma_gfx12(DT dt, Words<4> a_words, Words<4>
   }
   return c;
 }
+
+#if RDNA_EMULATE == 12
+struct v8i {
+  int e[8];
+  RDNA_DEV int& operator[](int i) { return e[i]; }
+  RDNA_DEV int operator[](int i) const { return e[i]; }
+};
+RDNA_DEV v8i zero_v8i() { return v8i{{0, 0, 0, 0, 0, 0, 0, 0}}; }
+
+// Byte e of an 8-bit operand held as packed words (low byte first, as in a VGPR).
+RDNA_DEV u32 byte_of(const u32 (&w)[2], int e) { return (w[e >> 2] >> (8 * (e & 3))) & 0xffu; }
+
+// OCP e4m3 (torch.float8_e4m3fn): bias 7, no infinities, S.1111.111 is NaN; exact in float32.
+RDNA_DEV float e4m3_value(u32 bits) {
+  const float sign = (bits & 0x80u) ? -1.f : 1.f;
+  const int exponent = int(bits >> 3) & 15, mantissa = int(bits & 7u);
+  if (exponent == 15 && mantissa == 7) return __int_as_float(0x7fc00000);
+  if (exponent == 0) return sign * ldexpf(float(mantissa), -9);
+  return sign * ldexpf(float(8 + mantissa), exponent - 10);
+}
+RDNA_DEV float int8_value(u32 bits) { return float(static_cast<signed char>(bits)); }
+
+// gfx12 8-bit WMMA 16x16x16: A row m, k = 8*(l/16) + e sits in lane m + 16*(k/8) byte e; B likewise by
+// column; D[8*(l/16) + s][l % 16]. int8: exact int32 sums; e4m3: exact products, float32 sums.
+template <bool FP8>
+RDNA_DEV float operand8_value(u32 bits) { return FP8 ? e4m3_value(bits) : int8_value(bits); }
+
+template <bool FP8, class ACC>
+__device__ __noinline__ ACC emulate_wmma_gfx12_8bit(Words<2> a_words, Words<2> b_words, ACC c) {
+  const u32(&a)[2] = a_words.w;
+  const u32(&b)[2] = b_words.w;
+  const int lane = lane_id();
+  const int column = lane & 15;
+  float bcol[16];
+  for (int half = 0; half < 2; ++half) {
+    const u32 bw[2] = {word_of_lane(b, 0, column + 16 * half), word_of_lane(b, 1, column + 16 * half)};
+    for (int e = 0; e < 8; ++e) bcol[8 * half + e] = operand8_value<FP8>(byte_of(bw, e));
+  }
+  for (int s = 0; s < 8; ++s) {
+    const int row = 8 * (lane >> 4) + s;
+    for (int half = 0; half < 2; ++half) {
+      const u32 aw[2] = {word_of_lane(a, 0, row + 16 * half), word_of_lane(a, 1, row + 16 * half)};
+      for (int e = 0; e < 8; ++e) {
+        const float x = operand8_value<FP8>(byte_of(aw, e));
+        if constexpr (FP8) c[s] = fmaf(x, bcol[8 * half + e], c[s]);
+        else c[s] += int(x) * int(bcol[8 * half + e]);
+      }
+    }
+  }
+  return c;
+}
+
+RDNA_DEV v8i wmma_gfx12_i8(const u32 (&a)[2], const u32 (&b)[2], v8i c) {
+  return emulate_wmma_gfx12_8bit<false>(Words<2>{{a[0], a[1]}}, Words<2>{{b[0], b[1]}}, c);
+}
+RDNA_DEV v8f wmma_gfx12_fp8(const u32 (&a)[2], const u32 (&b)[2], v8f c) {
+  return emulate_wmma_gfx12_8bit<true>(Words<2>{{a[0], a[1]}}, Words<2>{{b[0], b[1]}}, c);
+}
+// v_cvt_pk_fp8_f32 twice: nearest even (CUDA's own e4m3 conversion), a in the low byte.
+RDNA_DEV u32 pack_fp8x4(float a, float b, float c, float d) {
+  const float x[4] = {a, b, c, d};
+  u32 out = 0;
+  for (int i = 0; i < 4; ++i) out |= u32(__nv_cvt_float_to_fp8(x[i], __NV_SATFINITE, __NV_E4M3)) << (8 * i);
+  return out;
+}
+#endif
 
 template <int W>
 RDNA_DEV Words<W> to_words(const u32 (&w)[W]) {

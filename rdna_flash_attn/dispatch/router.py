@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..config import LOGGER_NAME, settings
-from ..ops import attention, autograd
+from ..ops import attention, autograd, quantized
 from ..runtime import device as devices, loader
 from ..runtime.loader import KernelLibrary, KernelUnavailable
 from . import selftest
@@ -67,6 +67,7 @@ class KernelCall(NamedTuple):
     out_dtype: torch.dtype  # what SDPA would have returned
     backward: bool  # autograd needs the differentiable op
     attn_mask: torch.Tensor | None = None
+    eight_bit: bool = False  # runs in 8-bit attention (settings.precision)
 
 
 class Route(NamedTuple):
@@ -78,6 +79,8 @@ class Route(NamedTuple):
     # A forward-only route's prepared kernel launch (attention.forward_launch), kept in the route cache
     # after its first eager call, so later calls of the signature pay one lookup in all.
     launch: Callable | None = None
+    eight_bit: bool = False  # 8-bit attention (ops/quantized.py), as settings.precision asks
+    exact_reason: str | None = None  # why a call settings.precision asked to run in 8 bits runs exact
 
 
 # --- per-device verdicts, cached: devices do not change during a process ---------------------------
@@ -272,7 +275,23 @@ def _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
         refusal = _selftest_refusal_while_tracing(query.device, _verdict_generation)
     else:
         refusal = selftest_refusal(query.device)
-    return refusal or Route(run_dtype, out_dtype, backward)
+    if refusal:
+        return refusal
+    route = Route(run_dtype, out_dtype, backward)
+    if settings.precision == "exact":
+        return route
+    refusal = _eight_bit_refusal(query, key, value, is_causal, attn_mask, backward, tracing)
+    return route._replace(exact_reason=refusal) if refusal else route._replace(eight_bit=True)
+
+
+def _eight_bit_refusal(query, key, value, is_causal, attn_mask, backward: bool, tracing: bool) -> str | None:
+    """Why a call the exact kernels take cannot run in 8-bit attention, or None."""
+    if backward:
+        return "gradients needed (8-bit attention is for inference)"
+    if tracing:
+        return "traced by torch.compile (8-bit attention runs in eager calls)"
+    target = device_verdict(query.device).library.artifact.target
+    return quantized.quantized_refusal(query, key, value, is_causal, attn_mask, target)
 
 
 _routes: dict[tuple, Route | str] = {}
@@ -289,7 +308,7 @@ def _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         return None
     try:
         device = query.device
-        return (settings.disable, settings.force, settings.training, settings.fp32_cast,
+        return (settings.disable, settings.force, settings.training, settings.fp32_cast, settings.precision,
                 device, key.device, value.device, query.dtype, key.dtype, value.dtype,
                 query.layout, key.layout, value.layout, query.shape, key.shape, value.shape,
                 query.stride(), key.stride(), value.stride(),
@@ -333,7 +352,7 @@ def plan(
     if isinstance(route, str):
         return route
     query, key, value, scale = _kernel_inputs(route, query, key, value, scale)
-    return KernelCall(query, key, value, is_causal, scale, route.out_dtype, route.backward, attn_mask)
+    return KernelCall(query, key, value, is_causal, scale, route.out_dtype, route.backward, attn_mask, route.eight_bit)
 
 
 def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False) -> str:
@@ -348,26 +367,45 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *
     if call.key.shape[1] != call.query.shape[1]:
         kind += f", {call.query.shape[1] // call.key.shape[1]} query heads per key/value head"
     grad = ", forward and backward" if call.backward else ""
-    return f"runs on the kernels: {call.query.dtype}, head dim {call.query.shape[-1]}, {kind}{grad}"
+    precision = ", in 8-bit attention (int8 Q K^T, fp8 P V)" if call.eight_bit else ""
+    return f"runs on the kernels: {call.query.dtype}, head dim {call.query.shape[-1]}, {kind}{grad}{precision}"
 
 
 # --- counters and once-per-reason logging ---------------------------------------------------------
 
 _kernel_calls = 0
+_eight_bit_calls = 0
 _fallbacks: Counter[str] = Counter()
+_exact_reasons: Counter[str] = Counter()  # calls settings.precision asked to run in 8 bits that ran exact
 _logged_reasons: set[str] = set()
+_logged_exact_reasons: set[str] = set()
 
 
 def stats() -> dict:
-    """Calls per path since the last reset: {"kernel": n, "fallback": n, "fallback_reasons": {reason: n}}."""
-    return {"kernel": _kernel_calls, "fallback": sum(_fallbacks.values()), "fallback_reasons": dict(_fallbacks)}
+    """Calls per path since the last reset: {"kernel": n (of which "kernel_8bit" ran in 8-bit attention),
+    "fallback": n, "fallback_reasons": {reason: n}, "exact_not_8bit_reasons": {reason: n}}."""
+    return {"kernel": _kernel_calls, "kernel_8bit": _eight_bit_calls, "fallback": sum(_fallbacks.values()),
+            "fallback_reasons": dict(_fallbacks), "exact_not_8bit_reasons": dict(_exact_reasons)}
 
 
 def reset_stats() -> None:
     """Zero the counters (reasons already logged stay logged)."""
-    global _kernel_calls
-    _kernel_calls = 0
+    global _kernel_calls, _eight_bit_calls
+    _kernel_calls = _eight_bit_calls = 0
     _fallbacks.clear()
+    _exact_reasons.clear()
+
+
+def _note_precision(route: Route) -> None:
+    """Counts an 8-bit call, or logs (once per reason) why one settings.precision asked for ran exact."""
+    global _eight_bit_calls
+    if route.eight_bit:
+        _eight_bit_calls += 1
+        return
+    _exact_reasons[route.exact_reason] += 1
+    if route.exact_reason not in _logged_exact_reasons and log.isEnabledFor(logging.INFO):
+        _logged_exact_reasons.add(route.exact_reason)
+        log.info("not using 8-bit attention: %s (the exact kernels run these calls)", route.exact_reason)
 
 
 def _note_fallback(reason: str, fallback_name: str) -> None:
@@ -394,7 +432,9 @@ def _run(route: Route, query, key, value, attn_mask, is_causal: bool, scale, sig
     with a mask) runs the route's prepared launch, preparing it (and caching the route with it) the
     first time."""
     query, key, value, scale = _kernel_inputs(route, query, key, value, scale)
-    if route.backward or tracing:  # the custom op: differentiable, and what a graph can hold
+    if route.eight_bit:
+        out = quantized.quantized_attention_forward(query, key, value, scale)
+    elif route.backward or tracing:  # the custom op: differentiable, and what a graph can hold
         out = autograd.flash_attention(query, key, value, is_causal, scale, attn_mask=attn_mask)
     elif route.launch is not None:
         out, _lse = route.launch(query, key, value)
@@ -437,8 +477,11 @@ def attention_or_reason(
     if isinstance(route, str):
         _note_fallback(route, fallback_name)
         return route
-    return _counted(lambda: _run(route, query, key, value, attn_mask, is_causal, scale, signature), query.device,
-                    fallback_name)
+    out = _counted(lambda: _run(route, query, key, value, attn_mask, is_causal, scale, signature), query.device,
+                   fallback_name)
+    if not isinstance(out, str) and (route.eight_bit or route.exact_reason is not None):
+        _note_precision(route)
+    return out
 
 
 def _counted(run, device: torch.device, fallback_name: str):

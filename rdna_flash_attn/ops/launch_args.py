@@ -63,3 +63,13 @@ class BwdArgs(ctypes.Structure):
 # kernels/sequence.h's Causal and MaskKind.
 NOT_CAUSAL, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2
 MASK_NONE, MASK_BOOL, MASK_F16, MASK_BF16, MASK_F32 = 0, 1, 2, 3, 4
+
+
+class Fwd8Args(ctypes.Structure):
+    """The 8-bit forward's block (kernels/fa_fwd8.h): quantized inputs in the kernel's own layout."""
+
+    _fields_ = [
+        *((name, ctypes.c_void_p) for name in ("q8", "q_scale", "k8", "k_scale", "vt8", "v_scale", "v_mean", "o")),
+        *((f"o_stride_{d}", ctypes.c_int64) for d in "bhs"),
+        *((name, ctypes.c_int32) for name in ("heads", "kv_heads", "seqlen_q", "seqlen_k", "k_rows", "head_dim")),
+    ]

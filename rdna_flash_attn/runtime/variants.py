@@ -221,7 +221,60 @@ def _bwd_variant(kind: str, dtype: str, d_pad: int, masked: bool = False) -> Bwd
 BWD_VARIANTS = tuple(_bwd_variant(kind, dt, d, masked) for masked in (False, True) for kind in ("dkdv", "dq")
                      for dt in DTYPES for d in (PADDED_HEAD_DIMS if not masked else MASKED_PADDED_HEAD_DIMS))
 BWD_BY_SYMBOL = {v.symbol: v for v in BWD_VARIANTS}
+
+
+# The opt-in 8-bit forward (kernels/fa_fwd8.h, "8-bit QK+PV"): gfx12 only, whose WMMA runs 8-bit
+# operands at twice the 16-bit rate (gfx11's at the same rate). Inputs come quantized into buffers of
+# the kernel's layout (rdna_flash_attn/ops/quantized.py): keys padded to whole tiles, head dim to d_pad.
+FWD8_PADDED_HEAD_DIMS = (48, 64, 80, 96, 128, 160)
+FWD8_WAVES = 4
+FWD8_BLOCK_N = 64
+FWD8_SCALE_KEYS = FRAG  # keys per K scale: one WMMA fragment
+_FWD8_PAD_BYTES = 16  # added to every LDS row, as LDS_ROW_PAD is for 16-bit rows
+
+
+def has_fwd8(target: str) -> bool:
+    """Whether code objects for `target` ("gfx1201", or "emulated-gfx12") hold the 8-bit forward."""
+    return target.removeprefix("emulated-").startswith("gfx12")
+
+
+@dataclass(frozen=True)
+class Fwd8Variant(_WaveTiled):
+    dtype: str  # the output's
+    d_pad: int
+    waves: int = FWD8_WAVES
+    block_n: int = FWD8_BLOCK_N
+
+    @property
+    def d_chunk(self) -> int:
+        return self.d_pad  # one workgroup makes every output column
+
+    @property
+    def symbol(self) -> str:
+        return f"rdna_fa_fwd8_{self.dtype}_d{self.d_pad}"
+
+    @property
+    def lds_bytes(self) -> int:
+        """Mirrors Fwd8Shape: Q and K rows of d_pad bytes, V^T rows of block_n bytes, each row padded."""
+        return ((self.block_rows + self.block_n) * (self.d_pad + _FWD8_PAD_BYTES)
+                + self.d_pad * (self.block_n + _FWD8_PAD_BYTES))
+
+
+FWD8_VARIANTS = tuple(Fwd8Variant(dt, d) for dt in DTYPES for d in FWD8_PADDED_HEAD_DIMS)
+FWD8_BY_SYMBOL = {v.symbol: v for v in FWD8_VARIANTS}
+FWD8_HEAD_DIMS = tuple(d for d in SUPPORTED_HEAD_DIMS if padded_head_dim(d) in FWD8_PADDED_HEAD_DIMS)
+
+
+def fwd8_variant(dtype: str, head_dim: int) -> Fwd8Variant:
+    return FWD8_BY_SYMBOL[f"rdna_fa_fwd8_{dtype}_d{padded_head_dim(head_dim)}"]
+
+
 ALL_SYMBOLS = tuple(FWD_BY_SYMBOL) + tuple(BWD_BY_SYMBOL)
+
+
+def target_symbols(target: str) -> tuple[str, ...]:
+    """The kernels a code object for `target` holds."""
+    return ALL_SYMBOLS + (tuple(FWD8_BY_SYMBOL) if has_fwd8(target) else ())
 
 
 def bwd_variant(kind: str, dtype: str, head_dim: int, masked: bool = False) -> BwdVariant:
@@ -235,4 +288,7 @@ def instantiation_lines() -> str:
              for v in FWD_VARIANTS]
     lines += [f"RDNA_FA_BWD_{v.kind.upper()}_INSTANCE({v.symbol}, {v.dtype}, {v.d_pad}, {v.waves}, {v.block_tile}, "
               f"{v.d_chunk}, {str(v.masked).lower()})" for v in BWD_VARIANTS]
+    lines += ["#if defined(__GFX12__)"]
+    lines += [f"RDNA_FA_FWD8_INSTANCE({v.symbol}, {v.dtype}, {v.d_pad}, {v.waves}, {v.block_n})" for v in FWD8_VARIANTS]
+    lines += ["#endif"]
     return "\n".join(lines) + "\n"

@@ -150,7 +150,7 @@ def _compile_one(compiler: Compiler, target: str, version: int, include_dir: Pat
     output = out_dir / artifact_name(target, version)
     partial = out_dir / f".{output.name}.{os.getpid()}.part"
     started = time.monotonic()
-    progress(f"{step} {target}: compiling code object v{version} ({len(variants.ALL_SYMBOLS)} kernels, "
+    progress(f"{step} {target}: compiling code object v{version} ({len(variants.target_symbols(target))} kernels, "
              "usually a few minutes)")
     with tempfile.TemporaryFile() as errors:
         process = subprocess.Popen(clang_command(compiler.path, target, include_dir, partial,
@@ -212,7 +212,7 @@ def write_manifest(out_dir: Path, built: Iterable[str], compiler_version: str, k
                 "sha256": sha256_file(file),
                 "size": file.stat().st_size,
                 "code_object_version": version,
-                "kernels": list(variants.ALL_SYMBOLS),
+                "kernels": list(variants.target_symbols(target)),
             }
     manifest = {
         "abi_version": variants.ABI_VERSION,

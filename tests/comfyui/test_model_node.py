@@ -45,7 +45,8 @@ def test_patched_model_matches_and_every_call_reaches_the_kernels(name, model_no
     torch.testing.assert_close(latent, reference, **LATENT_TOLERANCE)
     assert not torch.equal(latent, reference), "the kernels' rounding differs from ComfyUI's CPU attention"
     assert len(fake_gpu.launches) == attention_calls
-    assert rdna_flash_attn.stats() == {"kernel": attention_calls, "fallback": 0, "fallback_reasons": {}}
+    assert rdna_flash_attn.stats() == {"kernel": attention_calls, "kernel_8bit": 0, "fallback": 0,
+                                       "fallback_reasons": {}, "exact_not_8bit_reasons": {}}
     # the prior (counting) override saw every call of both runs: it was chained, not replaced
     prior = patched.model_options["transformer_options"]["optimized_attention_override"]._rdna_flash_attn_previous
     assert prior is model.model_options["transformer_options"]["optimized_attention_override"]
@@ -61,7 +62,8 @@ def test_calls_made_without_the_models_options_reach_the_kernels_while_it_runs(n
     latent = sample(patched, name)
     # This random model's latents reach ~900: float16 attention rounding alone moves them by ~4e-4 of that.
     torch.testing.assert_close(latent, reference, atol=1e-3 * float(reference.abs().max()), rtol=0)
-    assert rdna_flash_attn.stats() == {"kernel": attention_calls, "fallback": 0, "fallback_reasons": {}}
+    assert rdna_flash_attn.stats() == {"kernel": attention_calls, "kernel_8bit": 0, "fallback": 0,
+                                       "fallback_reasons": {}, "exact_not_8bit_reasons": {}}
     # the unpatched model, sampled after, runs ComfyUI's attention: the routing lasts a routed model's call
     assert torch.equal(sample(model, name), reference)
     assert len(fake_gpu.launches) == attention_calls

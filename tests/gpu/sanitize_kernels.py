@@ -12,6 +12,7 @@ import torch
 os.environ["RDNA_FA_EMULATE"] = sys.argv[1] if len(sys.argv) > 1 else "gfx11"
 
 from rdna_flash_attn.ops.autograd import flash_attention, flash_attention_varlen  # noqa: E402  (layer chosen first)
+from rdna_flash_attn.ops.quantized import quantized_attention_forward  # noqa: E402
 
 
 def main() -> int:
@@ -38,6 +39,14 @@ def main() -> int:
         grads += torch.autograd.grad(out_varlen, packed, torch.randn_like(out_varlen))
         torch.cuda.synchronize()
         assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    if os.environ["RDNA_FA_EMULATE"] == "gfx12":  # the 8-bit forward: ragged queries and keys, grouped heads
+        for dtype, head_dim, (seq_q, seq_k) in itertools.product((torch.float16, torch.bfloat16), (40, 128, 160),
+                                                                 ((1, 1), (77, 33), (130, 200))):
+            q = torch.randn(2, 4, seq_q, head_dim, dtype=dtype, device="cuda")
+            k, v = (torch.randn(2, 2, seq_k, head_dim, dtype=dtype, device="cuda") for _ in range(2))
+            out = quantized_attention_forward(q, k, v)
+            torch.cuda.synchronize()
+            assert torch.isfinite(out).all()
     print(f"sanitize grid done on emulated {os.environ['RDNA_FA_EMULATE']}")
     return 0
 

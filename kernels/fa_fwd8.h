@@ -1,0 +1,212 @@
+// The opt-in 8-bit forward ("8-bit QK+PV", inference only): gfx12, whose WMMA runs 8-bit operands at
+// twice the 16-bit rate. S^T = K Q^T on the int8 WMMA (exact int32 sums), O^T += V^T P^T on the fp8
+// (OCP e4m3) one with float32 sums; the online softmax between them is the 16-bit forward's (fa_fwd.h).
+//
+// The inputs arrive quantized by one pass on the GPU (rdna_flash_attn/ops/quantized.py), in buffers of
+// this kernel's layout: head dim zero-padded to D_PAD, keys zero-padded to whole tiles, so no load is
+// predicated or clamped.
+// - Q as int8, one scale per query row, the softmax scale and log2(e) folded in;
+// - K smoothed (its per-channel mean over the keys subtracted: that moves every score of a row by the
+//   same amount, which softmax ignores) as int8, one scale per 16 keys (one WMMA fragment: a wave-uniform
+//   multiplier per fragment);
+// - V smoothed as e4m3 with one scale per channel, stored transposed (a row per channel, the A operand
+//   of O^T += V^T P^T). The mean comes back after the division by the row sum: P's rows then sum to one.
+// P is relative to the running maximum, at most 1: it is scaled by 448 (e4m3's largest value) before
+// its rounding to fp8, which the row sum (of the unrounded values) carries too, so it cancels.
+#pragma once
+#include "tiles.h"
+
+namespace rdna {
+
+// Kernel argument block; mirrored by rdna_flash_attn/ops/launch_args.py (Fwd8Args).
+struct Fwd8Args {
+  const u32* q8;         // (batch, heads, seqlen_q, D_PAD) int8
+  const float* q_scale;  // (batch, heads, seqlen_q): dequantisation x softmax scale x log2(e)
+  const u32* k8;         // (batch, kv_heads, k_rows, D_PAD) int8
+  const float* k_scale;  // (batch, kv_heads, k_rows / 16)
+  const u32* vt8;        // (batch, kv_heads, D_PAD, k_rows) e4m3
+  const float* v_scale;  // (batch, kv_heads, D_PAD)
+  const float* v_mean;   // (batch, kv_heads, D_PAD)
+  u16* o;
+  i64 o_stride_b, o_stride_h, o_stride_s;
+  int heads, kv_heads, seqlen_q, seqlen_k, k_rows, head_dim;
+};
+
+constexpr float kLog2Fp8Max = 8.807354922057604f;  // log2(448)
+
+template <bool B>
+struct Flag {
+  static constexpr bool value = B;
+};
+
+// LDS in 32-bit words; rdna_flash_attn/runtime/variants.py (Fwd8Variant) computes the same size.
+template <int D_PAD, int WAVES, int BLOCK_N>
+struct Fwd8Shape {
+  static constexpr int kBlockM = kFrag * WAVES;
+  static constexpr int kThreads = 32 * WAVES;
+  static constexpr int kPadWords = 4;  // 16 bytes: keeps 16-byte alignment and spreads rows over banks
+  static constexpr int kRowWords = D_PAD / 4 + kPadWords;   // Q and K rows, one byte per value
+  static constexpr int kVtRowWords = BLOCK_N / 4 + kPadWords;  // V^T rows (one per channel)
+  static constexpr int kQOffset = 0;
+  static constexpr int kKOffset = kBlockM * kRowWords;
+  static constexpr int kVtOffset = kKOffset + BLOCK_N * kRowWords;
+  static constexpr int kLdsWords = kVtOffset + D_PAD * kVtRowWords;
+  static_assert(4 * kLdsWords <= 65536, "LDS over 64 KiB");
+  static_assert(D_PAD % kFrag == 0 && BLOCK_N % kFrag == 0, "tile shape");
+};
+
+// One 8-bit operand fragment from an LDS tile of byte rows: lane row (l % 16), its run of 8 k values.
+template <int ROW_WORDS>
+RDNA_DEV Isa::Operand8 load_operand8(const u32* tile, int col0, int lane) {
+  return *reinterpret_cast<const Isa::Operand8*>(tile + (lane & 15) * ROW_WORDS + (col0 + Isa::operand_k0(lane)) / 4);
+}
+
+// Copies ROWS rows of BYTES bytes (a whole number of 16-byte pieces) from global rows `stride` words
+// apart into LDS rows LDS_ROW words apart. Every load is issued before the first store: one memory
+// round trip. Rows at or past `rows` (Q's last block) are zero.
+template <int ROWS, int BYTES, int LDS_ROW, int THREADS>
+RDNA_DEV void copy_byte_rows(u32* dst, const u32* src, i64 stride, int rows, int tid) {
+  constexpr int kPieces = BYTES / 16;
+  constexpr int kTotal = ROWS * kPieces;
+  constexpr int kLoads = (kTotal + THREADS - 1) / THREADS;
+  u32x4 val[kLoads];
+  #pragma unroll
+  for (int n = 0; n < kLoads; ++n) {
+    const int i = tid + n * THREADS, r = i / kPieces;
+    val[n] = zero_u32x4();
+    if ((kTotal % THREADS == 0 || i < kTotal) && r < rows)
+      val[n] = load16(reinterpret_cast<const u16*>(src + r * stride + i % kPieces * 4));
+  }
+  #pragma unroll
+  for (int n = 0; n < kLoads; ++n) {
+    const int i = tid + n * THREADS;
+    if (kTotal % THREADS == 0 || i < kTotal)
+      store16(reinterpret_cast<u16*>(dst + i / kPieces * LDS_ROW + i % kPieces * 4), val[n]);
+  }
+}
+
+template <class DT, int D_PAD, int WAVES, int BLOCK_N>
+RDNA_DEV void fwd8_body(const Fwd8Args& a, u32* lds) {
+  using Shape = Fwd8Shape<D_PAD, WAVES, BLOCK_N>;
+  constexpr int kKeyFrags = BLOCK_N / kFrag;
+  constexpr int kDimFrags = D_PAD / kFrag;
+  constexpr int kWordsPerRow = D_PAD / 4;
+  const DT dt{};
+  const float kNegInf = -__builtin_inff();
+
+  const int tid = thread_id();
+  const int lane = lane_id();
+  const int wave = tid >> 5;
+  const i64 head = block_id_y(), batch = block_id_z();
+  const i64 kv_head = head / (a.heads / a.kv_heads);
+  const int q0 = block_id_x() * Shape::kBlockM;
+  const i64 q_head = batch * a.heads + head, kv = batch * a.kv_heads + kv_head;
+
+  u32* const q_lds = lds + Shape::kQOffset;
+  u32* const k_lds = lds + Shape::kKOffset;
+  u32* const vt_lds = lds + Shape::kVtOffset;
+  copy_byte_rows<Shape::kBlockM, D_PAD, Shape::kRowWords, Shape::kThreads>(
+      q_lds, a.q8 + (q_head * a.seqlen_q + q0) * kWordsPerRow, kWordsPerRow, a.seqlen_q - q0, tid);
+
+  const int query = q0 + wave * kFrag + (lane & 15);
+  const float q_scale = query < a.seqlen_q ? a.q_scale[q_head * a.seqlen_q + query] : 0.f;
+  const u32* const k8 = a.k8 + kv * a.k_rows * kWordsPerRow;
+  const u32* const vt8 = a.vt8 + kv * D_PAD * (a.k_rows / 4);
+  const float* const k_scale = a.k_scale + kv * (a.k_rows / kFrag);
+  const u32* const wave_q = q_lds + wave * kFrag * Shape::kRowWords;
+
+  v8f o_acc[kDimFrags];
+  #pragma unroll
+  for (int f = 0; f < kDimFrags; ++f) o_acc[f] = zero_v8f();
+  float row_max = kNegInf, row_sum = 0.f;
+
+  // One key tile; MASKED (the last tile, when it reaches past seqlen_k): scores are masked per key.
+  auto tile_step = [&](auto masked_flag, int key0) {
+    constexpr bool MASKED = decltype(masked_flag)::value;
+    block_barrier();  // every wave is done with the previous tile
+    copy_byte_rows<BLOCK_N, D_PAD, Shape::kRowWords, Shape::kThreads>(k_lds, k8 + i64(key0) * kWordsPerRow,
+                                                                       kWordsPerRow, BLOCK_N, tid);
+    copy_byte_rows<D_PAD, BLOCK_N, Shape::kVtRowWords, Shape::kThreads>(vt_lds, vt8 + key0 / 4, a.k_rows / 4, D_PAD,
+                                                                         tid);
+    block_barrier();
+
+    v8i s_acc[kKeyFrags];
+    #pragma unroll
+    for (int j = 0; j < kKeyFrags; ++j) s_acc[j] = zero_v8i();
+    #pragma unroll 2
+    for (int d = 0; d < kDimFrags; ++d) {
+      const Isa::Operand8 q_op = load_operand8<Shape::kRowWords>(wave_q, d * kFrag, lane);
+      #pragma unroll
+      for (int j = 0; j < kKeyFrags; ++j)
+        Isa::mma_i8(s_acc[j], load_operand8<Shape::kRowWords>(k_lds + j * kFrag * Shape::kRowWords, d * kFrag, lane),
+                    q_op);
+    }
+
+    // Scores in log2 units: the int32 sums (below 2^24, exact in float32) times both scales.
+    float s[kKeyFrags][8];
+    float tile_max = kNegInf;
+    #pragma unroll
+    for (int j = 0; j < kKeyFrags; ++j) {
+      const float step = q_scale * k_scale[key0 / kFrag + j];
+      #pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        s[j][e] = float(s_acc[j][e]) * step;
+        if (MASKED && key0 + j * kFrag + Isa::acc_key(lane, e) >= a.seqlen_k) s[j][e] = kNegInf;
+        tile_max = max_f32(tile_max, s[j][e]);
+      }
+    }
+    tile_max = max_f32(tile_max, other_half(tile_max));
+    const float new_max = max_f32(row_max, tile_max);  // finite: every tile has a key below seqlen_k
+    const float rescale = exp2_approx(row_max - new_max);
+    row_max = new_max;
+    const float bias = new_max - kLog2Fp8Max;
+
+    Isa::Operand8 p_op[kKeyFrags];
+    float tile_sum = 0.f;
+    #pragma unroll
+    for (int j = 0; j < kKeyFrags; ++j) {
+      float p[8];
+      #pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        p[e] = exp2_approx(s[j][e] - bias);  // exp2(-inf) = 0 for the masked keys
+        tile_sum += p[e];
+      }
+      p_op[j] = Isa::keys_to_operand8(pack_fp8x4(p[0], p[1], p[2], p[3]), pack_fp8x4(p[4], p[5], p[6], p[7]));
+    }
+    row_sum = row_sum * rescale + tile_sum;
+    #pragma unroll
+    for (int f = 0; f < kDimFrags; ++f)
+      #pragma unroll
+      for (int e = 0; e < 8; ++e) o_acc[f][e] *= rescale;
+
+    #pragma unroll
+    for (int j = 0; j < kKeyFrags; ++j)
+      #pragma unroll
+      for (int f = 0; f < kDimFrags; ++f)
+        Isa::mma_fp8(o_acc[f], load_operand8<Shape::kVtRowWords>(vt_lds + f * kFrag * Shape::kVtRowWords, j * kFrag, lane),
+                     p_op[j]);
+  };
+  const int whole_tiles = a.seqlen_k / BLOCK_N;
+  for (int tile = 0; tile < whole_tiles; ++tile) tile_step(Flag<false>{}, tile * BLOCK_N);
+  if (whole_tiles * BLOCK_N < a.seqlen_k) tile_step(Flag<true>{}, whole_tiles * BLOCK_N);
+
+  // O = acc x V's scale / row sum + V's mean. A lane holds 8 consecutive channels of its query per
+  // fragment (Isa::acc_row), written as one 16-byte piece.
+  const float inv_total = 1.f / (row_sum + other_half(row_sum));
+  u16* const o = a.o + batch * a.o_stride_b + head * a.o_stride_h + i64(query) * a.o_stride_s;
+  const float* const v_scale = a.v_scale + kv * D_PAD;
+  const float* const v_mean = a.v_mean + kv * D_PAD;
+  #pragma unroll
+  for (int f = 0; f < kDimFrags; ++f) {
+    const int col = f * kFrag + Isa::acc_row(lane, 0);
+    u16 bits[8];
+    #pragma unroll
+    for (int e = 0; e < 8; ++e) bits[e] = to_bits(dt, fma_f32(o_acc[f][e], v_scale[col + e] * inv_total, v_mean[col + e]));
+    u32x4 run;
+    #pragma unroll
+    for (int w = 0; w < 4; ++w) run[w] = pack_u16x2(bits[2 * w], bits[2 * w + 1]);
+    if (query < a.seqlen_q && col < a.head_dim) store16(o + col, run);
+  }
+}
+
+}  // namespace rdna
