@@ -1,7 +1,7 @@
 """The extension's settings: what each one changes, and their registration in the WebUI's Settings.
 
-Each setting takes effect at once: the toggles are read on every attention call, and the other two
-set attributes of `rdna_flash_attn.settings`, which the dispatcher reads on every call.
+Each setting takes effect at once: the toggles are read on every attention call, and the others set
+attributes of `rdna_flash_attn.settings`, which the dispatcher reads on every call.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ class Toggles:
 
 
 toggles = Toggles()
-# Defaults follow the environment (RDNA_FA_TRAINING, RDNA_FA_LOG_LEVEL) read at import.
+# Defaults follow the environment (RDNA_FA_TRAINING, RDNA_FA_PRECISION, RDNA_FA_LOG_LEVEL) read at import.
 _training_from_env = settings.training
+_precision_from_env = settings.precision
 _log_level_from_env = settings.log_level  # what "log fallbacks: off" returns to
 _subscribers: list[Callable[[], None]] = []
 
@@ -48,6 +49,10 @@ def _set_vae(on: bool) -> None:
 
 def _set_training(on: bool) -> None:
     settings.training = on
+
+
+def _set_eight_bit(on: bool) -> None:
+    settings.precision = "8bit-qkpv" if on else "exact"
 
 
 def _shows_info(level: str | None) -> bool:
@@ -87,6 +92,9 @@ OPTIONS = (
            _set_vae, lambda: toggles.vae),
     Option("rdna_fa_training", "Use the kernels for training (backward pass)", _training_from_env,
            _set_training, lambda: settings.training),
+    Option("rdna_fa_8bit", "8-bit attention for generation on RDNA4 (RX 9060/9070): faster, approximate "
+           "(int8 Q K^T, fp8 P V); RDNA3 and training stay exact", _precision_from_env == "8bit-qkpv",
+           _set_eight_bit, lambda: settings.precision == "8bit-qkpv"),
     Option("rdna_fa_log_fallbacks", "Log why attention calls fall back (once per reason)", False,
            _set_log_fallbacks, _logs_fallbacks),
 )

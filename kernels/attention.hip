@@ -5,6 +5,7 @@
 #include "fa_bwd.h"
 #if defined(__GFX12__)
 #include "fa_fwd8.h"  // 8-bit WMMA at twice the 16-bit rate: gfx12 only
+#include "quant8.h"   // its quantizing pass
 #endif
 
 // MASKED: the variant that reads the argument block's attention mask; the others ignore it.
@@ -30,6 +31,18 @@
   RDNA_KERNEL(32 * (waves)) symbol(const rdna::Fwd8Args args) {                                     \
     RDNA_LDS_ARRAY(rdna::u16, lds, (2 * rdna::Fwd8Shape<d_pad, waves, block_n>::kLdsWords));        \
     rdna::fwd8_body<rdna::dtype, d_pad, waves, block_n>(args, reinterpret_cast<rdna::u32*>(lds));   \
+  }
+
+#define RDNA_FA_QUANT8_STATS_INSTANCE(symbol, dtype, d_pad)                                           \
+  RDNA_KERNEL(rdna::kQuantThreads) symbol(const rdna::Quant8Args args) {                            \
+    RDNA_LDS_ARRAY(rdna::u16, lds, (2 * rdna::Quant8StatsShape<d_pad>::kLdsFloats));                \
+    rdna::quant8_stats_body<rdna::dtype, d_pad>(args, reinterpret_cast<float*>(lds));               \
+  }
+
+#define RDNA_FA_QUANT8_CODES_INSTANCE(symbol, dtype, d_pad)                                           \
+  RDNA_KERNEL(rdna::kQuantRows) symbol(const rdna::Quant8Args args) {                               \
+    RDNA_LDS_ARRAY(rdna::u16, lds, (2 * rdna::Quant8CodesShape<d_pad>::kLdsWords));                 \
+    rdna::quant8_codes_body<rdna::dtype, d_pad>(args, reinterpret_cast<rdna::u32*>(lds));           \
   }
 
 #include "instances.inc"

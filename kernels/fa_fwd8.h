@@ -159,7 +159,11 @@ RDNA_DEV void fwd8_body(const Fwd8Args& a, u32* lds) {
     const float new_max = max_f32(row_max, tile_max);  // finite: every tile has a key below seqlen_k
     const float rescale = exp2_approx(row_max - new_max);
     row_max = new_max;
-    const float bias = new_max - kLog2Fp8Max;
+    // P = exp2(s - bias) <= 448 at the row maximum. bias rounds to float32: from |new_max| near 2^20 it can
+    // fall short by more than log2(464 / 448), and the conversion turns values above 464 into NaN. One
+    // float32 step up (a per-row test) keeps the maximum's P at or below 448.
+    float bias = new_max - kLog2Fp8Max;
+    if (new_max - bias > kLog2Fp8Max) bias = as_f32(as_u32(bias) + (bias >= 0.f ? 1u : 0xffffffffu));
 
     Isa::Operand8 p_op[kKeyFrags];
     float tile_sum = 0.f;

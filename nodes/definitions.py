@@ -5,6 +5,9 @@ from __future__ import annotations
 from .core import core_or_reason
 from .model_patch import patch_model, unpatch_model
 from .routing import FALLBACK_CHOICES, FALLBACK_ORIGINAL, RoutingOptions
+
+# The node's attention precision choices -> rdna_flash_attn's (settings.precision's values).
+ATTENTION_PRECISION = {"exact": "exact", "8-bit QK+PV (RDNA4)": "8bit-qkpv"}
 from .vae_patch import (
     PRECISION_BF16,
     PRECISION_CHOICES,
@@ -36,13 +39,19 @@ class RDNAFlashAttentionModel:
                 "enable": ("BOOLEAN", {"default": True, "tooltip": "Off: the model passes through with this node's routing removed."}),
                 "use_for_training": ("BOOLEAN", {"default": True, "tooltip": "Also run training (backward) on the kernels; off: training uses ComfyUI's attention."}),
                 "unsupported_calls": (list(FALLBACK_CHOICES), {"default": FALLBACK_ORIGINAL, "tooltip": "Where calls the kernels do not support go: ComfyUI's selected attention, or PyTorch SDPA."}),
-            }
+            },
+            # Optional: prompts saved before it existed still validate.
+            "optional": {
+                "attention_precision": (list(ATTENTION_PRECISION), {"default": "exact", "tooltip": "8-bit QK+PV: on RDNA4 (RX 9060/9070), sampling calls run approximate 8-bit attention (int8 Q K^T, fp8 P V; SageAttention-style); RDNA3 has no faster 8-bit rate and stays exact, as do training, masked and causal calls."}),
+            },
         }
 
-    def patch(self, model, enable, use_for_training, unsupported_calls):
+    def patch(self, model, enable, use_for_training, unsupported_calls, attention_precision="exact"):
         if not enable or isinstance(core_or_reason(), str):
             return (unpatch_model(model),)
-        return (patch_model(model, RoutingOptions(training=use_for_training, fallback=unsupported_calls)),)
+        options = RoutingOptions(training=use_for_training, fallback=unsupported_calls,
+                                 precision=ATTENTION_PRECISION[attention_precision])
+        return (patch_model(model, options),)
 
 
 class RDNAFlashAttentionVAE:

@@ -23,6 +23,7 @@ import torch
 from .core import core_or_reason
 
 log = logging.getLogger("rdna_flash_attn")
+_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
 BACKEND_PARAMETERS = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape")
 FALLBACK_ORIGINAL = "original backend"
@@ -40,6 +41,7 @@ class RoutingOptions:
 
     training: bool = True  # run training (backward) calls on the kernels too
     fallback: str = FALLBACK_ORIGINAL  # where unsupported calls go
+    precision: str = "exact"  # "8bit-qkpv": inference calls in 8-bit attention on RDNA4 (rdna_flash_attn.precision)
 
 
 _logged: set[str] = set()
@@ -173,10 +175,13 @@ def kernel_attention(named: dict, extra: dict, options: RoutingOptions) -> torch
                       fallback)
     # attn_precision=torch.float32 (SD2.x) asks for softmax in float32: the kernels accumulate and
     # normalise in float32 whatever their input type, so it needs no fallback.
-    out = core.attention_or_reason(
-        q4, k4, v4, attn_mask=_sdpa_mask(mask), scale=extra.get("scale"),
-        enable_gqa=extra.get("enable_gqa", False), fallback_name=fallback,
-    )
+    # The node's precision for its calls; graphs being compiled run exact (dynamo cannot trace the override).
+    precision = contextlib.nullcontext() if _is_compiling() else core.precision(options.precision)
+    with precision:
+        out = core.attention_or_reason(
+            q4, k4, v4, attn_mask=_sdpa_mask(mask), scale=extra.get("scale"),
+            enable_gqa=extra.get("enable_gqa", False), fallback_name=fallback,
+        )
     if isinstance(out, str) or named.get("skip_output_reshape", False):
         return out
     return out.transpose(1, 2).flatten(2)

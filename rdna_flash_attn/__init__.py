@@ -22,7 +22,7 @@ config (settings, logger) and version sit below them all; this module is the pub
 """
 
 from .config import Settings, settings
-from .dispatch.router import attention_or_reason, explain, reset_stats, scaled_dot_product_attention, stats
+from .dispatch.router import attention_or_reason, explain, precision, reset_stats, scaled_dot_product_attention, stats
 from .dispatch.sdpa_patch import disable_sdpa_patch, enable_sdpa_patch, patch_sdpa, sdpa_patch_enabled
 from .integrations.diffusers_attention import install_attention_processor, restore_attention_processors
 from .integrations.flash_attn_interface import flash_attn_func
@@ -38,6 +38,7 @@ __all__ = [
     "flash_attn_func",
     "install_attention_processor",
     "patch_sdpa",
+    "precision",
     "reset_stats",
     "restore_attention_processors",
     "scaled_dot_product_attention",

@@ -76,7 +76,8 @@ def _check_fp32_cast(value: Any) -> str:
     return choice
 
 
-def _check_precision(value: Any) -> str:
+def check_precision(value: Any) -> str:
+    """A precision choice (PRECISION_CHOICES, case and spaces ignored), or ValueError naming why not."""
     choice = value.strip().lower() if isinstance(value, str) else value
     if choice == "8bit-qk":
         raise ValueError("8-bit QK alone is not offered: its int8 scores missed their accuracy bar "
@@ -179,7 +180,7 @@ _CHECKS = {
     "force": _check_bool,
     "training": _check_bool,
     "fp32_cast": _check_fp32_cast,
-    "precision": _check_precision,
+    "precision": check_precision,
     "log_level": _check_log_level,
     "cache_dir": _check_optional_str,
 }

@@ -62,13 +62,13 @@ def test_the_same_gpu_without_the_suffix_is_an_nvidia_device_to_policy(fake_cuda
     assert "RDNA_FA_FORCE" in dispatch._policy_refusal(info)
 
 
-def fake_code_object(monkeypatch, path="/p/gfx1100.hsaco", sha256="ef" * 32, refusal=None):
+def fake_code_object(monkeypatch, path="/p/gfx1100.hsaco", sha256="ef" * 32, refusal=None, target="gfx1100"):
     """loader.loaded_library gives a library of this code object, or raises `refusal`."""
 
     def loaded_library(info):
         if refusal:
             raise loader.KernelUnavailable(refusal)
-        artifact = artifacts.Artifact("gfx1100", Path(path), sha256, emulated=False)
+        artifact = artifacts.Artifact(target, Path(path), sha256, emulated=False)
         return SimpleNamespace(artifact=artifact, device_info=info, runtime_version=info.runtime_version)
 
     monkeypatch.setattr(loader, "loaded_library", loaded_library)
@@ -102,6 +102,19 @@ def test_doctor_with_a_zluda_gpu(fake_cuda, monkeypatch, capsys):
         assert text in out, text
     _, again, _ = run_cli(capsys, "doctor")
     assert "passed (cached)" in again
+    assert "8-bit attention not available: 8-bit attention needs RDNA4 (gfx12); gfx1100 has no" in again
+
+
+def test_doctor_on_rdna4_says_whether_8bit_attention_runs(fake_cuda, monkeypatch, capsys):
+    fake_code_object(monkeypatch, path="/p/gfx1201.hsaco", target="gfx1201")
+    monkeypatch.setattr(selftest, "run_checks", lambda d, gradients=None: [])
+    _, out, _ = run_cli(capsys, "doctor")
+    assert "precision exact" in out and "8-bit attention available, not used (RDNA_FA_PRECISION=exact)" in out
+    monkeypatch.setattr(dispatch.settings, "precision", "8bit-qkpv")
+    monkeypatch.setattr(selftest, "eight_bit_checks", lambda d: [selftest.Check("8-bit x relative L1", 0.2, 0.03)])
+    _, out, _ = run_cli(capsys, "doctor")
+    assert "precision 8-bit attention (int8 Q K^T, fp8 P V) for inference calls on RDNA4, exact elsewhere" in out
+    assert "8-bit attention OFF: 8-bit attention's self-test failed: 8-bit x relative L1: error 0.2 > 0.03" in out
 
 
 def test_doctor_says_why_the_kernels_are_off(fake_cuda, monkeypatch, capsys):

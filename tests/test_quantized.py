@@ -1,6 +1,7 @@
-"""The 8-bit forward's host side (ops/quantized.py, issue 24): the quantizing pass against the CPU model
-of the scheme (bench/quantized_attention_accuracy.py), the refusals, the setting, the variants. The
-kernel itself runs in tests/gpu/test_quantized.py."""
+"""The 8-bit forward's host side (ops/quantized.py, issue 24): a torch reference of its quantizing pass and
+arithmetic, tied to the CPU model of the scheme (bench/quantized_attention_accuracy.py); the launches, the
+refusals, the setting, the variants. The kernels run in tests/gpu/test_quantized.py, against these
+references."""
 
 from __future__ import annotations
 
@@ -8,16 +9,55 @@ import math
 import sys
 from pathlib import Path
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from rdna_flash_attn.config import Settings
-from rdna_flash_attn.ops import quantized
-from rdna_flash_attn.ops.launch_args import Fwd8Args
-from rdna_flash_attn.runtime import variants
+import rdna_flash_attn as rfa
+from rdna_flash_attn.config import Settings, settings
+from rdna_flash_attn.dispatch import selftest
+from rdna_flash_attn.ops import attention as ops, quantized
+from rdna_flash_attn.ops.launch_args import Fwd8Args, Quant8Args
+from rdna_flash_attn.runtime import loader as runtime, variants
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import quantized_attention_accuracy as model  # noqa: E402
+
+from .conftest import FAKE_ARTIFACT, _math_attention  # noqa: E402
+
+
+def reference_quantize(q, k, v, softmax_scale: float, variant) -> quantized.QuantizedInputs:
+    """What kernels/quant8.h writes, in torch: (B, H, S, D) q, (B, Hk, S, D) k and v."""
+    batch, heads, seq_q, dim = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    k_rows = -(-seq_k // variant.block_n) * variant.block_n
+
+    def scale_for(amax, limit):
+        return torch.where(amax > 0, amax / limit, torch.ones_like(amax))
+
+    def int8(x, scale):
+        return torch.round(x / scale).clamp(-127, 127).to(torch.int8)
+
+    def padded(x, rows, value=0.0):  # head dim to d_pad, tokens to `rows`
+        return torch.nn.functional.pad(x, (0, variant.d_pad - dim, 0, rows - x.shape[2]), value=value)
+
+    qf = q.float()
+    q_scale = scale_for(qf.abs().amax(-1), 127.0)
+    kf = k.float() - k.float().mean(2, keepdim=True)
+    blocks = padded(kf, k_rows).view(batch, kv_heads, k_rows // 16, 16, variant.d_pad)
+    k_scale = scale_for(blocks.abs().amax((3, 4)), 127.0)
+    vf = v.float()
+    v_mean = vf.mean(2)
+    centred = vf - v_mean.unsqueeze(2)
+    v_scale = scale_for(centred.abs().amax(2), quantized.FP8_MAX)
+    e4m3 = (centred / v_scale.unsqueeze(2)).clamp(-quantized.FP8_MAX, quantized.FP8_MAX).to(torch.float8_e4m3fn)
+    pad = (0, variant.d_pad - dim)
+    return quantized.QuantizedInputs(
+        padded(int8(qf, q_scale.unsqueeze(-1)), seq_q), q_scale * softmax_scale * math.log2(math.e),
+        int8(blocks, k_scale[..., None, None]).view(batch, kv_heads, k_rows, variant.d_pad), k_scale,
+        padded(e4m3.view(torch.uint8), k_rows).transpose(2, 3).contiguous(),
+        torch.nn.functional.pad(v_scale, pad, value=1.0), torch.nn.functional.pad(v_mean, pad))
 
 
 def dequantized_attention(inputs: quantized.QuantizedInputs, seq_k: int, dim: int) -> torch.Tensor:
@@ -41,11 +81,10 @@ def flux_like(rows: int, keys: int, dtype=torch.float16, seed: int = 1):
     return q, k[:, :keys], v[:, :keys]
 
 
-def test_pass_and_dequantized_arithmetic_are_the_accuracy_models_scheme():
+def test_reference_pass_and_arithmetic_are_the_accuracy_models_scheme():
     q, k, v = flux_like(200, 1000)
     scale = 1 / math.sqrt(q.shape[-1])
-    inputs = quantized.quantize_inputs(*(t.unsqueeze(0) for t in (q, k, v)), scale,
-                                       variants.fwd8_variant("f16", q.shape[-1]))
+    inputs = reference_quantize(*(t.unsqueeze(0) for t in (q, k, v)), scale, variants.fwd8_variant("f16", q.shape[-1]))
     ours = dequantized_attention(inputs, k.shape[1], q.shape[-1])[0].to(q.dtype)
     scheme = model.scheme_output("qkpv-int8-fp8-vsmooth", q, k, v, scale, (1, variants.FWD8_SCALE_KEYS))
     reference, _ = model.reference(q, k, v, scale)
@@ -53,54 +92,77 @@ def test_pass_and_dequantized_arithmetic_are_the_accuracy_models_scheme():
     assert (ours.double() - scheme.double()).abs().max() <= 2e-3
 
 
-@pytest.mark.parametrize("dim,seq_k", [(40, 1), (72, 65), (128, 64), (160, 130)])
-def test_pass_layout(dim, seq_k):
-    """Head dim zero-padded, keys padded to whole tiles (zero codes, unit scales), V transposed,
-    codes within range, Q's scale carrying softmax scale x log2(e)."""
-    generator = torch.Generator().manual_seed(dim + seq_k)
-    q = torch.randn(2, 4, 33, dim, generator=generator).half()
-    k, v = (torch.randn(2, 2, seq_k, dim, generator=generator).half() for _ in range(2))
-    variant = variants.fwd8_variant("f16", dim)
-    inputs = quantized.quantize_inputs(q, k, v, 0.5, variant)
-    k_rows = -(-seq_k // variant.block_n) * variant.block_n
-    assert inputs.q8.shape == (2, 4, 33, variant.d_pad) and inputs.k8.shape == (2, 2, k_rows, variant.d_pad)
-    assert inputs.vt8.shape == (2, 2, variant.d_pad, k_rows)
-    assert inputs.k_scale.shape == (2, 2, k_rows // 16)
-    for t in (inputs.q8, inputs.k8):
-        assert not t[..., dim:].any() and t.abs().max() <= 127
-    assert not inputs.k8[:, :, seq_k:].any() and not inputs.vt8[:, :, :, seq_k:].any()
-    assert not inputs.vt8[:, :, dim:].any()
-    amax = q.float().abs().amax(-1)
-    assert torch.allclose(inputs.q_scale, amax / 127 * 0.5 * math.log2(math.e))
-    centred = v.float() - v.float().mean(2, keepdim=True)
-    decoded = inputs.vt8[:, :, :dim, :seq_k].view(torch.float8_e4m3fn).float().transpose(2, 3)
-    subnormal_step = float(inputs.v_scale.max()) * 2**-9  # e4m3's spacing near zero
-    assert torch.allclose(decoded * inputs.v_scale[:, :, None, :dim], centred, rtol=2**-4, atol=subnormal_step)
-    assert torch.equal(inputs.v_scale[..., dim:], torch.ones_like(inputs.v_scale[..., dim:]))
+class RecordingLibrary:
+    """A stand-in KernelLibrary for the CPU: records each launch's kernel, grid and argument block."""
+
+    class artifact:  # noqa: N801  (what quantized_refusal reads of a library)
+        target = "gfx1201"
+
+    def __init__(self):
+        self.launches = []
+
+    def launch(self, variant, grid, args, buffers):
+        self.launches.append((variant.symbol, grid, type(args).from_buffer_copy(args)))
 
 
-def test_pass_works_a_few_heads_at_a_time(monkeypatch):
-    """The pass's per-step head slices give what one step over every head gives."""
-    generator = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, 5, 70, 64, generator=generator).bfloat16() for _ in range(3))
-    variant = variants.fwd8_variant("bf16", 64)
-    whole = quantized.quantize_inputs(q, k, v, 0.125, variant)
-    monkeypatch.setattr(quantized, "_PASS_ELEMENTS", 70 * 64 * 2)
-    assert [s.stop for s in quantized._head_slices(5, 70, 64)] == [2, 4, 5]
-    for a, b in zip(whole, quantized.quantize_inputs(q, k, v, 0.125, variant)):
-        assert torch.equal(a, b)
+@pytest.mark.parametrize("dtype,dim,layout", [(torch.float16, 40, "bhsd"), (torch.bfloat16, 128, "bshd")])
+def test_launches(monkeypatch, dtype, dim, layout):
+    """The pass's two launches and the attention's: kernels, grids, pointers, strides and sizes."""
+    library = RecordingLibrary()
+    monkeypatch.setattr(ops, "KERNEL_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(runtime, "library_for", lambda device: library)
+
+    def make(heads, seq):
+        t = torch.zeros((2, seq, heads, dim) if layout == "bshd" else (2, heads, seq, dim), dtype=dtype)
+        return t.transpose(1, 2) if layout == "bshd" else t
+
+    q, k, v = make(4, 100), make(2, 130), make(2, 130)
+    out = quantized.quantized_attention_forward(q, k, v, scale=0.25)
+    assert out.shape == q.shape and out.stride() == q.stride()
+    (stats, stats_grid, pass_args), (codes, codes_grid, codes_args), (attention, grid, args) = library.launches
+    d_pad, name = variants.padded_head_dim(dim), {torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
+    assert (stats, stats_grid) == (f"rdna_fa_quant8_stats_{name}_d{d_pad}", (1, 2, 2))
+    assert (codes, codes_grid) == (f"rdna_fa_quant8_codes_{name}_d{d_pad}", (3, 4, 2))  # 192 key rows: 3 blocks
+    assert (attention, grid) == (f"rdna_fa_fwd8_{name}_d{d_pad}", (2, 4, 2))
+    assert bytes(pass_args) == bytes(codes_args)
+    assert (pass_args.q, pass_args.k, pass_args.v) == (q.data_ptr(), k.data_ptr(), v.data_ptr())
+    assert [getattr(pass_args, f"{t}_stride_{d}") for t in "qkv" for d in "bhs"] == [
+        s for t in (q, k, v) for s in t.stride()[:3]]
+    assert (pass_args.heads, pass_args.kv_heads, pass_args.seqlen_q, pass_args.seqlen_k, pass_args.k_rows,
+            pass_args.head_dim) == (4, 2, 100, 130, 192, dim)
+    assert pass_args.scale_log2 == pytest.approx(0.25 * math.log2(math.e))
+    assert (args.q8, args.q_scale, args.k8, args.k_scale, args.vt8, args.v_scale, args.v_mean) == (
+        pass_args.q8, pass_args.q_scale, pass_args.k8, pass_args.k_scale, pass_args.vt8, pass_args.v_scale,
+        pass_args.v_mean)
+    assert (args.o, args.o_stride_b, args.o_stride_h, args.o_stride_s) == (out.data_ptr(), *out.stride()[:3])
+    assert (args.heads, args.kv_heads, args.seqlen_q, args.seqlen_k, args.k_rows, args.head_dim) == (
+        4, 2, 100, 130, 192, dim)
+
+
+def test_bad_input_is_named(monkeypatch):
+    monkeypatch.setattr(ops, "KERNEL_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(runtime, "library_for", lambda device: RecordingLibrary())
+    q = torch.zeros(1, 2, 8, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="dtype torch.float32 is not supported"):
+        quantized.quantized_attention_forward(q.float(), q.float(), q.float())
+    wide = torch.zeros(1, 2, 8, 256, dtype=torch.float16)
+    with pytest.raises(ValueError, match="head dims 40-160"):
+        quantized.quantized_attention_forward(wide, wide, wide)
 
 
 def test_refusals():
     q = torch.zeros(1, 2, 8, 64, dtype=torch.float16)
-    assert quantized.quantized_refusal(q, q, q, False, None, "gfx1201") is None
-    assert quantized.quantized_refusal(q, q, q, False, None, "emulated-gfx12") is None
-    assert "RDNA4" in quantized.quantized_refusal(q, q, q, False, None, "gfx1100")
-    assert "RDNA4" in quantized.quantized_refusal(q, q, q, False, None, "emulated-gfx11")
-    assert "attn_mask" in quantized.quantized_refusal(q, q, q, False, torch.ones(8, 8, dtype=torch.bool), "gfx1201")
-    assert "causal" in quantized.quantized_refusal(q, q, q, True, None, "gfx1201")
-    wide = torch.zeros(1, 2, 8, 256, dtype=torch.float16)
-    assert "head dims 40-160, not 256" in quantized.quantized_refusal(wide, wide, wide, False, None, "gfx1201")
+    assert quantized.target_refusal("gfx1201") is None and quantized.target_refusal("emulated-gfx12") is None
+    assert "RDNA4" in quantized.target_refusal("gfx1100") and "RDNA4" in quantized.target_refusal("emulated-gfx11")
+    assert quantized.quantized_refusal(q, q, q, False, None) is None
+    assert "attn_mask" in quantized.quantized_refusal(q, q, q, False, torch.ones(8, 8, dtype=torch.bool))
+    assert "causal" in quantized.quantized_refusal(q, q, q, True, None)
+    for dim in (40, 104, 112, 136, 144, 160):
+        t = torch.zeros(1, 2, 8, dim, dtype=torch.float16)
+        assert quantized.quantized_refusal(t, t, t, False, None) is None, dim
+    for dim in (32, 168, 256):
+        t = torch.zeros(1, 2, 8, dim, dtype=torch.float16)
+        assert f"head dims 40-160, not {dim}" in quantized.quantized_refusal(t, t, t, False, None)
 
 
 def test_precision_setting():
@@ -120,8 +182,97 @@ def test_variants_only_on_gfx12():
     first = next(i for i, line in enumerate(lines) if "FWD8" in line)
     assert lines[first - 1] == "#if defined(__GFX12__)" and lines[-1] == "#endif"
     assert variants.fwd8_variant("f16", 40).d_pad == 48 and variants.FWD8_HEAD_DIMS[-1] == 160
+    assert set(variants.QUANT8_BY_SYMBOL) <= set(variants.target_symbols("gfx1200"))
+    assert not set(variants.QUANT8_BY_SYMBOL) & set(variants.target_symbols("gfx1151"))
     assert ctypes_fields(Fwd8Args)[:8] == ["q8", "q_scale", "k8", "k_scale", "vt8", "v_scale", "v_mean", "o"]
+    assert ctypes_fields(Quant8Args)[12:20] == ["q8", "q_scale", "k8", "k_scale", "vt8", "k_mean", "v_mean", "v_scale"]
 
 
 def ctypes_fields(structure) -> list[str]:
     return [name for name, _ in structure._fields_]
+
+
+# --- the dispatcher's 8-bit route, on the CPU's fake GPU (tests/conftest.py) --------------------------
+
+
+@pytest.fixture
+def fake_rdna4(fake_gpu, monkeypatch):
+    """fake_gpu as an RX 9070 XT whose 8-bit attention is float32 math plus `error`, or raises `raises`."""
+    monkeypatch.setitem(FAKE_ARTIFACT, "target", "gfx1201")
+    fake_gpu.devices.info["gfx_target"] = "gfx1201"
+    fake_gpu.eight_bit = SimpleNamespace(calls=0, error=0.0, raises=None)
+
+    def eight_bit(q, k, v, scale=None):
+        fake_gpu.eight_bit.calls += 1
+        if fake_gpu.eight_bit.raises is not None:
+            raise fake_gpu.eight_bit.raises
+        return _math_attention(q, k, v, scale=scale)[0] + fake_gpu.eight_bit.error
+    monkeypatch.setattr(quantized, "quantized_attention_forward", eight_bit)
+    checks = selftest.eight_bit_checks
+    monkeypatch.setattr(selftest, "eight_bit_checks", lambda device: checks(torch.device("cpu")))  # the CPU plays it
+    settings.precision = "8bit-qkpv"
+    return fake_gpu
+
+
+def _qkv(dim=64):
+    return (torch.randn(1, 2, 40, dim, dtype=torch.float16) for _ in range(3))
+
+
+def test_rdna3_stays_exact_and_says_why(fake_gpu):
+    settings.precision = "8bit-qkpv"
+    q, k, v = _qkv()
+    rfa.scaled_dot_product_attention(q, k, v)
+    reason = "8-bit attention needs RDNA4 (gfx12); gfx1100 has no faster 8-bit matrix rate"
+    assert rfa.stats()["exact_not_8bit_reasons"] == {reason: 1} and rfa.stats()["kernel_8bit"] == 0
+    assert rfa.explain(q, k, v).endswith(f"exact, not 8-bit: {reason}")
+
+
+def test_rdna4_runs_8bit_after_its_selftest(fake_rdna4):
+    q, k, v = _qkv()
+    rfa.scaled_dot_product_attention(q, k, v)
+    selftest_calls = 2 * len(selftest.EIGHT_BIT_CASES)
+    assert fake_rdna4.eight_bit.calls == selftest_calls + 1
+    rfa.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with torch.enable_grad():
+        rfa.scaled_dot_product_attention(*(t.requires_grad_() for t in _qkv()))
+    assert fake_rdna4.eight_bit.calls == selftest_calls + 1
+    assert rfa.stats()["kernel_8bit"] == 1 and rfa.stats()["exact_not_8bit_reasons"] == {
+        "8-bit attention is not causal": 1, "gradients needed (8-bit attention is for inference)": 1}
+
+
+def test_a_failed_8bit_selftest_keeps_the_exact_kernels(fake_rdna4, log_records):
+    fake_rdna4.eight_bit.error = 0.5
+    q, k, v = _qkv()
+    rfa.scaled_dot_product_attention(q, k, v)
+    (reason,) = rfa.stats()["exact_not_8bit_reasons"]
+    assert reason.startswith("8-bit attention's self-test failed: 8-bit float16 b1 h2/2 q100 k130 d64 relative L1")
+    assert rfa.stats()["kernel"] == 1 and rfa.stats()["kernel_8bit"] == 0 and len(fake_rdna4.launches) == 1
+    assert any("its calls run the exact kernels" in r.getMessage() for r in log_records.records)
+
+
+def test_a_failing_8bit_kernel_turns_off_8bit_only(fake_rdna4):
+    q, k, v = _qkv()
+    rfa.scaled_dot_product_attention(q, k, v)  # self-test and one 8-bit call
+    fake_rdna4.eight_bit.raises = RuntimeError("hipErrorIllegalAddress")
+    out = rfa.scaled_dot_product_attention(q, k, v)
+    assert torch.allclose(out, _math_attention(q, k, v)[0])
+    rfa.scaled_dot_product_attention(q, k, v)
+    stats = rfa.stats()
+    assert stats["kernel"] == 3 and stats["kernel_8bit"] == 1 and stats["fallback"] == 0
+    assert stats["exact_not_8bit_reasons"] == {  # the failed call and the next (the fake GPU's tensors are the CPU's)
+        "8-bit attention failed (RuntimeError: hipErrorIllegalAddress); off for cpu": 2}
+
+
+def test_the_8bit_selftest_bar_has_room_for_the_arithmetic_itself(monkeypatch):
+    """selftest.eight_bit_checks with the float64 model of the kernels' arithmetic standing in for them:
+    every check passes with at least half its bar to spare, so a failure on a GPU points at the kernels."""
+
+    def modelled(q, k, v, scale=None):
+        variant = variants.fwd8_variant({torch.float16: "f16", torch.bfloat16: "bf16"}[q.dtype], q.shape[-1])
+        inputs = reference_quantize(q, k, v, 1 / math.sqrt(q.shape[-1]), variant)
+        return dequantized_attention(inputs, k.shape[2], q.shape[-1]).to(q.dtype)
+
+    monkeypatch.setattr(quantized, "quantized_attention_forward", modelled)
+    checks = selftest.eight_bit_checks(torch.device("cpu"))
+    assert len(checks) == 2 * 2 * len(selftest.EIGHT_BIT_CASES)
+    assert all(check.error <= check.tolerance / 2 for check in checks), [c for c in checks if c.error > c.tolerance / 2]

@@ -62,6 +62,7 @@ RDNA_DEV float log2_approx(float x) { return log2f(x); }
 RDNA_DEV float max_f32(float a, float b) { return fmaxf(a, b); }
 RDNA_DEV float min_f32(float a, float b) { return fminf(a, b); }
 RDNA_DEV float fma_f32(float a, float b, float c) { return fmaf(a, b, c); }
+RDNA_DEV float round_even(float x) { return rintf(x); }  // to the nearest integer, ties to even
 RDNA_DEV float as_f32(u32 x) { return __uint_as_float(x); }
 RDNA_DEV u32 as_u32(float x) { return __float_as_uint(x); }
 
@@ -225,11 +226,12 @@ RDNA_DEV v8i wmma_gfx12_i8(const u32 (&a)[2], const u32 (&b)[2], v8i c) {
 RDNA_DEV v8f wmma_gfx12_fp8(const u32 (&a)[2], const u32 (&b)[2], v8f c) {
   return emulate_wmma_gfx12_8bit<true>(Words<2>{{a[0], a[1]}}, Words<2>{{b[0], b[1]}}, c);
 }
-// v_cvt_pk_fp8_f32 twice: nearest even (CUDA's own e4m3 conversion), a in the low byte.
+// v_cvt_pk_fp8_f32 twice: nearest even (CUDA's own e4m3 conversion), a in the low byte; no saturation,
+// as the instruction without MODE.FP16_OVFL: a value that rounds past 448 becomes NaN.
 RDNA_DEV u32 pack_fp8x4(float a, float b, float c, float d) {
   const float x[4] = {a, b, c, d};
   u32 out = 0;
-  for (int i = 0; i < 4; ++i) out |= u32(__nv_cvt_float_to_fp8(x[i], __NV_SATFINITE, __NV_E4M3)) << (8 * i);
+  for (int i = 0; i < 4; ++i) out |= u32(__nv_cvt_float_to_fp8(x[i], __NV_NOSAT, __NV_E4M3)) << (8 * i);
   return out;
 }
 #endif

@@ -17,13 +17,15 @@ exception for it, and no kernel is ever launched on input SDPA would reject.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
+from contextvars import ContextVar
 from typing import Callable, NamedTuple
 
 import torch
 
-from ..config import LOGGER_NAME, settings
+from ..config import LOGGER_NAME, check_precision, settings
 from ..ops import attention, autograd, quantized
 from ..runtime import device as devices, loader
 from ..runtime.loader import KernelLibrary, KernelUnavailable
@@ -67,7 +69,8 @@ class KernelCall(NamedTuple):
     out_dtype: torch.dtype  # what SDPA would have returned
     backward: bool  # autograd needs the differentiable op
     attn_mask: torch.Tensor | None = None
-    eight_bit: bool = False  # runs in 8-bit attention (settings.precision)
+    eight_bit: bool = False  # runs in 8-bit attention (settings.precision, or precision())
+    exact_reason: str | None = None  # why not, where it was asked for
 
 
 class Route(NamedTuple):
@@ -79,8 +82,8 @@ class Route(NamedTuple):
     # A forward-only route's prepared kernel launch (attention.forward_launch), kept in the route cache
     # after its first eager call, so later calls of the signature pay one lookup in all.
     launch: Callable | None = None
-    eight_bit: bool = False  # 8-bit attention (ops/quantized.py), as settings.precision asks
-    exact_reason: str | None = None  # why a call settings.precision asked to run in 8 bits runs exact
+    eight_bit: bool = False  # 8-bit attention (ops/quantized.py), as settings.precision or precision() asks
+    exact_reason: str | None = None  # why a call asked to run in 8 bits runs exact
 
 
 # --- per-device verdicts, cached: devices do not change during a process ---------------------------
@@ -96,6 +99,7 @@ class DeviceVerdict(NamedTuple):
 
 _device_verdicts: dict[tuple[torch.device, bool], DeviceVerdict] = {}
 _selftest_refusals: dict[torch.device, str | None] = {}
+_eight_bit_refusals: dict[torch.device, str | None] = {}  # per device: why no 8-bit attention (None: it runs)
 # Bumped whenever cached verdicts are dropped or changed: graphs compiled on the old ones read it, so
 # dynamo's guard on it makes them decide again.
 _verdict_generation = 0
@@ -155,12 +159,21 @@ def forget_devices() -> None:
     global _verdict_generation
     _device_verdicts.clear()
     _selftest_refusals.clear()
+    _eight_bit_refusals.clear()
     _routes.clear()
     attention.forget_launches()
     _verdict_generation += 1
 
 
 loader.on_forget(forget_devices)
+
+
+def _disable_eight_bit(device: torch.device, reason: str) -> None:
+    """8-bit attention off for `device` (the exact kernels stay on); decisions made since are redone."""
+    global _verdict_generation
+    _eight_bit_refusals[device] = reason
+    _routes.clear()
+    _verdict_generation += 1
 
 
 def _disable_device(device: torch.device, reason: str) -> None:
@@ -222,6 +235,23 @@ def _settings_or_type_refusal(tensors) -> str | None:
 
 
 _TRAINING_OFF = "gradients needed and RDNA_FA_TRAINING=0"
+_precision_override: ContextVar[str | None] = ContextVar("rdna_flash_attn_precision", default=None)
+
+
+@contextlib.contextmanager
+def precision(choice: str):
+    """Within the block (in this thread or task), calls take `choice` ("exact" | "8bit-qkpv") instead of
+    settings.precision: a host's per-model option, such as the ComfyUI node's. Not inside code that
+    torch.compile traces (dynamo cannot trace a context variable; compiled graphs run exact anyway)."""
+    token = _precision_override.set(check_precision(choice))
+    try:
+        yield
+    finally:
+        _precision_override.reset(token)
+
+
+def _precision() -> str:
+    return _precision_override.get() or settings.precision
 
 
 def _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> Route | str:
@@ -278,20 +308,32 @@ def _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
     if refusal:
         return refusal
     route = Route(run_dtype, out_dtype, backward)
-    if settings.precision == "exact":
+    # Graphs being compiled keep the exact kernels' op (8-bit attention runs in eager calls); dynamo
+    # cannot trace the precision's context variable either.
+    if tracing or _precision() == "exact":
         return route
-    refusal = _eight_bit_refusal(query, key, value, is_causal, attn_mask, backward, tracing)
+    refusal = _eight_bit_refusal(query, key, value, is_causal, attn_mask, backward)
     return route._replace(exact_reason=refusal) if refusal else route._replace(eight_bit=True)
 
 
-def _eight_bit_refusal(query, key, value, is_causal, attn_mask, backward: bool, tracing: bool) -> str | None:
-    """Why a call the exact kernels take cannot run in 8-bit attention, or None."""
+def _eight_bit_refusal(query, key, value, is_causal, attn_mask, backward: bool) -> str | None:
+    """Why an eager call the exact kernels take cannot run in 8-bit attention, or None."""
     if backward:
         return "gradients needed (8-bit attention is for inference)"
-    if tracing:
-        return "traced by torch.compile (8-bit attention runs in eager calls)"
-    target = device_verdict(query.device).library.artifact.target
-    return quantized.quantized_refusal(query, key, value, is_causal, attn_mask, target)
+    return (quantized.target_refusal(device_verdict(query.device).library.artifact.target)
+            or quantized.quantized_refusal(query, key, value, is_causal, attn_mask)
+            or eight_bit_refusal(query.device))
+
+
+def eight_bit_refusal(device: torch.device) -> str | None:
+    """Why 8-bit attention cannot run on `device` (the kernels off there, a target without it, a failed
+    8-bit self-test or 8-bit kernel), or None. Runs its self-test at the first ask. Cached."""
+    if device not in _eight_bit_refusals:
+        verdict = device_verdict(device)
+        refusal = (selftest_refusal(device) or quantized.target_refusal(verdict.library.artifact.target)
+                   or selftest.eight_bit_verdict(device, verdict.library))
+        _eight_bit_refusals.setdefault(device, refusal)  # an 8-bit failure recorded meanwhile stands
+    return _eight_bit_refusals[device]
 
 
 _routes: dict[tuple, Route | str] = {}
@@ -308,7 +350,7 @@ def _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         return None
     try:
         device = query.device
-        return (settings.disable, settings.force, settings.training, settings.fp32_cast, settings.precision,
+        return (settings.disable, settings.force, settings.training, settings.fp32_cast, _precision(),
                 device, key.device, value.device, query.dtype, key.dtype, value.dtype,
                 query.layout, key.layout, value.layout, query.shape, key.shape, value.shape,
                 query.stride(), key.stride(), value.stride(),
@@ -352,7 +394,8 @@ def plan(
     if isinstance(route, str):
         return route
     query, key, value, scale = _kernel_inputs(route, query, key, value, scale)
-    return KernelCall(query, key, value, is_causal, scale, route.out_dtype, route.backward, attn_mask, route.eight_bit)
+    return KernelCall(query, key, value, is_causal, scale, route.out_dtype, route.backward, attn_mask, route.eight_bit,
+                      route.exact_reason)
 
 
 def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False) -> str:
@@ -368,6 +411,8 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *
         kind += f", {call.query.shape[1] // call.key.shape[1]} query heads per key/value head"
     grad = ", forward and backward" if call.backward else ""
     precision = ", in 8-bit attention (int8 Q K^T, fp8 P V)" if call.eight_bit else ""
+    if call.exact_reason:
+        precision = f", exact, not 8-bit: {call.exact_reason}"
     return f"runs on the kernels: {call.query.dtype}, head dim {call.query.shape[-1]}, {kind}{grad}{precision}"
 
 
@@ -376,7 +421,7 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *
 _kernel_calls = 0
 _eight_bit_calls = 0
 _fallbacks: Counter[str] = Counter()
-_exact_reasons: Counter[str] = Counter()  # calls settings.precision asked to run in 8 bits that ran exact
+_exact_reasons: Counter[str] = Counter()  # calls asked to run in 8 bits that ran exact
 _logged_reasons: set[str] = set()
 _logged_exact_reasons: set[str] = set()
 
@@ -397,7 +442,7 @@ def reset_stats() -> None:
 
 
 def _note_precision(route: Route) -> None:
-    """Counts an 8-bit call, or logs (once per reason) why one settings.precision asked for ran exact."""
+    """Counts an 8-bit call, or logs (once per reason) why one asked for in 8 bits ran exact."""
     global _eight_bit_calls
     if route.eight_bit:
         _eight_bit_calls += 1
@@ -433,7 +478,19 @@ def _run(route: Route, query, key, value, attn_mask, is_causal: bool, scale, sig
     first time."""
     query, key, value, scale = _kernel_inputs(route, query, key, value, scale)
     if route.eight_bit:
-        out = quantized.quantized_attention_forward(query, key, value, scale)
+        try:
+            out = quantized.quantized_attention_forward(query, key, value, scale)
+        except KernelUnavailable:
+            raise
+        except torch.cuda.OutOfMemoryError:  # the pass's buffers: this call runs exact, later ones try again
+            out, _lse = attention.flash_attention_forward(query, key, value, is_causal, scale)
+            route = route._replace(eight_bit=False, exact_reason="8-bit attention's buffers did not fit in GPU memory")
+        except Exception as exc:  # 8-bit attention failing must cost precision's speed, not the exact kernels
+            log.exception("8-bit attention failed on %s; it is now off there (the exact kernels run)", query.device)
+            reason = f"8-bit attention failed ({type(exc).__name__}: {exc}); off for {query.device}"
+            _disable_eight_bit(query.device, reason)
+            out, _lse = attention.flash_attention_forward(query, key, value, is_causal, scale)
+            route = route._replace(eight_bit=False, exact_reason=reason)
     elif route.backward or tracing:  # the custom op: differentiable, and what a graph can hold
         out = autograd.flash_attention(query, key, value, is_causal, scale, attn_mask=attn_mask)
     elif route.launch is not None:
@@ -445,6 +502,8 @@ def _run(route: Route, query, key, value, attn_mask, is_causal: bool, scale, sig
         out, _lse = launch(query, key, value)
     else:
         out, _lse = attention.flash_attention_forward(query, key, value, is_causal, scale, attn_mask=attn_mask)
+    if not tracing and (route.eight_bit or route.exact_reason is not None):
+        _note_precision(route)
     return out if out.dtype == route.out_dtype else out.to(route.out_dtype)
 
 
@@ -477,11 +536,8 @@ def attention_or_reason(
     if isinstance(route, str):
         _note_fallback(route, fallback_name)
         return route
-    out = _counted(lambda: _run(route, query, key, value, attn_mask, is_causal, scale, signature), query.device,
-                   fallback_name)
-    if not isinstance(out, str) and (route.eight_bit or route.exact_reason is not None):
-        _note_precision(route)
-    return out
+    return _counted(lambda: _run(route, query, key, value, attn_mask, is_causal, scale, signature), query.device,
+                    fallback_name)
 
 
 def _counted(run, device: torch.device, fallback_name: str):

@@ -87,3 +87,33 @@ def fma_f32(a, b, c) -> np.ndarray:
 def exponent_f32(values: np.ndarray) -> np.ndarray:
     """The biased exponent field of f32 values."""
     return ((bits32(values) >> 23) & 0xFF).astype(np.int32)
+
+
+def e4m3_from_bits(bits: np.ndarray) -> np.ndarray:
+    """OCP e4m3 (gfx12's fp8, torch.float8_e4m3fn) bytes as float32: bias 7, no infinities, S.1111.111 NaN."""
+    bits = np.asarray(bits).astype(np.int64) & 0xFF
+    exponent, mantissa = (bits >> 3) & 15, bits & 7
+    magnitude = np.where(exponent == 0, np.ldexp(mantissa.astype(np.float64), -9),
+                         np.ldexp((8 + mantissa).astype(np.float64), exponent - 10))
+    value = np.where(bits & 0x80, -magnitude, magnitude)
+    return np.where((exponent == 15) & (mantissa == 7), np.nan, value).astype(np.float32)
+
+
+def e4m3_bits(values: np.ndarray) -> np.ndarray:
+    """f32 values to OCP e4m3 as v_cvt_pk_fp8_f32 converts them: nearest even, subnormals kept; without
+    MODE.FP16_OVFL, magnitudes above 464 (where nearest even would leave 448) and infinities become NaN
+    (0x7f with the sign), and a NaN 0xff. Bytes as uint32."""
+    x = np.asarray(values, dtype=np.float32).astype(np.float64)
+    sign = np.where(np.signbit(x), 0x80, 0).astype(np.uint32)
+    a = np.abs(x)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        _, exponent = np.frexp(np.where(np.isfinite(a) & (a > 0), a, 1.0))
+        step = np.ldexp(1.0, np.maximum(exponent - 1, -6) - 3)  # spacing of e4m3 values at a's binade
+        rounded = np.round(a / step) * step  # numpy rounds halves to even
+        _, r_exponent = np.frexp(np.where(rounded > 0, rounded, 1.0))
+        normal = rounded >= 2.0**-6
+        code = np.where(normal, ((r_exponent - 1 + 7) << 3) + (np.where(normal, rounded, 1.0)
+                                                               / np.ldexp(1.0, r_exponent - 1) * 8 - 8).astype(np.int64),
+                        (rounded / 2.0**-9).astype(np.int64))
+    code = np.where(a > 464.0, 0x7F, code).astype(np.uint32) | sign
+    return np.where(np.isnan(x), np.uint32(0xFF), code)

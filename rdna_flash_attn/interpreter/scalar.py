@@ -147,6 +147,7 @@ _UNARY = {
     "s_ctz_i32_b32": lambda a: ((a & -a).bit_length() - 1 & M32 if a else M32, None),
     "s_clz_i32_u32": lambda a: (32 - a.bit_length() if a else M32, None),
     "s_cvt_f32_u32": lambda a: (_f32_bits(float(a)), None),  # exact in a Python float, rounded once to f32
+    "s_cvt_f32_i32": lambda a: (_f32_bits(float(_s32(a))), None),
     "s_cvt_u32_f32": lambda a: (_cvt_u32(_f32(a)), None),
 }
 

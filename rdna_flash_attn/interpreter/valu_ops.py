@@ -128,6 +128,7 @@ OPS = {
     "cvt_f32_f16": (("f16",), "f32", lambda a: a),
     "cvt_f16_f32": (("f32",), "f16", lambda a: a),
     "cvt_f32_i32": (("i32",), "f32", lambda a: a.astype(np.float32)),
+    "rndne_f32": (("f32",), "f32", np.rint),  # to the nearest integer, ties to even
     "cvt_f32_u32": (("u32",), "f32", lambda a: a.astype(np.float32)),
     "cvt_i32_f32": (("f32",), "i32", lambda a: np.clip(np.nan_to_num(np.trunc(a)), -2**31, 2**31 - 1).astype(np.int64)),
     "cvt_u32_f32": (("f32",), "u32", lambda a: np.clip(np.nan_to_num(np.trunc(a)), 0, 2**32 - 1).astype(np.int64)),

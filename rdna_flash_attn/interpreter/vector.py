@@ -257,8 +257,8 @@ def _compile_vop(d, ctx, encoding):
     if name == "permlanex16_b32":
         return _compile_permlanex16(d, ctx)
     if name in ("cndmask_b32", "add_co_ci_u32", "sub_co_ci_u32", "subrev_co_ci_u32", "add_co_u32", "sub_co_u32",
-                "subrev_co_u32", "mad_u64_u32", "mad_co_u64_u32", "div_scale_f32", "div_fmas_f32", "fmac_f32",
-                "fmamk_f32", "fmaak_f32", "dot2acc_f32_f16"):
+                "subrev_co_u32", "mad_u64_u32", "mad_co_u64_u32", "mad_co_i64_i32", "div_scale_f32", "div_fmas_f32", "fmac_f32",
+                "fmamk_f32", "fmaak_f32", "dot2acc_f32_f16", "cvt_pk_fp8_f32"):
         return _compile_special(d, ctx, encoding, name, fields)
     if name not in OPS:
         return None
@@ -349,6 +349,36 @@ def _compile_special(d, ctx, encoding, name, fields):
             write(wave, total)
             write_carry(wave, lanes_mask((total < product) & wave.exec_lanes()))
         return run_mad64
+    if name == "mad_co_i64_i32":  # signed 32 x 32 + 64 bits as a 65-bit sum: D the low 64, the carry bit 64
+        operands = _Operands(d, ctx, fields[:3], ("i32", "i32", "u64"), modifiers=False)
+        write = vector_writer(inst.vdst.offset, "u64", False, False)
+        write_carry = _mask_writer(inst.sdst.offset)
+
+        def run_mad_i64(wave: Wave):
+            a, b, c = operands.read(wave)
+            product = to_typed(a, "i32").astype(np.int64) * to_typed(b, "i32").astype(np.int64)
+            addend = c.astype(np.uint64).view(np.int64)
+            total = product.view(np.uint64) + addend.view(np.uint64)  # wraps, as the 64-bit adder does
+            signed = total.view(np.int64)
+            overflow = (np.sign(product) == np.sign(addend)) & (np.sign(signed) != np.sign(product)) & (product != 0)
+            negative = (signed < 0) ^ overflow  # the exact sum's sign: bit 64 of the sign-extended sum
+            write(wave, total)
+            write_carry(wave, lanes_mask(negative & wave.exec_lanes()))
+        return run_mad_i64
+    if name == "cvt_pk_fp8_f32":  # two f32 to e4m3 in one 16-bit half of the destination (OPSEL[3]), the other kept
+        if getattr(inst, "neg", 0) or getattr(inst, "abs", 0) or getattr(inst, "clmp", 0):
+            raise InterpreterError("v_cvt_pk_fp8_f32 with modifiers is not supported", ctx.kernel, d.offset, d.name)
+        read_a, read_b = (vector_reader(getattr(inst, f).offset, d.literal, 32, True) for f in fields[:2])
+        destination = inst.vdst.offset
+        read_old = vector_reader(destination, None, 32, False)
+        write = vector_writer(destination, "u32", False, False)
+        high = bool(getattr(inst, "opsel", 0) >> 3 & 1)
+
+        def run_cvt_pk_fp8(wave: Wave):
+            pair = floats.e4m3_bits(to_typed(read_a(wave), "f32")) | floats.e4m3_bits(to_typed(read_b(wave), "f32")) << 8
+            old = read_old(wave).astype(np.uint32)
+            write(wave, (old & np.uint32(0xFFFF)) | (pair << 16) if high else (old & np.uint32(0xFFFF0000)) | pair)
+        return run_cvt_pk_fp8
     if name == "div_scale_f32":
         operands = _Operands(d, ctx, fields[:3], ("f32", "f32", "f32"))
         write = vector_writer(inst.vdst.offset, "f32", False, False)

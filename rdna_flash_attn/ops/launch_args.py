@@ -73,3 +73,15 @@ class Fwd8Args(ctypes.Structure):
         *((f"o_stride_{d}", ctypes.c_int64) for d in "bhs"),
         *((name, ctypes.c_int32) for name in ("heads", "kv_heads", "seqlen_q", "seqlen_k", "k_rows", "head_dim")),
     ]
+
+
+class Quant8Args(ctypes.Structure):
+    """The 8-bit forward's quantizing pass (kernels/quant8.h): 16-bit inputs in, Fwd8Args' buffers out."""
+
+    _fields_ = [
+        *((name, ctypes.c_void_p) for name in ("q", "k", "v")),
+        *((f"{t}_stride_{d}", ctypes.c_int64) for t in "qkv" for d in "bhs"),
+        *((name, ctypes.c_void_p) for name in ("q8", "q_scale", "k8", "k_scale", "vt8", "k_mean", "v_mean", "v_scale")),
+        *((name, ctypes.c_int32) for name in ("heads", "kv_heads", "seqlen_q", "seqlen_k", "k_rows", "head_dim")),
+        ("scale_log2", ctypes.c_float),
+    ]

@@ -226,7 +226,7 @@ BWD_BY_SYMBOL = {v.symbol: v for v in BWD_VARIANTS}
 # The opt-in 8-bit forward (kernels/fa_fwd8.h, "8-bit QK+PV"): gfx12 only, whose WMMA runs 8-bit
 # operands at twice the 16-bit rate (gfx11's at the same rate). Inputs come quantized into buffers of
 # the kernel's layout (rdna_flash_attn/ops/quantized.py): keys padded to whole tiles, head dim to d_pad.
-FWD8_PADDED_HEAD_DIMS = (48, 64, 80, 96, 128, 160)
+FWD8_PADDED_HEAD_DIMS = tuple(range(48, 161, 16))
 FWD8_WAVES = 4
 FWD8_BLOCK_N = 64
 FWD8_SCALE_KEYS = FRAG  # keys per K scale: one WMMA fragment
@@ -269,12 +269,50 @@ def fwd8_variant(dtype: str, head_dim: int) -> Fwd8Variant:
     return FWD8_BY_SYMBOL[f"rdna_fa_fwd8_{dtype}_d{padded_head_dim(head_dim)}"]
 
 
+# Its quantizing pass (kernels/quant8.h): "stats" (one workgroup per key/value head: channel means and V's
+# scales), then "codes" (one per 64 tokens of a head: the 8-bit codes in the kernel's layout).
+QUANT8_STATS_THREADS = 256
+QUANT8_ROWS = 64
+
+
+@dataclass(frozen=True)
+class Quant8Variant:
+    kind: str  # "stats" | "codes"
+    dtype: str  # the inputs'
+    d_pad: int
+
+    @property
+    def threads(self) -> int:
+        return QUANT8_STATS_THREADS if self.kind == "stats" else QUANT8_ROWS
+
+    @property
+    def symbol(self) -> str:
+        return f"rdna_fa_quant8_{self.kind}_{self.dtype}_d{self.d_pad}"
+
+    @property
+    def lds_bytes(self) -> int:
+        """Mirrors Quant8StatsShape (four partials of 8 channels per thread) and Quant8CodesShape (a padded
+        V^T row of the block per channel, then one float per row)."""
+        if self.kind == "stats":
+            return 4 * 4 * 8 * QUANT8_STATS_THREADS
+        return 4 * (self.d_pad * (QUANT8_ROWS // 4 + _FWD8_PAD_BYTES // 4) + QUANT8_ROWS)
+
+
+QUANT8_VARIANTS = tuple(Quant8Variant(kind, dt, d) for kind in ("stats", "codes") for dt in DTYPES
+                        for d in FWD8_PADDED_HEAD_DIMS)
+QUANT8_BY_SYMBOL = {v.symbol: v for v in QUANT8_VARIANTS}
+
+
+def quant8_variant(kind: str, dtype: str, head_dim: int) -> Quant8Variant:
+    return QUANT8_BY_SYMBOL[f"rdna_fa_quant8_{kind}_{dtype}_d{padded_head_dim(head_dim)}"]
+
+
 ALL_SYMBOLS = tuple(FWD_BY_SYMBOL) + tuple(BWD_BY_SYMBOL)
 
 
 def target_symbols(target: str) -> tuple[str, ...]:
     """The kernels a code object for `target` holds."""
-    return ALL_SYMBOLS + (tuple(FWD8_BY_SYMBOL) if has_fwd8(target) else ())
+    return ALL_SYMBOLS + (tuple(FWD8_BY_SYMBOL) + tuple(QUANT8_BY_SYMBOL) if has_fwd8(target) else ())
 
 
 def bwd_variant(kind: str, dtype: str, head_dim: int, masked: bool = False) -> BwdVariant:
@@ -290,5 +328,6 @@ def instantiation_lines() -> str:
               f"{v.d_chunk}, {str(v.masked).lower()})" for v in BWD_VARIANTS]
     lines += ["#if defined(__GFX12__)"]
     lines += [f"RDNA_FA_FWD8_INSTANCE({v.symbol}, {v.dtype}, {v.d_pad}, {v.waves}, {v.block_n})" for v in FWD8_VARIANTS]
+    lines += [f"RDNA_FA_QUANT8_{v.kind.upper()}_INSTANCE({v.symbol}, {v.dtype}, {v.d_pad})" for v in QUANT8_VARIANTS]
     lines += ["#endif"]
     return "\n".join(lines) + "\n"

@@ -11,6 +11,7 @@ import torch
 from ..config import Settings, settings
 from ..dispatch import router, selftest
 from ..integrations import autoload
+from ..ops import quantized
 from ..runtime import artifacts, device as devices, loader, variants
 from ..version import __version__
 from . import rebuild
@@ -65,6 +66,20 @@ def _doctor_device(device: torch.device) -> None:
     if settings.disable:
         refusal = "disabled (RDNA_FA_DISABLE / settings.disable)"
     _line("  kernels", "ON" if refusal is None else f"OFF: {refusal}")
+    if refusal is None:
+        _line("  8-bit attention", _eight_bit_line(device, library))
+
+
+def _eight_bit_line(device: torch.device, library: loader.KernelLibrary) -> str:
+    """Whether this device's inference calls run in 8-bit attention (its self-test runs only when asked for)."""
+    unavailable = quantized.target_refusal(library.artifact.target)
+    if unavailable:
+        return f"not available: {unavailable}"
+    if settings.precision == "exact":
+        return "available, not used (RDNA_FA_PRECISION=exact)"
+    refusal = router.eight_bit_refusal(device)
+    return "ON for inference calls without mask or causal, head dims 40-160 (self-test passed)" if refusal is None else (
+        f"OFF: {refusal}")
 
 
 def _doctor_code_objects() -> None:
@@ -106,6 +121,8 @@ def doctor(_args: argparse.Namespace) -> int:
     _line("torch", f"{torch.__version__} (HIP {torch.version.hip or '-'}, CUDA {torch.version.cuda or '-'})")
     _line("backward", "kernels" if settings.training else "PyTorch SDPA (RDNA_FA_TRAINING=0)")
     _line("float32 inputs", "PyTorch SDPA" if settings.fp32_cast == "off" else f"kernels in {settings.fp32_cast}")
+    _line("precision", "exact" if settings.precision == "exact" else
+          "8-bit attention (int8 Q K^T, fp8 P V) for inference calls on RDNA4, exact elsewhere")
     _line("attention masks", f"kernels at head dims {variants.MASKED_HEAD_DIMS[0]}-{variants.MASKED_HEAD_DIMS[-1]}; "
                              "PyTorch SDPA at the others")
     _flash_attn_line()

@@ -1,7 +1,7 @@
 """The static estimators' instruction reading: waits decoded on both ISAs, the interpreter-executed
 counts of bench/estimate_masked.py against the disassembly-based reconstruction of
 bench/estimate_gfx1100.py on a shipped code object (they must agree where both apply), and the
-backward estimate's traces of both targets' shipped code objects."""
+backward estimate's traces of both targets' shipped code objects, and the 8-bit forward's pricing."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import hashlib
 
 import pytest
 
-from bench import estimate_gfx1100_backward, estimate_masked
+from bench import estimate_8bit, estimate_gfx1100_backward, estimate_masked
 from rdna_flash_attn.interpreter import InterpretedLibrary
 from rdna_flash_attn.runtime import artifacts, variants
+from rdna_flash_attn.runtime.codeobject import load_code_object
 from rdna_flash_attn.tools.report import find_objdump
 
 from .conftest import REPO
@@ -124,3 +125,19 @@ def test_shape_pricing_reproduces_the_model_at_its_own_launch(target):
     assert whole["tflops_pess"] == model["tflops_pess"] and whole["tflops_opt"] == model["tflops_opt"]
     assert whole["useful_share_of_tiles"] == 1.0
     assert ragged["useful_share_of_tiles"] < 1.0 and ragged["tflops_opt"] < whole["tflops_opt"]
+
+
+def test_the_8bit_forward_costs_half_a_wmma_per_8bit_product_and_its_pass_its_bytes():
+    objdump = find_objdump()
+    if objdump is None:
+        pytest.skip("llvm-objdump (>= 19) not installed")
+    path = REPO / "prebuilt" / "rdna_fa_gfx1201.hsaco"
+    co = load_code_object(path)
+    row = estimate_8bit.eight_bit_row(estimator.disassemble(objdump, path, "gfx1201"), co,
+                                      {k.name: k for k in co.kernels}, "f16", 128)
+    counts, cycles = row["counts_per_wave_tile"], row["model"]["cycles"]
+    assert counts["wmma"] == counts["wmma_8bit"] == 2 * (128 // 16) * (64 // 16)  # S^T and O^T, 64-key tiles
+    assert cycles["wmma"] == counts["wmma"] * estimator.HARDWARE["gfx1201"].wmma_cycles / 2
+    # 16-bit Q once, K and V twice; 8-bit codes once; a float per query row, per 16 keys, three per channel
+    assert estimate_8bit.pass_bytes(128) == 4096 * 128 * (2 + 8 + 3) + 4 * (4096 + 256 + 3 * 128)
+    assert row["tflops_pess_with_pass"] < row["model"]["tflops_pess"]

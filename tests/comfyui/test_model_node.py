@@ -225,3 +225,18 @@ def test_global_switch_routes_new_models_and_is_undone(node_package, fake_gpu, m
     assert torch.equal(sample(routed, "sdxl"), reference)  # the override left behind passes through
     assert torch.equal(sample(build("sdxl"), "sdxl"), reference)
     assert len(fake_gpu.launches) == launches
+
+
+def test_the_nodes_attention_precision_reaches_the_dispatcher(model_node, fake_gpu):
+    """8-bit QK+PV asked for by the node (not by settings), on an RDNA3 GPU: every call runs exact and
+    says why; the option lasts the patched model's calls only."""
+    model, reference, attention_calls = unpatched_run("sdxl")
+    (patched,) = model_node.patch(model, True, True, "original backend", "8-bit QK+PV (RDNA4)")
+    torch.testing.assert_close(sample(patched, "sdxl"), reference, **LATENT_TOLERANCE)
+    reason = "8-bit attention needs RDNA4 (gfx12); gfx1100 has no faster 8-bit matrix rate"
+    assert rdna_flash_attn.stats()["exact_not_8bit_reasons"] == {reason: attention_calls}
+    assert settings.precision == "exact"
+    (exact,) = model_node.patch(model, True, True, "original backend", "exact")
+    sample(exact, "sdxl")
+    assert rdna_flash_attn.stats()["kernel"] == 2 * attention_calls
+    assert rdna_flash_attn.stats()["exact_not_8bit_reasons"] == {reason: attention_calls}

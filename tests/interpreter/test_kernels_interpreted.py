@@ -20,9 +20,10 @@ import os
 import pytest
 import torch
 
-from rdna_flash_attn.runtime import artifacts, loader as runtime
-from rdna_flash_attn.ops import attention as ops
+from rdna_flash_attn.runtime import artifacts, loader as runtime, variants
+from rdna_flash_attn.ops import attention as ops, quantized
 
+from ..test_quantized import dequantized_attention, reference_quantize
 from ..gpu.reference import attention_fp64, backward_bound, grads_fp64, grads_input_dtype, max_error, sdpa_math
 
 pytest.importorskip("tinygrad", reason="the interpreter decodes with tinygrad==0.14.0 (requirements-dev.txt)")
@@ -259,3 +260,31 @@ def test_varlen_code_objects_match_fp64_per_entry(target):
         for grad, span, ref, base in zip(grads, (rows, keys, keys), reference, baseline):
             error = max_error(grad[span].transpose(0, 1).unsqueeze(0), ref)
             assert error <= backward_bound(max_error(base, ref))
+
+
+@pytest.mark.parametrize("dtype_name,head_dim,seq_q,seq_k", [("f16", 40, 33, 70), ("bf16", 128, 17, 64)])
+def test_8bit_code_objects_match_their_reference(dtype_name, head_dim, seq_q, seq_k):
+    """gfx1201's 8-bit path (quantizing pass and forward, kernels/quant8.h and fa_fwd8.h) as shipped: the
+    pass writes the torch reference's codes and scales (a code may sit one step away where the kernel's
+    float32 channel mean rounds differently), and the output's error against fp64 is within 10 % of the
+    same arithmetic's in float64 (P's roundings against the running maximum differ from the model's)."""
+    dtype = DTYPES[dtype_name]
+    generator = torch.Generator().manual_seed(head_dim * 1000 + seq_k)
+    q = 2 * torch.randn(1, 4, seq_q, head_dim, generator=generator).to(dtype)
+    k, v = (torch.randn(1, 2, seq_k, head_dim, generator=generator).to(dtype) for _ in range(2))
+    variant = variants.fwd8_variant(dtype_name, head_dim)
+    scale = 1 / math.sqrt(head_dim)
+    with runtime.explicit_library(library("gfx1201")):
+        inputs = quantized.quantize_inputs(q, k, v, scale, variant)
+        out = quantized.quantized_attention_forward(q, k, v)
+    for name, ours, theirs in zip(quantized.QuantizedInputs._fields, inputs, reference_quantize(q, k, v, scale, variant)):
+        if ours.dtype == torch.float32:
+            assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6), name
+        else:
+            differ = int((ours != theirs).sum())
+            assert differ <= max(1, ours.numel() // 1000), (name, differ)
+    reference, _ = attention_fp64(q, k, v)
+    kernel_error = float((out.double() - reference).abs().sum() / reference.abs().sum())
+    model = dequantized_attention(inputs, seq_k, head_dim).to(dtype)
+    model_error = float((model.double() - reference).abs().sum() / reference.abs().sum())
+    assert kernel_error <= 1.1 * model_error + 1e-4, (kernel_error, model_error)
