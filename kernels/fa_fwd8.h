@@ -63,9 +63,10 @@ RDNA_DEV Isa::Operand8 load_operand8(const u32* tile, int col0, int lane) {
 
 // Copies ROWS rows of BYTES bytes (a whole number of 16-byte pieces) from global rows `stride` words
 // apart into LDS rows LDS_ROW words apart. Every load is issued before the first store: one memory
-// round trip. Rows at or past `rows` (Q's last block) are zero.
+// round trip. Rows at or past `rows` (Q's last block) are zero. Loads take the uniform `src` plus a
+// 32-bit byte offset per lane (load16_at): the dispatch keeps ROWS x stride below 2^29 words.
 template <int ROWS, int BYTES, int LDS_ROW, int THREADS>
-RDNA_DEV void copy_byte_rows(u32* dst, const u32* src, i64 stride, int rows, int tid) {
+RDNA_DEV void copy_byte_rows(u32* dst, const u32* src, int stride, int rows, int tid) {
   constexpr int kPieces = BYTES / 16;
   constexpr int kTotal = ROWS * kPieces;
   constexpr int kLoads = (kTotal + THREADS - 1) / THREADS;
@@ -75,7 +76,7 @@ RDNA_DEV void copy_byte_rows(u32* dst, const u32* src, i64 stride, int rows, int
     const int i = tid + n * THREADS, r = i / kPieces;
     val[n] = zero_u32x4();
     if ((kTotal % THREADS == 0 || i < kTotal) && r < rows)
-      val[n] = load16(reinterpret_cast<const u16*>(src + r * stride + i % kPieces * 4));
+      val[n] = load16_at(reinterpret_cast<const u16*>(src), u32(r * stride + i % kPieces * 4) * 4u);
   }
   #pragma unroll
   for (int n = 0; n < kLoads; ++n) {
@@ -130,11 +131,18 @@ RDNA_DEV void fwd8_body(const Fwd8Args& a, u32* lds) {
                                                                          tid);
     block_barrier();
 
+    // The first head-dim step's products start from the WMMA's inline zero: no accumulator zeroing.
     v8i s_acc[kKeyFrags];
-    #pragma unroll
-    for (int j = 0; j < kKeyFrags; ++j) s_acc[j] = zero_v8i();
+    {
+      const Isa::Operand8 q_op = load_operand8<Shape::kRowWords>(wave_q, 0, lane);
+      #pragma unroll
+      for (int j = 0; j < kKeyFrags; ++j) {
+        s_acc[j] = zero_v8i();
+        Isa::mma_i8(s_acc[j], load_operand8<Shape::kRowWords>(k_lds + j * kFrag * Shape::kRowWords, 0, lane), q_op);
+      }
+    }
     #pragma unroll 2
-    for (int d = 0; d < kDimFrags; ++d) {
+    for (int d = 1; d < kDimFrags; ++d) {
       const Isa::Operand8 q_op = load_operand8<Shape::kRowWords>(wave_q, d * kFrag, lane);
       #pragma unroll
       for (int j = 0; j < kKeyFrags; ++j)

@@ -163,6 +163,11 @@ def test_refusals():
     for dim in (32, 168, 256):
         t = torch.zeros(1, 2, 8, dim, dtype=torch.float16)
         assert f"head dims 40-160, not {dim}" in quantized.quantized_refusal(t, t, t, False, None)
+    q128 = torch.zeros(1, 2, 8, 128, dtype=torch.float16)
+    long_keys = torch.zeros(1, 1, 2**31 // 128, 128, dtype=torch.float16, device="meta")
+    assert "keys x head dim below 2^31" in quantized.quantized_refusal(q128, long_keys, long_keys, False, None)
+    fits = long_keys[:, :, : 2**31 // 128 - 2 * variants.FWD8_BLOCK_N]
+    assert quantized.quantized_refusal(q128, fits, fits, False, None) is None
 
 
 def test_precision_setting():

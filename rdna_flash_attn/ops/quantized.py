@@ -28,6 +28,8 @@ from .launch_args import Fwd8Args, Quant8Args
 __all__ = ["QuantizedInputs", "target_refusal", "quantized_refusal", "quantize_inputs", "quantized_attention_forward"]
 
 FP8_MAX = 448.0  # OCP e4m3's largest finite value (gfx12's fp8, torch.float8_e4m3fn): P's scale
+# fa_fwd8.h addresses a V^T tile's bytes with 32-bit offsets from the tile's base: d_pad rows of k_rows.
+_MAX_TILE_OFFSET = 2**31
 
 
 def target_refusal(target: str) -> str | None:
@@ -45,6 +47,8 @@ def quantized_refusal(q, k, v, is_causal: bool, attn_mask) -> str | None:
         return "8-bit attention is not causal"
     if q.shape[3] not in variants.FWD8_HEAD_DIMS:
         return f"8-bit attention takes head dims {variants.FWD8_HEAD_DIMS[0]}-{variants.FWD8_HEAD_DIMS[-1]}, not {q.shape[3]}"
+    if (k.shape[2] + variants.FWD8_BLOCK_N) * variants.padded_head_dim(q.shape[3]) >= _MAX_TILE_OFFSET:
+        return "8-bit attention takes keys x head dim below 2^31"
     return None
 
 

@@ -62,8 +62,8 @@ def test_unet_lora_training_in_a_child_process_goes_through_the_dispatcher(tmp_p
     assert len(trained["losses"]) == 3 and all(math.isfinite(loss) for loss in trained["losses"])
     assert trained["attention_calls"] > 0
     # Every attention layer call of the child was one dispatcher call; on the CPU each falls back.
-    assert counters == dict(kernel=0, fallback=trained["attention_calls"],
-                            fallback_reasons={CPU_REASON: trained["attention_calls"]},
+    assert counters == dict(kernel=0, kernel_8bit=0, fallback=trained["attention_calls"],
+                            fallback_reasons={CPU_REASON: trained["attention_calls"]}, exact_not_8bit_reasons={},
                             pid=counters["pid"], sdpa_patch_enabled=True, training=True)
     assert counters["pid"] != os.getpid()
     assert "torch SDPA routed through the dispatcher" in child.stderr
