@@ -5,9 +5,6 @@ from __future__ import annotations
 from .core import core_or_reason
 from .model_patch import patch_model, unpatch_model
 from .routing import FALLBACK_CHOICES, FALLBACK_ORIGINAL, RoutingOptions
-
-# The node's attention precision choices -> rdna_flash_attn's (settings.precision's values).
-ATTENTION_PRECISION = {"exact": "exact", "8-bit QK+PV (RDNA4)": "8bit-qkpv"}
 from .vae_patch import (
     PRECISION_BF16,
     PRECISION_CHOICES,
@@ -17,6 +14,9 @@ from .vae_patch import (
 )
 
 CATEGORY = "advanced/attention"
+
+# The node's attention precision choices -> rdna_flash_attn's (settings.precision's values).
+ATTENTION_PRECISION = {"exact": "exact", "8-bit QK+PV (RDNA4)": "8bit-qkpv"}
 
 
 class RDNAFlashAttentionModel:

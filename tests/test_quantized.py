@@ -212,7 +212,8 @@ def fake_rdna4(fake_gpu, monkeypatch):
         if fake_gpu.eight_bit.raises is not None:
             raise fake_gpu.eight_bit.raises
         return _math_attention(q, k, v, scale=scale)[0] + fake_gpu.eight_bit.error
-    monkeypatch.setattr(quantized, "quantized_attention_forward", eight_bit)
+    monkeypatch.setattr(quantized, "quantized_attention_forward", eight_bit)  # the self-test's
+    monkeypatch.setattr(quantized, "launch_quantized", eight_bit)  # the dispatcher's
     checks = selftest.eight_bit_checks
     monkeypatch.setattr(selftest, "eight_bit_checks", lambda device: checks(torch.device("cpu")))  # the CPU plays it
     settings.precision = "8bit-qkpv"

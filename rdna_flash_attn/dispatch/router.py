@@ -320,9 +320,7 @@ def _eight_bit_refusal(query, key, value, is_causal, attn_mask, backward: bool) 
     """Why an eager call the exact kernels take cannot run in 8-bit attention, or None."""
     if backward:
         return "gradients needed (8-bit attention is for inference)"
-    return (quantized.target_refusal(device_verdict(query.device).library.artifact.target)
-            or quantized.quantized_refusal(query, key, value, is_causal, attn_mask)
-            or eight_bit_refusal(query.device))
+    return eight_bit_refusal(query.device) or quantized.quantized_refusal(query, key, value, is_causal, attn_mask)
 
 
 def eight_bit_refusal(device: torch.device) -> str | None:
@@ -422,8 +420,7 @@ _kernel_calls = 0
 _eight_bit_calls = 0
 _fallbacks: Counter[str] = Counter()
 _exact_reasons: Counter[str] = Counter()  # calls asked to run in 8 bits that ran exact
-_logged_reasons: set[str] = set()
-_logged_exact_reasons: set[str] = set()
+_logged_reasons: set[tuple[str, str]] = set()  # (what was not used, why) shown in the log
 
 
 def stats() -> dict:
@@ -448,17 +445,20 @@ def _note_precision(route: Route) -> None:
         _eight_bit_calls += 1
         return
     _exact_reasons[route.exact_reason] += 1
-    if route.exact_reason not in _logged_exact_reasons and log.isEnabledFor(logging.INFO):
-        _logged_exact_reasons.add(route.exact_reason)
-        log.info("not using 8-bit attention: %s (the exact kernels run these calls)", route.exact_reason)
+    _log_once("8-bit attention", route.exact_reason, "the exact kernels", "run")
 
 
 def _note_fallback(reason: str, fallback_name: str) -> None:
     _fallbacks[reason] += 1
-    # Remembered only once shown, so turning INFO on later still shows every reason once.
-    if reason not in _logged_reasons and log.isEnabledFor(logging.INFO):
-        _logged_reasons.add(reason)
-        log.info("not using the kernels: %s (%s runs these calls)", reason, fallback_name)
+    _log_once("the kernels", reason, fallback_name)
+
+
+def _log_once(unused: str, reason: str, runner: str, verb: str = "runs") -> None:
+    """INFO "not using <unused>: <reason> (<runner> <verb> these calls)", once per (unused, reason).
+    Remembered only once shown, so turning INFO on later still shows every reason once."""
+    if (unused, reason) not in _logged_reasons and log.isEnabledFor(logging.INFO):
+        _logged_reasons.add((unused, reason))
+        log.info("not using %s: %s (%s %s these calls)", unused, reason, runner, verb)
 
 
 # --- the entry points ---------------------------------------------------------------------------------
@@ -479,16 +479,16 @@ def _run(route: Route, query, key, value, attn_mask, is_causal: bool, scale, sig
     query, key, value, scale = _kernel_inputs(route, query, key, value, scale)
     if route.eight_bit:
         try:
-            out = quantized.quantized_attention_forward(query, key, value, scale)
+            out = quantized.launch_quantized(query, key, value, scale)  # _decide made its checks
         except KernelUnavailable:
             raise
-        except torch.cuda.OutOfMemoryError:  # the pass's buffers: this call runs exact, later ones try again
-            out, _lse = attention.flash_attention_forward(query, key, value, is_causal, scale)
-            route = route._replace(eight_bit=False, exact_reason="8-bit attention's buffers did not fit in GPU memory")
         except Exception as exc:  # 8-bit attention failing must cost precision's speed, not the exact kernels
-            log.exception("8-bit attention failed on %s; it is now off there (the exact kernels run)", query.device)
-            reason = f"8-bit attention failed ({type(exc).__name__}: {exc}); off for {query.device}"
-            _disable_eight_bit(query.device, reason)
+            if isinstance(exc, torch.cuda.OutOfMemoryError):  # the pass's buffers: later calls try again
+                reason = "8-bit attention's buffers did not fit in GPU memory"
+            else:
+                log.exception("8-bit attention failed on %s; it is now off there (the exact kernels run)", query.device)
+                reason = f"8-bit attention failed ({type(exc).__name__}: {exc}); off for {query.device}"
+                _disable_eight_bit(query.device, reason)
             out, _lse = attention.flash_attention_forward(query, key, value, is_causal, scale)
             route = route._replace(eight_bit=False, exact_reason=reason)
     elif route.backward or tracing:  # the custom op: differentiable, and what a graph can hold

@@ -184,24 +184,26 @@ def run_checks(device: torch.device, gradients=autograd_gradients) -> list[Check
 def eight_bit_checks(device: torch.device) -> list[Check]:
     """8-bit attention against float32 attention, per case and dtype: relative L1 and 1 - cosine."""
     generator = torch.Generator(device=device).manual_seed(1)
-    checks = []
-    for dtype in DTYPES:
-        for batch, heads, kv_heads, sq, sk, dim in EIGHT_BIT_CASES:
-            q = torch.randn(batch, heads, sq, dim, generator=generator, device=device, dtype=dtype)
-            k, v = (torch.randn(batch, kv_heads, sk, dim, generator=generator, device=device, dtype=dtype)
-                    for _ in range(2))
-            # V with a mean per channel, as models' values have: without one the outputs average out near
-            # zero, and the mode's relative L1 on them (about 3.5 %) says nothing about a kernel.
-            v = v + torch.randn(1, 1, 1, dim, generator=generator, device=device, dtype=dtype)
-            out = quantized.quantized_attention_forward(q, k, v).float().flatten()
-            group = heads // kv_heads
-            ref = _reference(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), False,
-                             torch.float32)[0].detach().flatten()
-            errors = {"relative L1": float((out - ref).abs().sum() / ref.abs().sum()),
-                      "1 - cosine": 1 - float(out @ ref / (out.norm() * ref.norm()))}
-            name = f"8-bit {str(dtype).removeprefix('torch.')} b{batch} h{heads}/{kv_heads} q{sq} k{sk} d{dim}"
-            checks += [Check(f"{name} {metric}", errors[metric], bar) for metric, bar in EIGHT_BIT_BAR.items()]
-    return checks
+    with torch.autocast(device.type, enabled=False):
+        return [check for dtype in DTYPES for case in EIGHT_BIT_CASES
+                for check in _eight_bit_case_checks(device, dtype, case, generator)]
+
+
+def _eight_bit_case_checks(device, dtype, case, generator) -> list[Check]:
+    batch, heads, kv_heads, sq, sk, dim = case
+    q = torch.randn(batch, heads, sq, dim, generator=generator, device=device, dtype=dtype)
+    k, v = (torch.randn(batch, kv_heads, sk, dim, generator=generator, device=device, dtype=dtype) for _ in range(2))
+    # V with a mean per channel, as models' values have: without one the outputs average out near zero,
+    # and the mode's relative L1 on them (about 3.5 %) says nothing about a kernel.
+    v = v + torch.randn(1, 1, 1, dim, generator=generator, device=device, dtype=dtype)
+    out = quantized.quantized_attention_forward(q, k, v).float().flatten()
+    group = heads // kv_heads
+    ref = _reference(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), False,
+                     torch.float32)[0].detach().flatten()
+    errors = {"relative L1": float((out - ref).abs().sum() / ref.abs().sum()),
+              "1 - cosine": 1 - float(out @ ref / (out.norm() * ref.norm()))}
+    name = f"8-bit {str(dtype).removeprefix('torch.')} b{batch} h{heads}/{kv_heads} q{sq} k{sk} d{dim}"
+    return [Check(f"{name} {metric}", errors[metric], bar) for metric, bar in EIGHT_BIT_BAR.items()]
 
 
 # --- verdicts -----------------------------------------------------------------------------------
@@ -226,8 +228,7 @@ def run(device: torch.device, library: KernelLibrary, test: str = "exact") -> di
         if test == "exact":
             checks = run_checks(device, autograd_gradients if on_gpu else direct_gradients)
         else:
-            with torch.autocast(device.type, enabled=False):
-                checks = eight_bit_checks(device)
+            checks = eight_bit_checks(device)
         reason = _failure(checks)
     except Exception as exc:  # a kernel that cannot even run is a failed self-test, not a crash
         checks, reason = [], f"self-test raised {type(exc).__name__}: {exc}"

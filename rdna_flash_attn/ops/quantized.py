@@ -25,7 +25,8 @@ from ..runtime import loader, variants
 from .attention import LOG2_E, _DTYPES, _device_guard, _strides, forward_refusal, output_like
 from .launch_args import Fwd8Args, Quant8Args
 
-__all__ = ["QuantizedInputs", "target_refusal", "quantized_refusal", "quantize_inputs", "quantized_attention_forward"]
+__all__ = ["QuantizedInputs", "target_refusal", "quantized_refusal", "quantize_inputs", "quantized_attention_forward",
+           "launch_quantized"]
 
 FP8_MAX = 448.0  # OCP e4m3's largest finite value (gfx12's fp8, torch.float8_e4m3fn): P's scale
 # fa_fwd8.h addresses a V^T tile's bytes with 32-bit offsets from the tile's base: d_pad rows of k_rows.
@@ -100,10 +101,16 @@ def quantized_attention_forward(q, k, v, scale: float | None = None) -> torch.Te
     refuses (forward_refusal, then quantized_refusal)."""
     reason = forward_refusal(q, k, v, False, scale) or quantized_refusal(q, k, v, False, None)
     if reason is None:
-        library = loader.library_for(q.device)
-        reason = target_refusal(library.artifact.target)
+        reason = target_refusal(loader.library_for(q.device).artifact.target)
     if reason is not None:
         raise ValueError(reason)
+    return launch_quantized(q, k, v, scale)
+
+
+def launch_quantized(q, k, v, scale: float | None = None) -> torch.Tensor:
+    """quantized_attention_forward without its checks, for a caller that made them (the dispatcher's
+    8-bit route decides once per call signature)."""
+    library = loader.library_for(q.device)
     batch, heads, seq_q, dim = q.shape
     softmax_scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
     variant = variants.fwd8_variant(_DTYPES[q.dtype], dim)
