@@ -42,7 +42,8 @@ struct FwdArgs {
 };
 
 // The LDS layout; rdna_flash_attn/runtime/variants.py computes the same size for the launcher.
-// HAS_MASK: one float per key of the tile after V^T, for a key-padding mask staged once per tile.
+// HAS_MASK: one float per key of the tile after V^T, for a key-padding mask staged once per tile, then
+// one word per 32 keys: whether any of them carries a nonzero bias.
 template <int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK, bool HAS_MASK = false>
 struct FwdShape {
   static constexpr int kBlockM = kFrag * WAVES;
@@ -53,7 +54,9 @@ struct FwdShape {
   static constexpr int kKOffset = kBlockM * kRow;
   static constexpr int kVtOffset = kKOffset + BLOCK_N * kRow;
   static constexpr int kBiasOffset = kVtOffset + D_CHUNK * kVtRow;  // a multiple of 8: 16-byte aligned
-  static constexpr int kLdsElems = kBiasOffset + (HAS_MASK ? 2 * BLOCK_N : 0);
+  static constexpr int kFlagOffset = kBiasOffset + 2 * BLOCK_N;
+  static constexpr int kFlagWords = (BLOCK_N + 31) / 32;
+  static constexpr int kLdsElems = kBiasOffset + (HAS_MASK ? 2 * BLOCK_N + 2 * kFlagWords : 0);
   static_assert(2 * kLdsElems <= 65536, "LDS over 64 KiB");
   static_assert(D_PAD % D_CHUNK == 0 && D_CHUNK % kFrag == 0 && BLOCK_N % kFrag == 0, "tile shape");
   static_assert(BLOCK_N <= kThreads, "one staged bias per thread");
@@ -174,6 +177,11 @@ RDNA_DEV int probability_shift(bf16, int seqlen_k) {
 }
 RDNA_DEV int probability_shift(f16, int) { return 0; }
 
+// How a tile's scores take a mask: kScoreBias, one bias per score, read per lane (any mask); kKeyBias,
+// one bias per key, broadcast over queries (a key-padding mask), read once per tile, and a tile whose
+// biases are all zero (a padding mask's kept keys: nearly every tile) runs as without a mask.
+enum BiasMode : int { kNoBias, kScoreBias, kKeyBias };
+
 template <class DT, int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK, int COPY_LOADS, bool HAS_MASK>
 struct FwdLoop {
   using Shape = FwdShape<D_PAD, WAVES, BLOCK_N, D_CHUNK, HAS_MASK>;
@@ -192,34 +200,43 @@ struct FwdLoop {
   int tid, lane, col0, seqlen_k, mask_row, key_limit;
   float scale;       // softmax scale * log2(e), >= 0: a negative scale was folded into Q
   float prob_shift;  // probability_shift(): subtracted from every exponent
-  float* key_biases;  // Shape::kBiasOffset: the tile's key-padding biases, when staged
-  bool staged;        // kStagesBiases and the mask is one bias per key, broadcast over queries
-  // gfx11's masked d128 kernels hold 250 VGPRs without the staged path and spill with it: they read
-  // every mask per lane.
-  static constexpr bool kStagesBiases = HAS_MASK && !(Isa::kOperandElems == 16 && D_PAD == 128);
+  float* key_biases;  // Shape::kBiasOffset: the tile's key biases (kKeyBias)
+  u32* tile_flags;    // Shape::kFlagOffset: per 32 keys of the tile, whether any has a nonzero bias
   v8f o_acc[kOutFrags];
   float row_max;    // in log2 units, scaled
   float row_sum;    // this lane's share of the rounded probabilities; the partner lane has the rest
   float exact_sum;  // the same before rounding, for the log-sum-exp
 
+  // Every key tile: first those every query of the workgroup sees whole, then the rest, masked per key.
+  template <int BIAS>
+  RDNA_DEV void tiles(int open_tiles, int key_tiles) {
+    int t = 0;
+    for (; t < open_tiles; ++t) tile<false, BIAS>(t * BLOCK_N);
+    for (; t < key_tiles; ++t) tile<true, BIAS>(t * BLOCK_N);
+  }
+
   // One key tile. MASKED: some key of the tile is past seqlen_k or (causal) past a query of this
-  // workgroup, so scores are masked per key; every other tile skips the per-score compare. An
-  // attention mask is added to every tile's scores, already scaled. A key-padding mask (staged) is
-  // read once per tile by the workgroup into LDS, where every wave finds its biases, instead of each
-  // lane reading and converting its own. (Starting the score accumulators at bias / scale would save
-  // the additions too, but a row whose keys all carry one huge bias then loses Q.K to the rounding of
-  // every product step at that magnitude.)
-  template <bool MASKED>
+  // workgroup, so scores are masked per key; every other tile skips the per-score compare. BIAS: see
+  // BiasMode. Key biases are read once per tile by the workgroup, into LDS, where every wave finds
+  // them instead of each lane reading and converting its own, and into one flag per 32 keys. (Starting the score accumulators at bias / scale would save the additions too, but a row
+  // whose keys all carry one huge bias then loses Q.K to the rounding of every product step at that
+  // magnitude.)
+  template <bool MASKED, int BIAS>
   RDNA_DEV void tile(int key0) {
     const DT dt{};
     const float kNegInf = -__builtin_inff();
     block_barrier();  // every wave is done with the previous tile
     // Issued before the K/V copy, whose loads it then waits for with them: no round trip of its own.
-    const bool stages = staged && tid < BLOCK_N;
-    const u32 bias_bits = stages ? mask.bits_at(mask.key_offset(key0 + tid)) : 0u;
+    const bool reads_key = BIAS == kKeyBias && tid < BLOCK_N;
+    const u32 bias_bits = reads_key ? mask.bits_at(mask.key_offset(key0 + tid)) : 0u;
     Copy::template copy<MASKED>(k_lds, vt_lds, k, a.k_stride_s, v, a.v_stride_s, key0, seqlen_k, col0, a.head_dim,
                                 tid);
-    if (stages) key_biases[tid] = mask.bias_of_bits(bias_bits);
+    if constexpr (BIAS == kKeyBias) {
+      const float key_bias = reads_key ? mask.bias_of_bits(bias_bits) : 0.f;
+      if (reads_key) key_biases[tid] = key_bias;
+      const bool any_biased = any_lane(key_bias != 0.f);
+      if (reads_key && lane == 0) tile_flags[tid >> 5] = any_biased;
+    }
     block_barrier();
 
     v8f s_acc[kKeyFrags];
@@ -236,29 +253,34 @@ struct FwdLoop {
     }
 
     // The maximum of the raw scores: scale >= 0, so scaling it gives the maximum of the scaled ones.
-    // With a mask the scores are scaled and biased first, and the step's scale is 1.
+    // Biases are added to the scaled scores, and the step's scale is then 1.
     float step_scale = scale;
-    if constexpr (HAS_MASK) {
-      if (staged) {
+    if constexpr (BIAS == kScoreBias) {
+      #pragma unroll
+      for (int j = 0; j < kKeyFrags; ++j) {
+        float bias[8];
+        mask.biases_log2(mask_row, key0 + j * kFrag + Isa::acc_key(lane, 0), bias);
+        #pragma unroll
+        for (int s = 0; s < 8; ++s) s_acc[j][s] = fma_f32(s_acc[j][s], scale, bias[s]);
+        compiler_fence();  // one fragment's mask loads in flight at a time: all of them would spill
+      }
+      step_scale = 1.f;
+    }
+    if constexpr (BIAS == kKeyBias) {
+      u32 biased_words = 0u;
+      #pragma unroll
+      for (int w = 0; w < Shape::kFlagWords; ++w) biased_words |= tile_flags[w];
+      if (wave_uniform(biased_words) != 0u) {
         #pragma unroll
         for (int j = 0; j < kKeyFrags; ++j) {
           // acc_key(lane, s) is acc_key(lane, 0) + s on both ISAs: eight consecutive keys
           const float* bias = key_biases + j * kFrag + Isa::acc_key(lane, 0);
           #pragma unroll
           for (int s = 0; s < 8; ++s) s_acc[j][s] = fma_f32(s_acc[j][s], scale, bias[s]);
-          compiler_fence();  // as below: all fragments' biases at once would spill at d128 on gfx11
+          compiler_fence();  // one fragment's biases at a time: all of them at once would spill at d128 on gfx11
         }
-      } else {
-        #pragma unroll
-        for (int j = 0; j < kKeyFrags; ++j) {
-          float bias[8];
-          mask.biases_log2(mask_row, key0 + j * kFrag + Isa::acc_key(lane, 0), bias);
-          #pragma unroll
-          for (int s = 0; s < 8; ++s) s_acc[j][s] = fma_f32(s_acc[j][s], scale, bias[s]);
-          compiler_fence();  // one fragment's mask loads in flight at a time: all of them would spill
-        }
+        step_scale = 1.f;
       }
-      step_scale = 1.f;
     }
     float tile_max = kNegInf;
     #pragma unroll
@@ -366,7 +388,7 @@ RDNA_DEV void fwd_body(const FwdArgs& a, u16* lds) {
             a.scale_log2 < 0.f ? -a.scale_log2 : a.scale_log2,
             float(probability_shift(dt, seq.seqlen_k)),
             reinterpret_cast<float*>(lds + Shape::kBiasOffset),
-            Loop::kStagesBiases && a.mask_stride_q == 0};
+            reinterpret_cast<u32*>(lds + Shape::kFlagOffset)};
   #pragma unroll
   for (int f = 0; f < Loop::kOutFrags; ++f) loop.o_acc[f] = zero_v8f();
   loop.row_max = kNegInf;
@@ -379,9 +401,16 @@ RDNA_DEV void fwd_body(const FwdArgs& a, u16* lds) {
   // Tiles every query of the workgroup sees whole: no per-score mask.
   const int open_tiles = min_int(key_tiles, seq.visible_keys(a.causal, q0) / BLOCK_N);
 
-  int tile = 0;
-  for (; tile < open_tiles; ++tile) loop.template tile<false>(tile * BLOCK_N);
-  for (; tile < key_tiles; ++tile) loop.template tile<true>(tile * BLOCK_N);
+  // Two copies of the loop in a masked kernel, each scheduled on its own: a key-padding mask's choice
+  // per tile would cost a full mask's tiles instructions too.
+  if constexpr (HAS_MASK) {
+    if (a.mask_stride_q == 0)
+      loop.template tiles<kKeyBias>(open_tiles, key_tiles);
+    else
+      loop.template tiles<kScoreBias>(open_tiles, key_tiles);
+  } else {
+    loop.template tiles<kNoBias>(open_tiles, key_tiles);
+  }
 
   // Cross-lane exchanges stay outside lane-dependent branches: a disabled lane has nothing to give.
   const float total = loop.row_sum + other_half(loop.row_sum);

@@ -196,6 +196,32 @@ def test_masks_match_fp64(case, emulated_layer):
     _check("mask", emulated_layer, case, q, k, v, make_mask(case, case["dtype"], generator), False, False)
 
 
+# Key-padding masks whose tiles test the forward's per-tile choice (fa_fwd.h): a tile whose biases are
+# all zero runs without them, so one nonzero bias among zeros, a tile of -0.0, a kept tile beside a
+# padded one and a fully padded tile must each give what SDPA gives. Keys 0..299: tiles of 64 (or 32).
+KEY_TILE_MASKS = {
+    "one small bias in a zero tile": lambda bias: bias.index_fill_(-1, torch.tensor([200], device="cuda"), 0.25),
+    "a tile of -0.0, then padding": lambda bias: bias.index_fill_(-1, torch.arange(64, 128, device="cuda"), -0.0)
+    .index_fill_(-1, torch.arange(290, 300, device="cuda"), float("-inf")),
+    "padded tiles between kept ones": lambda bias: bias.index_fill_(-1, torch.arange(100, 260, device="cuda"),
+                                                                    float("-inf")),
+}
+
+
+@pytest.mark.parametrize("backward", (False, True), ids=("fwd", "bwd"))
+@pytest.mark.parametrize("head_dim", (64, 128, 160))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("pattern", KEY_TILE_MASKS)
+def test_key_padding_tiles_with_and_without_biases(pattern, dtype, head_dim, backward, emulated_layer):
+    generator = torch.Generator(device="cuda").manual_seed(head_dim)
+    q, k, v = (make_inputs(2, 2, seq, head_dim, dtype, "bhsd", generator) for seq in (77, 300, 300))
+    bias = KEY_TILE_MASKS[pattern](torch.zeros(2, 1, 1, 300, dtype=dtype, device="cuda"))
+    case = dict(index=0, backward=backward, scale=None, pattern=pattern, dtype=dtype, head_dim=head_dim)
+    _check("key_tiles", emulated_layer, case, q, k, v, bias, False, False)
+    if not backward:  # the same keys as a bool mask
+        _check("key_tiles", emulated_layer, case, q, k, v, bias == 0, False, False)
+
+
 @pytest.mark.parametrize("case", GQA_GRID, ids=_case_id)
 def test_grouped_heads_match_fp64(case, emulated_layer):
     generator = torch.Generator(device="cuda").manual_seed(8000 + case["index"] + 1000 * case["backward"])
@@ -269,7 +295,7 @@ def grid_report():
     path = os.environ.get("RDNA_FA_PROBLEM_GRID_REPORT")
     if path and _results:
         summary = {}
-        for grid in ("mask", "gqa", "varlen"):
+        for grid in ("mask", "key_tiles", "gqa", "varlen"):
             for direction in ("False", "True"):
                 rows = [r for r in _results if r["grid"] == grid and r["backward"] == direction]
                 if not rows:

@@ -178,6 +178,9 @@ PROBLEM_CASES = (
     ("gfx1100", "bf16", 24, 20, 40, "key_padding"),
     ("gfx1100", "f16", 64, 33, 77, "key_bias"),  # one bias per key: staged once per key tile (forward)
     ("gfx1201", "bf16", 128, 17, 70, "key_bias"),
+    # key tiles whose biases are all zero (run without them) beside tiles holding padded keys
+    ("gfx1100", "bf16", 128, 17, 150, "padded_tail"),
+    ("gfx1201", "f16", 64, 33, 150, "padded_tail"),
     ("gfx1100", "f16", 64, 20, 33, "grouped_heads"),
     ("gfx1201", "bf16", 160, 17, 9, "grouped_heads"),
     ("gfx1100", "bf16", 64, 33, 17, "bottom_right"),
@@ -206,6 +209,9 @@ def test_masked_grouped_and_bottom_right_code_objects_match_fp64(case, backward)
     elif what == "key_bias":
         mask = (3 * torch.randn(2, 1, 1, seq_k, generator=generator)).to(dtype)
         mask[..., -5:] = float("-inf")
+    elif what == "padded_tail":
+        keep = torch.arange(seq_k)[None, :] < torch.tensor([seq_k - 7, 70])[:, None]
+        mask = torch.zeros(2, 1, 1, seq_k, dtype=dtype).masked_fill(~keep[:, None, None, :], float("-inf"))
     elif what == "bool_mask":
         mask = torch.rand(1, 2, seq_q, seq_k, generator=generator) < 0.7
         mask[0, 0, :3] = False  # rows that see no key give zeros
