@@ -40,37 +40,58 @@ TORCH_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 KEY_PADDING_TARGET = 0.97  # issue 20: a key-padding mask within 3 % of the unmasked kernel (pessimistic)
 
 
-def _keep(generator, seq_k):
+PADDED_KEYS = 8  # a padding mask's masked keys: the sequence's last ones, inside its last key tile
+
+
+def _padded_tail(seq_k):
+    """True for the kept keys: all but the last PADDED_KEYS, as a prompt padded to its length."""
+    return torch.arange(seq_k).view(1, 1, 1, seq_k) < seq_k - PADDED_KEYS
+
+
+def _scattered(generator, seq_k):
     return torch.rand(1, 1, 1, seq_k, generator=generator) > 0.25
 
 
-# case -> (generator, seq_q, seq_k, dtype) -> its mask, drawn so that every key tile holds kept and masked keys
+def _additive(keep, dtype):
+    return torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, float("-inf"))
+
+
+KEY_PADDING = "key padding, additive (B,1,1,Sk)"
+SCATTERED = "scattered key mask, additive (B,1,1,Sk)"
+# case -> (generator, seq_q, seq_k, dtype) -> its mask. A padding mask masks the tail of the keys, so
+# one more key tile is one of its kept tiles, which run without the biases (kernels/fa_fwd.h); the
+# scattered mask (a quarter of the keys at random) puts a masked key in every tile: what a tile holding
+# padded keys costs.
 MASK_MAKERS = {
     "none": lambda g, sq, sk, dt: None,
-    "key padding, additive (B,1,1,Sk)":
-        lambda g, sq, sk, dt: torch.zeros(1, 1, 1, sk, dtype=dt).masked_fill(~_keep(g, sk), float("-inf")),
-    "key padding, bool (B,1,1,Sk)": lambda g, sq, sk, dt: _keep(g, sk),
+    KEY_PADDING: lambda g, sq, sk, dt: _additive(_padded_tail(sk), dt),
+    "key padding, bool (B,1,1,Sk)": lambda g, sq, sk, dt: _padded_tail(sk),
+    SCATTERED: lambda g, sq, sk, dt: _additive(_scattered(g, sk), dt),
     "full additive (1,1,Sq,Sk)": lambda g, sq, sk, dt: torch.randn(1, 1, sq, sk, generator=g).to(dt),
     "full bool (1,1,Sq,Sk)": lambda g, sq, sk, dt: torch.rand(1, 1, sq, sk, generator=g) > 0.25,
 }
 VARLEN = "varlen (packed, cu_seqlens)"
 CASES = (*MASK_MAKERS, VARLEN)
-KEY_PADDING = "key padding, additive (B,1,1,Sk)"
 
 # Shapes masked and packed calls take in the models (issue 20): (name, dtype, d, mask case, batch, heads,
-# query lengths, key lengths, length every entry is padded to or None), one length per batch entry.
-# Flux's joint attention under the T5 mask (512 text + 4096 image tokens), Wan's cross-attention to
-# its 512 T5 tokens, HunyuanVideo's joint attention, an SDXL call with a full (Sq, Sk) bias; a packed
-# batch of four prompts of different lengths, as flash-attn's varlen callers hand it, against the
-# same batch padded to its longest with a key-padding mask (the padded rows computed and thrown away).
+# query lengths, key lengths, length every entry is padded to or None, the masked keys of a padding mask
+# as (first, end) or None), one length per batch entry. Flux's joint attention under the T5 mask (512
+# text tokens first, a 100-token prompt, then 4096 image tokens), Wan's cross-attention to its 512 T5
+# tokens (the same prompt), HunyuanVideo's joint attention (256 text tokens last, the same prompt), an
+# SDXL call with a full (Sq, Sk) bias; a packed batch of four prompts of different lengths, as
+# flash-attn's varlen callers hand it, against the same batch padded to its longest with a key-padding
+# mask (the padded rows computed and thrown away).
 PACKED = (4608, 3584, 2560, 1536)
+PROMPT = 100  # T5 tokens of the prompt; the rest of the text tokens are padding
 SHAPES = (
-    ("Flux, T5 key padding", "bf16", 128, KEY_PADDING, 1, 24, (4608,), (4608,), None),
-    ("Wan 2.x cross-attention, T5 key padding", "bf16", 128, KEY_PADDING, 1, 40, (32760,), (512,), None),
-    ("HunyuanVideo, T5 key padding", "bf16", 128, KEY_PADDING, 1, 24, (16384,), (16384,), None),
-    ("SDXL, full additive bias", "f16", 64, "full additive (1,1,Sq,Sk)", 2, 10, (4096,), (4096,), None),
-    ("packed batch of 4 (varlen)", "bf16", 128, VARLEN, 4, 24, PACKED, PACKED, None),
-    ("the same batch padded to 4608, key padding", "bf16", 128, KEY_PADDING, 4, 24, PACKED, PACKED, 4608),
+    ("Flux, T5 key padding", "bf16", 128, KEY_PADDING, 1, 24, (4608,), (4608,), None, (PROMPT, 512)),
+    ("Wan 2.x cross-attention, T5 key padding", "bf16", 128, KEY_PADDING, 1, 40, (32760,), (512,), None,
+     (PROMPT, 512)),
+    ("HunyuanVideo, T5 key padding", "bf16", 128, KEY_PADDING, 1, 24, (16384,), (16384,), None,
+     (16128 + PROMPT, 16384)),
+    ("SDXL, full additive bias", "f16", 64, "full additive (1,1,Sq,Sk)", 2, 10, (4096,), (4096,), None, None),
+    ("packed batch of 4 (varlen)", "bf16", 128, VARLEN, 4, 24, PACKED, PACKED, None, None),
+    ("the same batch padded to 4608, key padding", "bf16", 128, KEY_PADDING, 4, 24, PACKED, PACKED, 4608, None),
 )
 
 
@@ -110,7 +131,7 @@ def tile_counts(library, body, variant, dtype, head_dim, case) -> estimator.Tile
     return _tally_difference(body, fewer, more, waves)
 
 
-BACKWARD_CASES = ("none", "key padding, additive (B,1,1,Sk)", "full additive (1,1,Sq,Sk)")
+BACKWARD_CASES = ("none", KEY_PADDING, "full additive (1,1,Sq,Sk)")
 
 
 def backward_tile(library, body, kind: str, dtype: str, head_dim: int, case: str) -> estimator.TileCounts:
@@ -197,34 +218,51 @@ def analyse(path: Path, objdump: str) -> list[dict]:
     return rows
 
 
+def _biased_tiles(run_k: int, block_n: int, masked_keys: tuple[int, int] | None) -> int:
+    """Key tiles of a padding mask that hold a masked key (they add the biases); the rest run plain."""
+    if masked_keys is None:
+        return 0
+    first, end = masked_keys
+    return max(0, -(-min(end, run_k) // block_n) - first // block_n)
+
+
+def _model(rows: list[dict], target: str, dtype: str, d: int, mask: str) -> dict:
+    return next(r for r in rows if (r["target"], r["dtype"], r["d"], r["mask"]) == (target, dtype, d, mask))["model"]
+
+
 def shape_rows(rows: list[dict], shapes=SHAPES) -> list[dict]:
     """SHAPES priced with the per-tile counts of `rows`: every workgroup of the launch runs its key
     tiles at the modelled per-tile rate, the partly filled last query and key tiles computed in full
-    (they count as work, not as useful FLOPs), the launch's tail from its own workgroup count. FLOPs
-    are the useful ones, 4 * Sq * Sk * d per entry and head."""
+    (they count as work, not as useful FLOPs), the launch's tail from its own workgroup count. Under a
+    padding mask, tiles holding a masked key (an entry's padding, or the shape's masked keys) are
+    priced as the scattered mask's tiles. FLOPs are the useful ones, 4 * Sq * Sk * d per entry and head."""
     priced = []
-    for name, dtype, d, case, batch, heads, lengths_q, lengths_k, padded_to in shapes:
+    for name, dtype, d, case, batch, heads, lengths_q, lengths_k, padded_to, masked_keys in shapes:
         for target in sorted({r["target"] for r in rows}):
-            row = next(r for r in rows if (r["target"], r["dtype"], r["d"], r["mask"]) == (target, dtype, d, case))
             variant = variants.fwd_variant(dtype, d, masked=runs_masked(case))
-            hw, m = estimator.HARDWARE[target], row["model"]
-            tiles = groups = useful = 0
+            hw, m = estimator.HARDWARE[target], _model(rows, target, dtype, d, case)
+            biased_m = _model(rows, target, dtype, d, SCATTERED) if case == KEY_PADDING else m
+            tiles = biased = groups = useful = 0
             for length_q, length_k in zip(lengths_q * batch if len(lengths_q) == 1 else lengths_q,
                                           lengths_k * batch if len(lengths_k) == 1 else lengths_k):
                 run_q, run_k = (padded_to, padded_to) if padded_to else (length_q, length_k)
                 blocks = -(-run_q // variant.block_rows) * variant.d_chunks * heads
                 groups += blocks
                 tiles += blocks * -(-run_k // variant.block_n)
+                masked = (length_k, padded_to) if padded_to and length_k < padded_to else masked_keys
+                biased += blocks * _biased_tiles(run_k, variant.block_n, masked if case == KEY_PADDING else None)
                 useful += 4 * length_q * length_k * d * heads
             tail = estimator.tail_efficiency(groups, m["resident_workgroups"])
             per_cycle = hw.cus * estimator.SIMDS_PER_CU * hw.clock_hz
             factor = estimator.CALIBRATION[target]
             # every wave of a workgroup runs each of its key tiles; waves_per_simd of them share a SIMD
             wave_tiles = tiles * variant.waves
-            seconds = {which: wave_tiles * m[f"cycles_{which}"] / per_cycle for which in ("opt", "pess")}
+            seconds = {which: ((tiles - biased) * m[f"cycles_{which}"] + biased * biased_m[f"cycles_{which}"])
+                       * variant.waves / per_cycle for which in ("opt", "pess")}
             priced.append({"shape": name, "target": target, "dtype": dtype, "d": d, "mask": case,
                            "batch": batch, "heads": heads, "lengths_q": list(lengths_q), "lengths_k": list(lengths_k),
-                           "padded_to": padded_to,
+                           "padded_to": padded_to, "masked_keys": masked_keys,
+                           "tiles_with_masked_keys": round(biased / tiles, 3),
                            "useful_gflop": round(useful / 1e9, 1), "workgroups": groups,
                            "useful_share_of_tiles": round(useful / (wave_tiles * row_flops(variant, d)), 3),
                            "tflops_pess": round(useful / (seconds["pess"] / tail) / 1e12 * factor, 1),
@@ -271,14 +309,17 @@ def shapes_markdown(priced: list[dict]) -> str:
              "The per-tile counts above priced for whole launches (`shape_rows`): partly filled last query and "
              "key tiles computed in full, TFLOP/s on useful FLOPs (4 Sq Sk d per entry and head), calibrated. "
              "A packed batch (varlen) launches max(Sq) / block_rows workgroups per entry and head; those past an "
-             "entry's length return at once and are not counted here.", "",
+             "entry's length return at once and are not counted here. Under a key-padding mask the tiles "
+             f"holding a masked key (a {PROMPT}-token prompt's T5 padding, or an entry's padding) are priced as "
+             "the scattered mask's tiles, the others as the padding mask's kept tiles.", "",
              "| shape | target | dtype | d | mask | B x H | Sq / Sk | useful GFLOP | useful share of the tiles | "
-             "pess | opt |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "tiles with masked keys | pess | opt |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in priced:
         lengths = ("/".join(map(str, r["lengths_q"])) if r["lengths_q"] == r["lengths_k"]
                    else f"{'/'.join(map(str, r['lengths_q']))} / {'/'.join(map(str, r['lengths_k']))}")
         lines.append(f"| {r['shape']} | {r['target']} | {r['dtype']} | {r['d']} | {r['mask']} | {r['batch']} x "
                      f"{r['heads']} | {lengths} | {r['useful_gflop']:g} | {r['useful_share_of_tiles']:.3f} | "
+                     f"{r['tiles_with_masked_keys']:.3f} | "
                      f"{r['tflops_pess']} | {r['tflops_opt']} |")
     return "\n".join(lines) + "\n"
 

@@ -66,7 +66,7 @@ def test_a_key_padding_tile_waits_for_its_mask_once_per_fragment(gfx1100):
     functions, library, _ = gfx1100
     variant = variants.fwd_variant("f16", 64, masked=True)
     counts = estimate_masked.tile_counts(library, functions[variant.symbol], variant, "f16", 64,
-                                         "key padding, additive (B,1,1,Sk)")
+                                         estimate_masked.SCATTERED)
     assert counts.wmma == (variant.d_pad + variant.d_chunk) // 16 * (variant.block_n // 16)
     assert counts.vmem_rounds <= 1 + variant.block_n // 16
 
@@ -120,8 +120,8 @@ def test_shape_pricing_reproduces_the_model_at_its_own_launch(target):
     rows = [{"target": target, "dtype": "bf16", "d": 128, "mask": "none", "model": model}]
     seq = estimator.SEQ
     whole, ragged = estimate_masked.shape_rows(rows, shapes=(
-        ("whole", "bf16", 128, "none", 1, estimator.BATCH_HEADS, (seq,), (seq,), None),
-        ("ragged", "bf16", 128, "none", 1, estimator.BATCH_HEADS, (seq - 100,), (seq - 100,), None)))
+        ("whole", "bf16", 128, "none", 1, estimator.BATCH_HEADS, (seq,), (seq,), None, None),
+        ("ragged", "bf16", 128, "none", 1, estimator.BATCH_HEADS, (seq - 100,), (seq - 100,), None, None)))
     assert whole["tflops_pess"] == model["tflops_pess"] and whole["tflops_opt"] == model["tflops_opt"]
     assert whole["useful_share_of_tiles"] == 1.0
     assert ragged["useful_share_of_tiles"] < 1.0 and ragged["tflops_opt"] < whole["tflops_opt"]
