@@ -222,8 +222,8 @@ def _biased_tiles(run_k: int, block_n: int, masked_keys: tuple[int, int] | None)
     """Key tiles of a padding mask that hold a masked key (they add the biases); the rest run plain."""
     if masked_keys is None:
         return 0
-    first, end = masked_keys
-    return max(0, -(-min(end, run_k) // block_n) - first // block_n)
+    first, end = masked_keys[0], min(masked_keys[1], run_k)
+    return -(-end // block_n) - first // block_n if first < end else 0
 
 
 def _model(rows: list[dict], target: str, dtype: str, d: int, mask: str) -> dict:

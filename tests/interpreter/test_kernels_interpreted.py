@@ -181,6 +181,9 @@ PROBLEM_CASES = (
     # key tiles whose biases are all zero (run without them) beside tiles holding padded keys
     ("gfx1100", "bf16", 128, 17, 150, "padded_tail"),
     ("gfx1201", "f16", 64, 33, 150, "padded_tail"),
+    # a tile whose only nonzero bias is small, finite and in its second 32 keys
+    ("gfx1100", "f16", 64, 17, 150, "lone_bias"),
+    ("gfx1201", "bf16", 128, 17, 150, "lone_bias"),
     ("gfx1100", "f16", 64, 20, 33, "grouped_heads"),
     ("gfx1201", "bf16", 160, 17, 9, "grouped_heads"),
     ("gfx1100", "bf16", 64, 33, 17, "bottom_right"),
@@ -212,6 +215,10 @@ def test_masked_grouped_and_bottom_right_code_objects_match_fp64(case, backward)
     elif what == "padded_tail":
         keep = torch.arange(seq_k)[None, :] < torch.tensor([seq_k - 7, 70])[:, None]
         mask = torch.zeros(2, 1, 1, seq_k, dtype=dtype).masked_fill(~keep[:, None, None, :], float("-inf"))
+    elif what == "lone_bias":
+        mask = torch.zeros(2, 1, 1, seq_k, dtype=dtype)
+        mask[..., 100] = 2.0
+        mask[1, ..., -7:] = float("-inf")
     elif what == "bool_mask":
         mask = torch.rand(1, 2, seq_q, seq_k, generator=generator) < 0.7
         mask[0, 0, :3] = False  # rows that see no key give zeros
