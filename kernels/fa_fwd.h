@@ -189,6 +189,11 @@ struct FwdLoop {
   static constexpr int kKeyFrags = BLOCK_N / kFrag;
   static constexpr int kOutFrags = D_CHUNK / kFrag;
   static constexpr int kDimFrags = D_PAD / kFrag;
+  // A tile where no row of the wave meets a new maximum skips rescaling O, a multiplication by exactly 1
+  // (about half the tiles of a long row; the first ones always rescale). Below 8 output fragments the
+  // branch costs the scheduler more than the multiplications it skips (bench/results, stop 36); past
+  // 10 a wave's registers are too tight for it: they spill.
+  static constexpr bool kSkipsRescale = kOutFrags >= 8 && kOutFrags <= 10;
 
   const FwdArgs& a;
   const u16* k;
@@ -206,6 +211,21 @@ struct FwdLoop {
   float row_max;    // in log2 units, scaled
   float row_sum;    // this lane's share of the rounded probabilities; the partner lane has the rest
   float exact_sum;  // the same before rounding, for the log-sum-exp
+
+  // A fragment's scores scaled and biased: eight biases in flight at a time (a whole tile's at once would
+  // spill at d128 on gfx11).
+  RDNA_DEV void scale_and_bias(v8f& acc, const float* bias) const {
+    #pragma unroll
+    for (int s = 0; s < 8; ++s) acc[s] = fma_f32(acc[s], scale, bias[s]);
+    compiler_fence();
+  }
+
+  RDNA_DEV void scale_output(float factor) {
+    #pragma unroll
+    for (int f = 0; f < kOutFrags; ++f)
+      #pragma unroll
+      for (int s = 0; s < 8; ++s) o_acc[f][s] *= factor;
+  }
 
   // Every key tile: first those every query of the workgroup sees whole, then the rest, masked per key.
   template <int BIAS>
@@ -260,9 +280,7 @@ struct FwdLoop {
       for (int j = 0; j < kKeyFrags; ++j) {
         float bias[8];
         mask.biases_log2(mask_row, key0 + j * kFrag + Isa::acc_key(lane, 0), bias);
-        #pragma unroll
-        for (int s = 0; s < 8; ++s) s_acc[j][s] = fma_f32(s_acc[j][s], scale, bias[s]);
-        compiler_fence();  // one fragment's mask loads in flight at a time: all of them would spill
+        scale_and_bias(s_acc[j], bias);
       }
       step_scale = 1.f;
     }
@@ -272,13 +290,8 @@ struct FwdLoop {
       for (int w = 0; w < Shape::kFlagWords; ++w) biased_words |= tile_flags[w];
       if (wave_uniform(biased_words) != 0u) {
         #pragma unroll
-        for (int j = 0; j < kKeyFrags; ++j) {
-          // acc_key(lane, s) is acc_key(lane, 0) + s on both ISAs: eight consecutive keys
-          const float* bias = key_biases + j * kFrag + Isa::acc_key(lane, 0);
-          #pragma unroll
-          for (int s = 0; s < 8; ++s) s_acc[j][s] = fma_f32(s_acc[j][s], scale, bias[s]);
-          compiler_fence();  // one fragment's biases at a time: all of them at once would spill at d128 on gfx11
-        }
+        for (int j = 0; j < kKeyFrags; ++j)  // acc_key(lane, s) is acc_key(lane, 0) + s on both ISAs
+          scale_and_bias(s_acc[j], key_biases + j * kFrag + Isa::acc_key(lane, 0));
         step_scale = 1.f;
       }
     }
@@ -291,11 +304,18 @@ struct FwdLoop {
         tile_max = max_f32(tile_max, s_acc[j][s]);
       }
     tile_max = max_f32(tile_max, other_half(tile_max));
-    const float new_max = max_f32(row_max, tile_max == kNegInf ? kNegInf : tile_max * step_scale);
-    const float ref = new_max == kNegInf ? 0.f : new_max;  // a fully masked row must not give inf - inf
-    const float rescale = exp2_approx(row_max - ref);
-    row_max = new_max;
-    const float bias = ref + prob_shift;
+    const float tile_top = tile_max == kNegInf ? kNegInf : tile_max * step_scale;
+    // Wave-uniform: the whole wave rescales, or none of it. The sums take the factor below, in the same
+    // operations whether it is 1 or not.
+    float rescale = 1.f;
+    if (!kSkipsRescale || any_lane(tile_top > row_max)) {
+      const float new_max = max_f32(row_max, tile_top);
+      // a fully masked row must not give inf - inf
+      rescale = exp2_approx(row_max - (new_max == kNegInf ? 0.f : new_max));
+      row_max = new_max;
+      if constexpr (kSkipsRescale) scale_output(rescale);
+    }
+    const float bias = (row_max == kNegInf ? 0.f : row_max) + prob_shift;
 
     u32 p_bits[kKeyFrags][4];
     float tile_sum = 0.f, exact_even = 0.f, exact_odd = 0.f;
@@ -318,10 +338,7 @@ struct FwdLoop {
       }
     row_sum = row_sum * rescale + tile_sum;
     exact_sum = exact_sum * rescale + (exact_even + exact_odd);
-    #pragma unroll
-    for (int f = 0; f < kOutFrags; ++f)
-      #pragma unroll
-      for (int s = 0; s < 8; ++s) o_acc[f][s] *= rescale;
+    if constexpr (!kSkipsRescale) scale_output(rescale);  // after P, as the scheduler handles best there
 
     #pragma unroll
     for (int j = 0; j < kKeyFrags; ++j) {

@@ -110,3 +110,17 @@ def backward_bound(input_dtype_error: float) -> float:
     """FlashAttention-2's criterion for one gradient: 2 x the input-dtype attention's max error against
     float64, plus flash-attn's absolute floor (what lets an exact-zero error still pass)."""
     return 2 * input_dtype_error + FA2_ABSOLUTE_FLOOR
+
+
+def rising_scores(batch, heads, seq_q, seq_k, head_dim, rise, dtype, generator, device="cuda"):
+    """Q and K (B, H, S, D) whose scores at the default scale, in base 2, rise by `rise` from each block of
+    64 keys to the next and spread over 3 units inside one: with rise > 0 a forward's key tiles keep
+    meeting new row maxima (every 64 keys at least), with rise < 0 the first tile holds them all
+    (kernels/fa_fwd.h kSkipsRescale)."""
+    q = 0.1 * torch.randn(batch, heads, seq_q, head_dim, generator=generator, device=device)
+    k = 0.1 * torch.randn(batch, heads, seq_k, head_dim, generator=generator, device=device)
+    q[..., 0] = 1.0
+    blocks = torch.arange(seq_k, device=device) // 64
+    base2_scores = blocks * rise - 3 * torch.rand(seq_k, generator=generator, device=device)
+    k[..., 0] = base2_scores * math.sqrt(head_dim) * math.log(2)
+    return q.to(dtype), k.to(dtype)

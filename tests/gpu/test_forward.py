@@ -17,7 +17,7 @@ import torch
 from rdna_flash_attn.ops import attention as ops
 from rdna_flash_attn.runtime import variants
 
-from .reference import attention_fp64, max_error, sdpa_math
+from .reference import attention_fp64, max_error, rising_scores, sdpa_math
 
 CASES_PER_LAYER = 2000
 SEQ_LENGTHS = (1, 2, 3, 7, 15, 16, 17, 31, 33, 63, 64, 65, 77, 100, 127, 128, 129, 154, 231, 256, 257, 333, 512,
@@ -149,6 +149,38 @@ def test_bfloat16_values_near_the_top_of_the_range(emulated_layer, seq_k):
     out, lse = ops.flash_attention_forward(q, k, v)
     baseline = sdpa_math(q, k, v)
     ref, ref_lse = attention_fp64(q, k, v)
+    assert torch.isfinite(baseline).all(), "precondition: SDPA math is finite here"
+    assert torch.isfinite(out).all(), "finite inputs, finite SDPA output, non-finite kernel output"
+    assert max_error(out, ref) <= 2 * max_error(baseline, ref)
+    assert max_error(lse, ref_lse) < 1e-3 * math.log(seq_k)
+
+
+@pytest.mark.parametrize("mask", ["none", "key padding", "bias"])
+@pytest.mark.parametrize("rise", [-3.0, 3.0])
+@pytest.mark.parametrize("head_dim", [128, 160])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_maxima_met_late_or_never(emulated_layer, mask, rise, head_dim, dtype):
+    """Scores falling by 3 (base 2) per 64 keys: the first tile holds every row's maximum and the wave
+    skips the rescale of every later one (kSkipsRescale, fa_fwd.h: head dims 128-160, 64- and 32-key
+    tiles); rising by 3: new maxima keep coming, every 64 keys at least. bf16 V near the top of its
+    range, so that a missed or doubled rescale cannot hide. Each mask runs its own tile loop (key
+    biases staged per tile, or read per score)."""
+    generator = torch.Generator(device="cuda").manual_seed(int(rise) + head_dim + len(mask))
+    seq_k = 600
+    q, k = rising_scores(2, 2, 50, seq_k, head_dim, rise, dtype, generator)
+    if dtype == torch.bfloat16:
+        v = torch.rand(2, 2, seq_k, head_dim, device="cuda", generator=generator).add(0.5).mul(2e38).bfloat16()
+    else:
+        v = torch.randn(2, 2, seq_k, head_dim, device="cuda", generator=generator, dtype=dtype)
+    attn_mask = None
+    if mask == "key padding":
+        attn_mask = torch.zeros(2, 1, 1, seq_k, device="cuda", dtype=dtype)
+        attn_mask[0, ..., -5:] = float("-inf")
+    elif mask == "bias":
+        attn_mask = torch.randn(1, 2, 50, seq_k, device="cuda", generator=generator).to(dtype)
+    out, lse = ops.flash_attention_forward(q, k, v, attn_mask=attn_mask)
+    baseline = sdpa_math(q, k, v, attn_mask=attn_mask)
+    ref, ref_lse = attention_fp64(q, k, v, attn_mask=attn_mask)
     assert torch.isfinite(baseline).all(), "precondition: SDPA math is finite here"
     assert torch.isfinite(out).all(), "finite inputs, finite SDPA output, non-finite kernel output"
     assert max_error(out, ref) <= 2 * max_error(baseline, ref)

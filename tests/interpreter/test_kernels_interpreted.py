@@ -24,7 +24,8 @@ from rdna_flash_attn.runtime import artifacts, loader as runtime, variants
 from rdna_flash_attn.ops import attention as ops, quantized
 
 from ..test_quantized import dequantized_attention, reference_quantize
-from ..gpu.reference import attention_fp64, backward_bound, grads_fp64, grads_input_dtype, max_error, sdpa_math
+from ..gpu.reference import (attention_fp64, backward_bound, grads_fp64, grads_input_dtype, max_error, rising_scores,
+                             sdpa_math)
 
 pytest.importorskip("tinygrad", reason="the interpreter decodes with tinygrad==0.14.0 (requirements-dev.txt)")
 
@@ -184,6 +185,9 @@ PROBLEM_CASES = (
     # a tile whose only nonzero bias is small, finite and in its second 32 keys
     ("gfx1100", "f16", 64, 17, 150, "lone_bias"),
     ("gfx1201", "bf16", 128, 17, 150, "lone_bias"),
+    # scores rising per 64 keys: new row maxima keep coming; falling: tiles skip the rescale
+    ("gfx1100", "bf16", 160, 17, 300, "rising"),
+    ("gfx1201", "f16", 128, 17, 300, "falling"),
     ("gfx1100", "f16", 64, 20, 33, "grouped_heads"),
     ("gfx1201", "bf16", 160, 17, 9, "grouped_heads"),
     ("gfx1100", "bf16", 64, 33, 17, "bottom_right"),
@@ -219,6 +223,10 @@ def test_masked_grouped_and_bottom_right_code_objects_match_fp64(case, backward)
         mask = torch.zeros(2, 1, 1, seq_k, dtype=dtype)
         mask[..., 100] = 2.0
         mask[1, ..., -7:] = float("-inf")
+    elif what in ("rising", "falling"):
+        rise = 3.0 if what == "rising" else -3.0
+        q, k = rising_scores(2, 2, seq_q, seq_k, head_dim, rise, dtype, generator, device="cpu")
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)  # bshd, as the other cases' Q
     elif what == "bool_mask":
         mask = torch.rand(1, 2, seq_q, seq_k, generator=generator) < 0.7
         mask[0, 0, :3] = False  # rows that see no key give zeros
