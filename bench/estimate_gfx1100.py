@@ -120,12 +120,11 @@ def disassemble(objdump: str, path: Path, target: str) -> dict[str, list[Insn]]:
 
 
 def back_edges(body: list[Insn]) -> list[tuple[int, int]]:
-    """(target, branch address) of every backward branch; SOPP offsets count dwords after the branch."""
+    """(target, branch address) of every backward branch."""
     edges = []
     for i in body:
         if i.op == "s_branch" or i.op.startswith("s_cbranch_"):
-            offset = int(i.args.split()[0]) & 0xFFFF
-            target = i.addr + 4 + 4 * (offset - ((offset & 0x8000) << 1))
+            target = branch_target(i)
             if target <= i.addr:
                 edges.append((target, i.addr))
     return edges
@@ -221,7 +220,12 @@ def main_loop(body: list[Insn]) -> tuple[int, int]:
     the tiles every query sees whole (no per-score mask) and one for the tiles that need the mask
     (the last, ragged tile; the causal diagonal). The open loop is the shorter one: the masked loop
     adds the per-score key compares. At 4096 keys, non-causal, every tile is open."""
-    return min(key_tile_loops(body), key=lambda span: sum(span[0] <= i.addr <= span[1] for i in body))
+    main = min(key_tile_loops(body), key=lambda span: sum(span[0] <= i.addr <= span[1] for i in body))
+    # A second way back to the tile's start from past its end (a rescale block laid out behind the loop)
+    # would leave that code out of every count.
+    if any(target == main[0] and addr > main[1] for target, addr in back_edges(body)):
+        raise RuntimeError(f"the key-tile loop at {hex(main[0])} has a back edge past its end")
+    return main
 
 
 def copy_batches(variant) -> int:
@@ -274,14 +278,76 @@ def inner_loops(body: list[Insn], main: tuple[int, int], variant) -> list[InnerL
     return loops
 
 
-def count_tile(body: list[Insn], main: tuple[int, int], loops: list[InnerLoop]) -> TileCounts:
+def branch_target(i: Insn) -> int:
+    """Where a SOPP branch goes: its offset counts dwords after the branch."""
+    offset = int(i.args.split()[0]) & 0xFFFF
+    return i.addr + 4 + 4 * (offset - ((offset & 0x8000) << 1))
+
+
+def skipped_blocks(body: list[Insn], main: tuple[int, int], loops: list[InnerLoop]) -> list[tuple[int, int]]:
+    """(first, last address) of the code a forward branch on a scalar condition skips in the tile, outside
+    the inner loops and inside the key-tile loop (a branch out of the loop is its exit test). Branches
+    on an empty exec mask (`s_cbranch_execz`) only guard per-lane work that some lane still runs."""
+    blocks = []
+    for i in body:
+        if main[0] <= i.addr <= main[1] and i.op.startswith(("s_cbranch_scc", "s_cbranch_vcc")) and \
+                not any(loop.start <= i.addr <= loop.end for loop in loops):
+            target = branch_target(i)
+            if i.addr < target <= main[1]:
+                blocks.append((i.addr + 4, target - 4))
+    return blocks
+
+
+def else_block(body: list[Insn], block: tuple[int, int]) -> tuple[int, int] | None:
+    """The code a skipped block jumps over at its end (an if-else: it runs only when the block does not),
+    or None."""
+    last = next(i for i in body if i.addr == block[1])
+    if last.op == "s_branch" and branch_target(last) > last.addr + 4:
+        return last.addr + 4, branch_target(last) - 4
+    return None
+
+
+def is_rescale(body: list[Insn], block: tuple[int, int]) -> bool:
+    """Whether a skipped block is the forward's O rescale: the factor's one exp2, no WMMA."""
+    kinds = [classify(i.op) for i in body if block[0] <= i.addr <= block[1]]
+    return kinds.count("trans") == 1 and "wmma" not in kinds
+
+
+RESCALE_REGION = "O rescale (a row's maximum rose)"
+
+
+def count_tile(body: list[Insn], main: tuple[int, int], loops: list[InnerLoop],
+               rescale_share: float | None = None) -> TileCounts:
+    """One key tile's instructions per wave. rescale_share: the forward's skipped block, if it has one, is
+    its O rescale (kSkipsRescale in kernels/fa_fwd.h), counted as run on that share of the tiles; a
+    kernel without it passes None, and any skipped block is then an error."""
+    blocks = skipped_blocks(body, main, loops)
+    if len(blocks) > (0 if rescale_share is None else 1):
+        raise RuntimeError(f"unexpected conditional blocks in the key-tile loop: {[tuple(map(hex, b)) for b in blocks]}")
+    elses = [e for e in (else_block(body, b) for b in blocks) if e is not None]
     items = []
     for i in body:
         if main[0] <= i.addr <= main[1]:
             loop = next((loop for loop in loops if loop.start <= i.addr <= loop.end), None)
-            items.append((i, loop.trips if loop else 1,
-                          loop.role if loop else "rest of tile (S init, softmax, P^T, PV)"))
+            if any(first <= i.addr <= last for first, last in blocks):
+                items.append((i, rescale_share, RESCALE_REGION))
+            elif any(first <= i.addr <= last for first, last in elses):
+                items.append((i, 1 - rescale_share, RESCALE_REGION))
+            else:
+                items.append((i, loop.trips if loop else 1,
+                              loop.role if loop else "rest of tile (S init, softmax, P^T, PV)"))
+    if blocks and not is_rescale(body, blocks[0]):
+        raise RuntimeError(f"the skipped block at {hex(blocks[0][0])} is not the O rescale (one exp2, no WMMA)")
     return tally(items)
+
+
+def rescaled_tile_share(block_n: int, keys: int = SEQ, rows: int = 16) -> float:
+    """The share of a wave's key tiles that rescale O (kSkipsRescale in kernels/fa_fwd.h): those where one
+    of the wave's 16 rows meets a new maximum. With keys in random order, drawn independently, tile t of
+    a row holds its running maximum with probability 1/t, whatever the scores' distribution; rows taken
+    as independent. Scores that trend upwards along the keys rescale more, up to every tile."""
+    tiles = keys // block_n
+    return sum(1 - (1 - 1 / t) ** rows for t in range(1, tiles + 1)) / tiles
 
 
 def waits_to_zero(i: Insn) -> tuple[bool, bool]:
@@ -398,7 +464,9 @@ def analyse(path: Path, objdump: str) -> list[dict]:
             body = functions[variant.symbol]
             main = main_loop(body)
             loops = inner_loops(body, main, variant)
-            counts = count_tile(body, main, loops)
+            # A kernel without the skipped rescale block (kSkipsRescale) rescales every tile.
+            share = rescaled_tile_share(variant.block_n) if skipped_blocks(body, main, loops) else 1.0
+            counts = count_tile(body, main, loops, share)
             # S^T takes d_pad/16 x block_n/16 WMMAs per tile, O^T d_chunk/16 x block_n/16.
             expected = (variant.d_pad + variant.d_chunk) // 16 * (variant.block_n // 16)
             if counts.wmma != expected:
@@ -412,6 +480,7 @@ def analyse(path: Path, objdump: str) -> list[dict]:
                 "waves": variant.waves, "block_m": variant.block_rows, "block_n": variant.block_n,
                 "waves_per_simd": occ.waves_per_simd, "occupancy_limit": occ.limited_by,
                 "main_loop": [hex(main[0]), hex(main[1])],
+                "rescaled_tile_share": round(share, 4),
                 "inner_loops": [{"role": l.role, "span": [hex(l.start), hex(l.end)], "trips": l.trips} for l in loops],
                 "counts_per_wave_tile": asdict(counts),
                 "model": model(counts, hw, variant, occ.waves_per_simd,

@@ -124,11 +124,30 @@ def executed(library: InterpretedLibrary, variant, dtype: str, head_dim: int, ca
 
 
 def tile_counts(library, body, variant, dtype, head_dim, case) -> estimator.TileCounts:
-    """What one more key tile executes per wave, tallied as the static estimator tallies a loop body."""
+    """What one more key tile executes per wave, tallied as the static estimator tallies a loop body,
+    with O's rescale (where a kernel skips it) run on estimator.rescaled_tile_share of the tiles, as the
+    static estimate counts it, whether or not the fourth tile's random scores met a new maximum."""
     # 3 and 4 key tiles: the bf16 prologue's loop runs as often for both (bench/interpreter_trace_gfx1100.py).
     fewer, waves = executed(library, variant, dtype, head_dim, case, 3)
     more, _ = executed(library, variant, dtype, head_dim, case, 4)
-    return _tally_difference(body, fewer, more, waves)
+    return _tally_difference(body, fewer, more, waves, _rescale_weights(body, variant, fewer, more, waves))
+
+
+def _rescale_weights(body, variant, fewer: Counter, more: Counter, waves: int) -> dict[int, float]:
+    """Executions per tile and wave, by code offset, of each tile loop's O rescale block (and of the else it
+    jumps over) on rescaled_tile_share of the tiles, in the loops the added tile went through."""
+    share, base, weights = estimator.rescaled_tile_share(variant.block_n), body[0].addr, {}
+    for span in estimator.key_tile_loops(body):
+        for block in filter(lambda b: estimator.is_rescale(body, b), estimator.skipped_blocks(body, span, [])):
+            branch = block[0] - 4 - base  # the 4-byte branch that skips the block
+            trips = (more[branch] - fewer[branch]) / waves
+            other = estimator.else_block(body, block) or (0, -1)
+            for i in body:
+                if block[0] <= i.addr <= block[1]:
+                    weights[i.addr - base] = share * trips
+                elif other[0] <= i.addr <= other[1]:
+                    weights[i.addr - base] = (1 - share) * trips
+    return weights
 
 
 BACKWARD_CASES = ("none", KEY_PADDING, "full additive (1,1,Sq,Sk)")
@@ -155,10 +174,12 @@ def backward_tile(library, body, kind: str, dtype: str, head_dim: int, case: str
     return _tally_difference(body, fewer, more, waves)
 
 
-def _tally_difference(body, fewer: Counter, more: Counter, waves: int) -> estimator.TileCounts:
+def _tally_difference(body, fewer: Counter, more: Counter, waves: int,
+                      weights: dict[int, float] | None = None) -> estimator.TileCounts:
+    """Executions per wave that one more tile adds, per instruction; `weights` replaces them by offset."""
     by_address = {i.addr - body[0].addr: i for i in body}
-    return estimator.tally([(by_address[offset], (more[offset] - fewer[offset]) / waves, "tile")
-                            for offset in set(more) | set(fewer) if more[offset] != fewer[offset]])
+    runs = {offset: (more[offset] - fewer[offset]) / waves for offset in set(more) | set(fewer)} | (weights or {})
+    return estimator.tally([(by_address[offset], n, "tile") for offset, n in runs.items() if n])
 
 
 def analyse_backward(path: Path, objdump: str) -> list[dict]:

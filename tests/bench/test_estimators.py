@@ -60,6 +60,32 @@ def test_executed_counts_equal_the_static_reconstruction_of_an_unmasked_tile(gfx
         assert getattr(executed, kind) == getattr(static, kind), kind
 
 
+def test_a_d128_tile_skips_only_its_o_rescale_as_the_interpreter_executes_it(gfx1100):
+    """kSkipsRescale (kernels/fa_fwd.h): the one skipped block of the tile holds the rescale's exp2 and O's
+    multiplications, and the interpreter-executed tile, its rescale weighted by the same share, is the
+    static tile."""
+    functions, library, _ = gfx1100
+    variant = variants.fwd_variant("f16", 128)
+    body = functions[variant.symbol]
+    main = estimator.main_loop(body)
+    loops = estimator.inner_loops(body, main, variant)
+    assert len(estimator.skipped_blocks(body, main, loops)) == 1
+    every, never = (estimator.count_tile(body, main, loops, share) for share in (1.0, 0.0))
+    assert every.wmma == never.wmma and every.trans - never.trans == 1
+    assert every.valu - never.valu >= variant.d_chunk // 16 * 8 // 2  # O's values, two to a VOPD pair at most
+    share = estimator.rescaled_tile_share(variant.block_n)
+    static = estimator.count_tile(body, main, loops, share)
+    executed = estimate_masked.tile_counts(library, body, variant, "f16", 128, "none")
+    for kind in ("wmma", "valu", "trans", "salu", "vopd", "lds_read_insts", "global_load_insts"):
+        assert getattr(executed, kind) == pytest.approx(getattr(static, kind)), kind
+
+
+def test_the_rescaled_share_counts_the_tiles_that_meet_new_row_maxima():
+    assert estimator.rescaled_tile_share(64, keys=64) == 1.0  # a row's first tile always rescales
+    share_64, share_16 = estimator.rescaled_tile_share(64), estimator.rescaled_tile_share(16)
+    assert 1 / 64 < share_64 < 1 and share_16 < share_64  # more, smaller tiles: more of them without a new maximum
+
+
 def test_a_key_padding_tile_waits_for_its_mask_once_per_fragment(gfx1100):
     """The grouped bias loads (kernels/sequence.h): a contiguous mask row costs one wait per 16-key
     fragment, not one per element."""
