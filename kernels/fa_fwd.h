@@ -432,7 +432,9 @@ RDNA_DEV void fwd_body(const FwdArgs& a, u16* lds) {
   // Cross-lane exchanges stay outside lane-dependent branches: a disabled lane has nothing to give.
   const float total = loop.row_sum + other_half(loop.row_sum);
   const float exact_total = loop.exact_sum + other_half(loop.exact_sum);
-  const float inv_total = total > 0.f ? 1.f / total : 0.f;
+  // A maximum of +inf is a score whose product with the scale overflows float32: the row gives NaN, as
+  // SDPA's does (its probabilities were all taken against +inf, so they are 0, not the softmax).
+  const float inv_total = loop.row_max == __builtin_inff() ? __builtin_nanf("") : total > 0.f ? 1.f / total : 0.f;
   const float ref = loop.row_max == kNegInf ? 0.f : loop.row_max;
   // A row that sees no key (masked, or before a bottom-right diagonal) gives zeros, and +inf as its
   // log-sum-exp (flash-attn's convention), which makes every probability the backward recomputes 0.

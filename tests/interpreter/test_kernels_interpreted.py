@@ -160,6 +160,23 @@ def test_a_training_forward_saves_the_remainder_and_row_statistics(target, dtype
     torch.testing.assert_close(saved.row_offset + saved.row_log2_sum, lse * ops.LOG2_E, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("overflow_key", (100, 140), ids=("a-tile-follows", "in-the-last-tile"))
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_score_overflowing_with_the_scale_gives_nan_as_sdpa(target, overflow_key):
+    """One key's score is finite, its product with the softmax scale (4) is not: SDPA's rows are NaN, and
+    so are the kernel's, whether a key tile follows the one holding it (d128 skips O's rescale where no
+    row meets a new maximum) or not."""
+    generator = torch.Generator().manual_seed(overflow_key)
+    q = torch.zeros(1, 2, 17, 128, dtype=torch.bfloat16)
+    q[..., 0] = 1.7e19
+    k, v = (torch.randn(1, 2, 150, 128, generator=generator).to(torch.bfloat16) for _ in range(2))
+    k[..., overflow_key, 0] = 1.7e19
+    with runtime.explicit_library(library(target)):
+        out, _ = ops.flash_attention_forward(q, k, v, False, 4.0)
+    assert torch.isnan(sdpa_math(q, k, v, False, 4.0)).all(), "precondition: SDPA gives NaN here"
+    assert torch.isnan(out).all()
+
+
 def _key_padding(batch, seq_k, dtype, generator):
     """(B, 1, 1, Sk) additive mask with ragged key lengths, the last entry's keys all masked."""
     lengths = torch.randint(1, seq_k + 1, (batch,), generator=generator)
