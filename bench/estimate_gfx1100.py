@@ -313,6 +313,14 @@ def is_rescale(body: list[Insn], block: tuple[int, int]) -> bool:
     return kinds.count("trans") == 1 and "wmma" not in kinds
 
 
+def rescale_runs(body: list[Insn], block: tuple[int, int], share: float) -> dict[int, float]:
+    """Runs per tile, by address, of an O rescale block (on `share` of the tiles) and of the else it jumps
+    over (on the rest)."""
+    other = else_block(body, block) or (0, -1)
+    return {i.addr: share if block[0] <= i.addr <= block[1] else 1 - share
+            for i in body if block[0] <= i.addr <= block[1] or other[0] <= i.addr <= other[1]}
+
+
 RESCALE_REGION = "O rescale (a row's maximum rose)"
 
 
@@ -324,20 +332,17 @@ def count_tile(body: list[Insn], main: tuple[int, int], loops: list[InnerLoop],
     blocks = skipped_blocks(body, main, loops)
     if len(blocks) > (0 if rescale_share is None else 1):
         raise RuntimeError(f"unexpected conditional blocks in the key-tile loop: {[tuple(map(hex, b)) for b in blocks]}")
-    elses = [e for e in (else_block(body, b) for b in blocks) if e is not None]
-    items = []
-    for i in body:
-        if main[0] <= i.addr <= main[1]:
-            loop = next((loop for loop in loops if loop.start <= i.addr <= loop.end), None)
-            if any(first <= i.addr <= last for first, last in blocks):
-                items.append((i, rescale_share, RESCALE_REGION))
-            elif any(first <= i.addr <= last for first, last in elses):
-                items.append((i, 1 - rescale_share, RESCALE_REGION))
-            else:
-                items.append((i, loop.trips if loop else 1,
-                              loop.role if loop else "rest of tile (S init, softmax, P^T, PV)"))
     if blocks and not is_rescale(body, blocks[0]):
         raise RuntimeError(f"the skipped block at {hex(blocks[0][0])} is not the O rescale (one exp2, no WMMA)")
+    runs = rescale_runs(body, blocks[0], rescale_share) if blocks else {}
+    items = []
+    for i in body:
+        if i.addr in runs:
+            items.append((i, runs[i.addr], RESCALE_REGION))
+        elif main[0] <= i.addr <= main[1]:
+            loop = next((loop for loop in loops if loop.start <= i.addr <= loop.end), None)
+            items.append((i, loop.trips if loop else 1,
+                          loop.role if loop else "rest of tile (S init, softmax, P^T, PV)"))
     return tally(items)
 
 

@@ -141,12 +141,7 @@ def _rescale_weights(body, variant, fewer: Counter, more: Counter, waves: int) -
         for block in filter(lambda b: estimator.is_rescale(body, b), estimator.skipped_blocks(body, span, [])):
             branch = block[0] - 4 - base  # the 4-byte branch that skips the block
             trips = (more[branch] - fewer[branch]) / waves
-            other = estimator.else_block(body, block) or (0, -1)
-            for i in body:
-                if block[0] <= i.addr <= block[1]:
-                    weights[i.addr - base] = share * trips
-                elif other[0] <= i.addr <= other[1]:
-                    weights[i.addr - base] = (1 - share) * trips
+            weights |= {addr - base: runs * trips for addr, runs in estimator.rescale_runs(body, block, share).items()}
     return weights
 
 
