@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The kernels' GPU checks on the NVIDIA test machine, one call: forward, backward and mask / packed
 # batch / grouped-head test grids and the custom-op tests through both emulated layers, then
-# compute-sanitizer memcheck and racecheck on a small forward+backward grid. Needs build/emu/ (python kernels/build.py --no-amd --emulate).
+# compute-sanitizer memcheck and racecheck on a small forward+backward grid. Needs build/emu/ (python kernels/build.py
+# --no-amd --emulate; with --cuda-archs 90 it is 5 MB, small enough to build off the GPU machine with nvcc and carry).
 # Results go to ${OUT:-bench/out}. SKIP_FORWARD=1 / SKIP_API=1 leave those parts out.
 set -uo pipefail
 export PYTHONUNBUFFERED=1

@@ -45,20 +45,23 @@ from rdna_flash_attn.tools.rebuild import BuildError, find_clang, sha256_file, w
 
 EMULATED_LAYERS = ("gfx11", "gfx12")
 CUDA_ARCHS = ("80", "90")
-NVCC_FLAGS = "-O3 -std=c++17 -x cu -fatbin " + " ".join(f"-gencode arch=compute_{a},code=sm_{a}" for a in CUDA_ARCHS)
+
+
+def nvcc_flags(cuda_archs) -> str:
+    return "-O3 -std=c++17 -x cu -fatbin " + " ".join(f"-gencode arch=compute_{a},code=sm_{a}" for a in cuda_archs)
 
 
 def emulated_name(layer: str) -> str:
     return f"rdna_fa_emu_{layer}.fatbin"
 
 
-def ninja_file(clang: str | None, targets: list[str], emulate: bool, out_dir: Path) -> str:
+def ninja_file(clang: str | None, targets: list[str], emulate: bool, out_dir: Path, cuda_archs=CUDA_ARCHS) -> str:
     deps = " ".join(str(p) for p in source_files(KERNELS)) + f" {GENERATED / 'instances.inc'}"
     main = KERNELS / MAIN_SOURCE
     lines = [
         f"rule hip\n  command = {clang} $flags --offload-arch=$target -I{GENERATED} $in -o $out\n"
         "  description = clang $target code object v$version",
-        f"rule nvcc\n  command = nvcc {NVCC_FLAGS} -DRDNA_EMULATE=$layer -I{GENERATED} $in -o $out\n"
+        f"rule nvcc\n  command = nvcc {nvcc_flags(cuda_archs)} -DRDNA_EMULATE=$layer -I{GENERATED} $in -o $out\n"
         "  description = nvcc emulated gfx$layer",
     ]
     for target in targets:
@@ -118,11 +121,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--targets", help="comma-separated AMD targets (default: all)")
     parser.add_argument("--no-amd", action="store_true", help="build no AMD target")
     parser.add_argument("--emulate", action="store_true", help="also build the NVIDIA emulation (needs nvcc)")
+    parser.add_argument("--cuda-archs", default=",".join(CUDA_ARCHS),
+                        help="comma-separated NVIDIA architectures of the emulation (90 alone: half the size, "
+                             "for the H100/H200 test machines)")
     parser.add_argument("--out", type=Path, default=PREBUILT, help="where the AMD code objects go")
     parser.add_argument("--clang", help="clang executable (default: clang-19, then ROCm's, then a newer clang)")
     parser.add_argument("--jobs", type=int, help="parallel compiles (ninja's default otherwise)")
     parser.add_argument("--check", action="store_true", help="only verify the manifest against sources and files")
     args = parser.parse_args(argv)
+    cuda_archs = [arch.strip() for arch in args.cuda_archs.split(",")]
+    if not all(arch.isdigit() for arch in cuda_archs):
+        parser.error(f"--cuda-archs: comma-separated numbers such as 80,90, not {args.cuda_archs!r}")
     out_dir = args.out.resolve()
     if args.check:
         return check(out_dir)
@@ -136,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(str(error))
     out_dir.mkdir(parents=True, exist_ok=True)
     write_instances(GENERATED)
-    run_ninja(ninja_file(compiler and compiler.path, targets, args.emulate, out_dir), args.jobs)
+    run_ninja(ninja_file(compiler and compiler.path, targets, args.emulate, out_dir, cuda_archs),
+              args.jobs)
     if targets:
         write_manifest(out_dir, targets, compiler.version, KERNELS)
     return 0

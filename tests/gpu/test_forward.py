@@ -187,6 +187,29 @@ def test_row_maxima_met_late_or_never(emulated_layer, mask, rise, head_dim, dtyp
     assert max_error(lse, ref_lse) < 1e-3 * math.log(seq_k)
 
 
+@pytest.mark.parametrize("mask", ["none", "key padding", "bias"])
+@pytest.mark.parametrize("overflow_key", [100, 140], ids=("a-tile-follows", "in-the-last-tile"))
+@pytest.mark.parametrize("head_dim", [64, 128, 160])
+def test_a_score_overflowing_with_the_scale_gives_nan_as_sdpa(emulated_layer, mask, overflow_key, head_dim):
+    """One key's score is finite in bf16, its product with the scale (4) is not: SDPA's rows are NaN, and
+    so are the kernel's, whether a key tile follows the one holding that key or not, with the rescale
+    skip (d128, d160) and without it (d64), in every tile loop."""
+    generator = torch.Generator(device="cuda").manual_seed(overflow_key + head_dim)
+    q = torch.zeros(1, 2, 17, head_dim, device="cuda", dtype=torch.bfloat16)
+    q[..., 0] = 1.7e19
+    k, v = (torch.randn(1, 2, 150, head_dim, device="cuda", generator=generator).bfloat16() for _ in range(2))
+    k[..., overflow_key, 0] = 1.7e19
+    attn_mask = None
+    if mask == "key padding":
+        attn_mask = torch.zeros(1, 1, 1, 150, device="cuda", dtype=torch.bfloat16)
+        attn_mask[..., -3:] = float("-inf")
+    elif mask == "bias":
+        attn_mask = torch.randn(1, 2, 17, 150, device="cuda", generator=generator).bfloat16()
+    out, _ = ops.flash_attention_forward(q, k, v, attn_mask=attn_mask, scale=4.0)
+    assert torch.isnan(sdpa_math(q, k, v, False, 4.0, attn_mask=attn_mask)).all(), "precondition: SDPA gives NaN"
+    assert torch.isnan(out).all()
+
+
 @pytest.mark.parametrize("scale", [-0.3, 0.0])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
