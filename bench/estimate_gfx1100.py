@@ -235,14 +235,24 @@ def copy_batches(variant) -> int:
     return -(-(k_loads + 2 * v_units) // variant.copy_loads)
 
 
-def inner_loops(body: list[Insn], main: tuple[int, int], variant) -> list[InnerLoop]:
+def peeled_score_steps(target: str, variant) -> int:
+    """S's head-dim steps ahead of its loop in an unmasked kernel, kPeeledScoreSteps in kernels/fa_fwd.h:
+    two (one at a single fragment), none on gfx11 past 16 fragments and in its bf16 kernel of 4. (The
+    masked kernels are priced from interpreter-executed counts: bench/estimate_masked.py.)"""
+    dim_frags = variant.d_pad // 16
+    if target.startswith("gfx11") and (dim_frags > 16 or (dim_frags == 4 and variant.dtype != "f16")):
+        return 0
+    return min(dim_frags, 2)
+
+
+def inner_loops(body: list[Insn], main: tuple[int, int], variant, peeled_steps: int) -> list[InnerLoop]:
     """The loops inside the key-tile loop, with trip counts from the kernel source.
 
     Two source shapes are recognised. Up to kernels at 3e5b031 (fa_fwd.h): three single-level loops,
     load_rows for K, load_transposed for V^T, and the head-dim loop. From the batched copy on: the
-    head-dim loop (unrolled away by the compiler at d48 and d80) and, only where the copy
-    is split into more than two batches (wide head dims), one loop over the batches that holds both
-    the K and the V^T stores; otherwise the copy is unrolled and counted once, like the rest of the
+    head-dim loop (its first `peeled_steps` run ahead of it; the compiler unrolls the rest away at d48 and
+    d80, and at d64 where two are peeled) and, only where the copy is split into more than two batches (wide head dims), one loop over the
+    batches that holds both the K and the V^T stores; otherwise the copy is unrolled and counted once, like the rest of the
     tile. The WMMA count check in analyse() catches a loop that this misses. The compiler rotates the load loops, so one loop
     can have several backward branches; overlapping spans are merged into one loop."""
     spans = sorted((s, e) for s, e in back_edges(body) if main[0] <= s and e <= main[1] and (s, e) != main)
@@ -262,7 +272,7 @@ def inner_loops(body: list[Insn], main: tuple[int, int], variant) -> list[InnerL
         wmma = sum(op.startswith("v_wmma") for op in ops)
         if wmma:
             unroll = wmma // key_frags  # head-dim steps per trip (the source asks for #pragma unroll 2)
-            loops.append(InnerLoop(f"head-dim loop (unroll {unroll})", s, e, dim_frags // unroll))
+            loops.append(InnerLoop(f"head-dim loop (unroll {unroll})", s, e, (dim_frags - peeled_steps) // unroll))
         elif any(op.startswith("global_load") for op in ops):
             k_rows = any(op == "ds_store_b128" for op in ops)
             vt = any(op.startswith("ds_store_b32") or op.startswith("ds_store_2addr_b32") for op in ops)
@@ -468,7 +478,7 @@ def analyse(path: Path, objdump: str) -> list[dict]:
             variant = variants.fwd_variant(dtype, d)
             body = functions[variant.symbol]
             main = main_loop(body)
-            loops = inner_loops(body, main, variant)
+            loops = inner_loops(body, main, variant, peeled_score_steps(co.target, variant))
             # A kernel without the skipped rescale block (kSkipsRescale) rescales every tile.
             share = rescaled_tile_share(variant.block_n) if skipped_blocks(body, main, loops) else 1.0
             counts = count_tile(body, main, loops, share)

@@ -141,7 +141,8 @@ RDNA_DEV Isa::Operand rounded_operand(DT dt, const v8f& x, int lane) {
   u32 bits[4];
   #pragma unroll
   for (int w = 0; w < 4; ++w) bits[w] = pack_rounded(dt, x[2 * w], x[2 * w + 1]);
-  return Isa::keys_to_operand(bits, lane);
+  // Without fetch-inactive: with it gfx11's fused d64 dK/dV kernel spills (bench/results, stop 37).
+  return Isa::keys_to_operand</*FETCH_INACTIVE=*/false>(bits, lane);
 }
 
 // LDS of the dK/dV kernel; rdna_flash_attn/runtime/variants.py computes the same size.

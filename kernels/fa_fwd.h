@@ -194,6 +194,18 @@ struct FwdLoop {
   // branch costs the scheduler more than the multiplications it skips (bench/results, stop 36); past
   // 10 a wave's registers are too tight for it: they spill.
   static constexpr bool kSkipsRescale = kOutFrags >= 8 && kOutFrags <= 10;
+  // S's first head-dim steps run ahead of its loop, so that their C operand is a zero constant (inline on
+  // gfx12; on gfx11 one zero block kept across tiles) rather than accumulators zeroed every tile. Two,
+  // so that the loop keeps the parity of kDimFrags: clang unrolls an odd trip count away. Not on gfx11
+  // past d256 (d320 cannot spare the zero block's 8 VGPRs), nor at d64, whose four steps then unroll
+  // completely, in the per-score mask loop or in bf16: those spill, or run slower (bench/results, stop 37).
+  // gfx11's masked f16 d64 kernel then holds 256 VGPRs: no headroom left there.
+  template <int BIAS>
+  static constexpr int kPeeledScoreSteps =
+      !Isa::kInlineZeroAccumulator &&
+              (kDimFrags > 16 || (kDimFrags == 4 && (BIAS == kScoreBias || !kIsF16<DT>)))
+          ? 0
+          : kDimFrags > 1 ? 2 : 1;
 
   const FwdArgs& a;
   const u16* k;
@@ -260,17 +272,20 @@ struct FwdLoop {
     block_barrier();
 
     v8f s_acc[kKeyFrags];
-    #pragma unroll
-    for (int j = 0; j < kKeyFrags; ++j) s_acc[j] = zero_v8f();
-    // Unrolling this loop fully lets the scheduler hoist every K fragment load at once and run out
-    // of VGPRs; two steps in flight hide the LDS latency well enough.
-    #pragma unroll 2
-    for (int d = 0; d < kDimFrags; ++d) {
+    const auto score_step = [&](int d) {
       const Isa::Operand q_op = load_operand<Shape::kRow>(wave_q_lds, d * kFrag, lane);
       #pragma unroll
       for (int j = 0; j < kKeyFrags; ++j)
         Isa::mma(dt, s_acc[j], load_operand<Shape::kRow>(k_lds + j * kFrag * Shape::kRow, d * kFrag, lane), q_op);
-    }
+    };
+    #pragma unroll
+    for (int j = 0; j < kKeyFrags; ++j) s_acc[j] = zero_v8f();
+    #pragma unroll
+    for (int d = 0; d < kPeeledScoreSteps<BIAS>; ++d) score_step(d);
+    // Unrolling this loop fully lets the scheduler hoist every K fragment load at once and run out
+    // of VGPRs; two steps in flight hide the LDS latency well enough.
+    #pragma unroll 2
+    for (int d = kPeeledScoreSteps<BIAS>; d < kDimFrags; ++d) score_step(d);
 
     // The maximum of the raw scores: scale >= 0, so scaling it gives the maximum of the scaled ones.
     // Biases are added to the scaled scores, and the step's scale is then 1.

@@ -8,6 +8,8 @@ namespace rdna {
 
 struct Isa {
   static constexpr int kOperandElems = 16;
+  // Whether a WMMA takes a zero C operand as an inline constant (else it is read from VGPRs).
+  static constexpr bool kInlineZeroAccumulator = false;
   struct Operand { u32 w[kOperandElems / 2]; };
 
   // First k index of the contiguous run an operand lane holds.
@@ -27,12 +29,13 @@ struct Isa {
 
   // The B operand with k = key from this lane's probabilities, packed in pairs of acc_key order:
   // keys 0-7 come from the lower half-wave, keys 8-15 from the upper, and both halves hold all 16.
+  template <bool FETCH_INACTIVE = true>  // other_half's
   static RDNA_DEV Operand keys_to_operand(const u32 (&packed)[4], int lane) {
     Operand out;
     const bool upper = lane >= 16;
     #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const u32 theirs = other_half(packed[j]);
+      const u32 theirs = other_half<FETCH_INACTIVE>(packed[j]);
       out.w[j] = upper ? theirs : packed[j];
       out.w[4 + j] = upper ? packed[j] : theirs;
     }

@@ -7,6 +7,8 @@ namespace rdna {
 
 struct Isa {
   static constexpr int kOperandElems = 8;
+  // Whether a WMMA takes a zero C operand as an inline constant (else it is read from VGPRs).
+  static constexpr bool kInlineZeroAccumulator = true;
   struct Operand { u32 w[kOperandElems / 2]; };
 
   static RDNA_DEV int operand_k0(int lane) { return 8 * (lane >> 4); }
@@ -19,6 +21,7 @@ struct Isa {
   // lane are exactly the k values its B operand needs.
   static RDNA_DEV int key_slot(int key) { return key; }
   static RDNA_DEV int acc_key(int lane, int s) { return acc_row(lane, s); }
+  template <bool FETCH_INACTIVE = true>  // as gfx11.h's; no exchange here
   static RDNA_DEV Operand keys_to_operand(const u32 (&packed)[4], int) {
     Operand out;
     #pragma unroll

@@ -7,8 +7,9 @@ namespace rdna {
 constexpr u32 kPermlaneIdentityLo = 0x76543210u;
 constexpr u32 kPermlaneIdentityHi = 0xfedcba98u;
 
-// The value lane l ^ 16 holds: one VALU op, no LDS round trip.
-RDNA_DEV u32 other_half(u32 x) { return permlanex16(x, kPermlaneIdentityLo, kPermlaneIdentityHi); }
+// The value lane l ^ 16 holds: one VALU op, no LDS round trip. FETCH_INACTIVE: permlanex16's.
+template <bool FETCH_INACTIVE = true>
+RDNA_DEV u32 other_half(u32 x) { return permlanex16<FETCH_INACTIVE>(x, kPermlaneIdentityLo, kPermlaneIdentityHi); }
 RDNA_DEV float other_half(float x) { return as_f32(other_half(as_u32(x))); }
 
 }  // namespace rdna

@@ -60,9 +60,13 @@ RDNA_DEV u32 as_u32(float x) { return __builtin_bit_cast(u32, x); }
 RDNA_DEV u16 to_bits(f16, float x) { return __builtin_bit_cast(u16, (_Float16)x); }
 RDNA_DEV float from_bits(f16, u16 x) { return (float)__builtin_bit_cast(_Float16, x); }
 
-// v_permlanex16_b32: lane i of one 16-lane row reads lane sel(i) of the other row.
+// v_permlanex16_b32: lane i of one 16-lane row reads lane sel(i) of the other row. The kernels call it
+// with the whole wave active, where fetch-inactive (read the source lane even if inactive) changes
+// nothing; with it the instruction never falls back to its "old" value, so clang sets none first (a
+// v_mov per call). Without it, that v_mov is back and register allocation differs (fa_bwd.h).
+template <bool FETCH_INACTIVE = true>
 RDNA_DEV u32 permlanex16(u32 src, u32 sel_lo, u32 sel_hi) {
-  return __builtin_amdgcn_permlanex16(0u, src, sel_lo, sel_hi, false, false);
+  return __builtin_amdgcn_permlanex16(0u, src, sel_lo, sel_hi, FETCH_INACTIVE, /*bound_ctrl=*/false);
 }
 
 template <int N>

@@ -76,7 +76,9 @@ RDNA_DEV u16 to_bits(f16, float x) { return __half_as_ushort(__float2half_rn(x))
 RDNA_DEV float from_bits(f16, u16 x) { return __half2float(__ushort_as_half(x)); }
 
 // v_permlanex16_b32 as the ISA defines it: lane i of row r reads lane sel[i % 16] of row 1 - r,
-// where sel is the 64-bit selector sel_hi:sel_lo in nibbles.
+// where sel is the 64-bit selector sel_hi:sel_lo in nibbles. The whole warp takes part, as the whole
+// wave does in the kernels, where FETCH_INACTIVE changes nothing.
+template <bool FETCH_INACTIVE = true>
 RDNA_DEV u32 permlanex16(u32 src, u32 sel_lo, u32 sel_hi) {
   const int lane = lane_id();
   const int i = lane & 15;

@@ -12,6 +12,10 @@
 
 namespace rdna {
 
+// Whether a kernel's 16-bit type DT is fp16 (else bf16), for choices made at compile time.
+template <class DT> constexpr bool kIsF16 = false;
+template <> constexpr bool kIsF16<f16> = true;
+
 // Round to nearest even, NaN kept quiet: the same bits on every target, and no dependence on the
 // compiler's bf16 support.
 RDNA_DEV float from_bits(bf16, u16 x) { return as_f32(u32(x) << 16); }

@@ -443,10 +443,13 @@ def _div_scale(s0, s1, s2):
 
 def _compile_permlanex16(d, ctx):
     """Each lane reads lane (other half-row)*16 + select from S0; selects come from the 64-bit
-    {S2, S1}, four bits per lane of a row. Only active lanes are written."""
+    {S2, S1}, four bits per lane of a row. Only active lanes are written. Source lanes are read whether
+    active or not, as fetch-inactive (op_sel[0]) does; without it an active lane reading an inactive
+    one would keep its "old" value, which is not modelled: such a read is refused."""
     inst = d.inst
-    if inst.opsel & 0b11:
-        raise InterpreterError("permlanex16 fetch-inactive / bound-control bits are not supported", ctx.kernel, d.offset, d.name)
+    if inst.opsel & 0b10:
+        raise InterpreterError("permlanex16 bound-control bit is not supported", ctx.kernel, d.offset, d.name)
+    fetch_inactive = bool(inst.opsel & 0b01)
     source = inst.src0.offset - VGPR_BASE
     read_low, read_high = scalar_reader(inst.src1.offset, d.literal, 1), scalar_reader(inst.src2.offset, d.literal, 1)
     destination = inst.vdst.offset - VGPR_BASE
@@ -456,6 +459,10 @@ def _compile_permlanex16(d, ctx):
     def run(wave: Wave):
         selects = read_low(wave) | read_high(wave) << 32
         index = np.array([(selects >> (4 * (i % 16))) & 0xF for i in range(32)]) + other_row
+        active = wave.exec_lanes()
+        if not fetch_inactive and not active[index[active]].all():
+            raise InterpreterError("permlanex16 without fetch-inactive reads an inactive lane", ctx.kernel, d.offset,
+                                   d.name)
         wave.write_vgpr(destination, wave.vgpr[source][index].copy())
     return run
 

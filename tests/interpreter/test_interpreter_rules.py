@@ -218,14 +218,14 @@ def _isa(target, module):
     return importlib.import_module(f"tinygrad.runtime.autogen.amd.{arch}.{module}")
 
 
-def _run_instructions(target, instructions, wave):
+def _run_instructions(target, instructions, wave, exec_mask=0xFFFFFFFF):
     """Runs hand-assembled instructions (then s_endpgm) on `wave` with the interpreter's rules for `target`."""
     sopp, end = _isa(target, "ins").SOPP, _isa(target, "enum").SOPPOp.S_ENDPGM
     program = _image(target).program("rdna_fa_fwd_f16_d64")
     code = b"".join(inst.to_bytes() for inst in instructions) + sopp(end, 0).to_bytes()
     kernel = CompiledKernel(type(program)(program.name, program.target, code, 0, program.descriptor, program.metadata))
     assert not kernel.unsupported, [d.name for d in kernel.unsupported]
-    wave.sgpr[126] = 0xFFFFFFFF
+    wave.sgpr[126] = exec_mask
     kernel.run_wave(wave, {})
 
 
@@ -288,6 +288,27 @@ def test_dot2acc_accumulates_into_its_destination_in_both_encodings():
     assert np.array_equal(wave.vgpr[3].view(np.float32), expected)
     assert np.array_equal(wave.vgpr[4].view(np.float32), expected)
     assert np.array_equal(wave.vgpr[7], accumulator)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_permlanex16_reads_an_inactive_lane_only_with_fetch_inactive(target):
+    """Lane i of each half-wave reads lane i of the other (the kernels' selects). With fetch-inactive
+    (op_sel[0], as the kernels issue it) an inactive source lane is read; without it that lane's "old"
+    fallback is not modelled, and reading it is an error rather than a silent guess."""
+    from tinygrad.renderer.amd.dsl import s, v
+
+    isa = _isa(target, "ins")
+    swap = lambda fetch_inactive: isa.VOP3(_isa(target, "enum").VOP3Op.V_PERMLANEX16_B32, v[2], v[0], s[0], s[1],  # noqa: E731
+                                           opsel=int(fetch_inactive))
+    wave = Wave(32, 0)
+    wave.sgpr[0], wave.sgpr[1] = 0x76543210, 0xFEDCBA98
+    wave.vgpr[0] = np.arange(32, dtype=np.uint32) + 100
+    _run_instructions(target, [swap(True)], wave, exec_mask=0x0000FFFF)
+    assert np.array_equal(wave.vgpr[2][:16], np.arange(16, 32) + 100)  # read from the inactive upper half
+    _run_instructions(target, [swap(False)], wave, exec_mask=0xFFFFFFFF)
+    assert np.array_equal(wave.vgpr[2], np.roll(np.arange(32) + 100, 16))
+    with pytest.raises(InterpreterError, match="reads an inactive lane"):
+        _run_instructions(target, [swap(False)], wave, exec_mask=0x0000FFFF)
 
 
 @pytest.mark.parametrize("target", TARGETS)
