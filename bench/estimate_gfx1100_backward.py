@@ -118,7 +118,7 @@ class Cfg:
 # --- Tracing one main-loop iteration ------------------------------------------------------------------
 
 
-def loop_trips(cfg: Cfg, main: int, v) -> dict[int, int]:
+def loop_trips(cfg: Cfg, main: int, v, target: str) -> dict[int, int]:
     """Trip count of every loop inside the main loop, by its content, from kernels/fa_bwd.h + tiles.h."""
     dim_frags, chunk_frags = v.d_pad // FRAG, v.d_chunk // FRAG
     trips = {}
@@ -134,7 +134,7 @@ def loop_trips(cfg: Cfg, main: int, v) -> dict[int, int]:
             # head-dim loop inside it is unrolled completely
             trips[h] = v.block_tile // FRAG
         elif any(op.startswith("v_wmma") for op in ops):  # head-dim loop, #pragma unroll kDimUnroll
-            trips[h] = dim_frags // dim_unroll(v)
+            trips[h] = (dim_frags - peeled_steps(v, target)) // dim_unroll(v)
         elif any(op.startswith("ds_store") and op != "ds_store_b128" for op in ops):
             # load_transposed (32-bit or 16-bit stores): (rows / 2) key pairs x (cols / 8), a thread's
             # share; the wave of thread 0 takes the most trips, and every wave waits for it at the barrier
@@ -147,6 +147,14 @@ def loop_trips(cfg: Cfg, main: int, v) -> dict[int, int]:
         if trips[h] < 1:
             raise RuntimeError(f"{v.symbol}: loop at {h:#x} has {trips[h]} trips")
     return trips
+
+
+def peeled_steps(v, target: str) -> int:
+    """Head-dim steps ahead of the loop (kPeeledSteps in kernels/fa_bwd.h): the dQ kernel's first trip,
+    except at gfx11's d64; the dK/dV kernels peel none."""
+    if v.kind != "dq" or (target.startswith("gfx11") and v.d_pad // FRAG == 4):
+        return 0
+    return dim_unroll(v)
 
 
 def dim_unroll(v) -> int:
@@ -507,7 +515,7 @@ def analyse(path: Path, objdump: str) -> list[dict]:
                 v = variants.bwd_variant(kind, dtype, d)
                 cfg = Cfg(functions[v.symbol])
                 main = main_loop(cfg)
-                trips = loop_trips(cfg, main, v)
+                trips = loop_trips(cfg, main, v, co.target)
                 counts, flags, loops = {}, {}, {}
                 pinned = causal_flags(cfg, main)  # non-causal, as estimated
                 for name, expect in paths(v, hw).items():

@@ -348,6 +348,10 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
   constexpr int kDimFrags = D_PAD / kFrag;
   constexpr int kChunks = (D_PAD + D_CHUNK - 1) / D_CHUNK;
   constexpr int kDimUnroll = kDimFrags % 2 == 0 ? 2 : 1;  // a remainder iteration costs registers
+  // The first steps of S and dP run ahead of their loop from a zero C operand, as the forward's S does
+  // (fa_fwd.h, kPeeledScoreSteps): one trip of the loop, so that it keeps its parity. Not at gfx11's d64,
+  // whose four steps then unroll completely: it spills (bench/results, stop 37).
+  constexpr int kPeeledSteps = !Isa::kInlineZeroAccumulator && kDimFrags == 4 ? 0 : kDimUnroll;
   const DT dt{};
 
   const int tid = thread_id();
@@ -423,10 +427,7 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
       block_barrier();
 
       v8f s_acc[kKeyFrags], dp_acc[kKeyFrags];
-      #pragma unroll
-      for (int j = 0; j < kKeyFrags; ++j) s_acc[j] = dp_acc[j] = zero_v8f();
-      #pragma unroll kDimUnroll
-      for (int d = 0; d < kDimFrags; ++d) {
+      const auto product_step = [&](int d) {
         const Isa::Operand q_op = load_operand_global(q, a.q_stride_s, wave_q0, seq.seqlen_q, d * kFrag, a.head_dim,
                                                       lane);
         const Isa::Operand do_op = load_operand_global(dout, a.do_stride_s, wave_q0, seq.seqlen_q, d * kFrag,
@@ -436,7 +437,13 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
           Isa::mma(dt, s_acc[j], load_operand<Shape::kRow>(k_lds + j * kFrag * Shape::kRow, d * kFrag, lane), q_op);
           Isa::mma(dt, dp_acc[j], load_operand<Shape::kRow>(v_lds + j * kFrag * Shape::kRow, d * kFrag, lane), do_op);
         }
-      }
+      };
+      #pragma unroll
+      for (int j = 0; j < kKeyFrags; ++j) s_acc[j] = dp_acc[j] = zero_v8f();
+      #pragma unroll
+      for (int d = 0; d < kPeeledSteps; ++d) product_step(d);
+      #pragma unroll kDimUnroll
+      for (int d = kPeeledSteps; d < kDimFrags; ++d) product_step(d);
       // K and V rows lie in key_slot order, so accumulator value s is key acc_key(lane, s).
       #pragma unroll
       for (int j = 0; j < kKeyFrags; ++j) {
