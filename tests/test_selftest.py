@@ -34,6 +34,16 @@ def test_correct_kernels_pass_forward_and_backward(untested_fake_gpu):
     assert all(c["passed"] and c["error"] <= c["tolerance"] for c in record["checks"])
 
 
+def test_a_first_call_under_inference_mode_still_checks_the_gradients(untested_fake_gpu):
+    # ComfyUI runs every node under torch.inference_mode: the first kernel call, and so the self-test, too
+    with torch.inference_mode():
+        rfa.scaled_dot_product_attention(*(torch.randn(1, 2, 64, 64, dtype=torch.float16) for _ in range(3)))
+        record = selftest.cached(_library())
+    assert record["passed"], record["reason"]
+    assert untested_fake_gpu.differentiable_launches == len(selftest.CASES) * len(selftest.DTYPES)
+    assert rfa.stats()["kernel"] == 1
+
+
 @pytest.mark.parametrize("error", [0.05, float("nan")])
 def test_wrong_kernels_fail(untested_fake_gpu, error):
     untested_fake_gpu.error = error

@@ -69,6 +69,13 @@ def test_selftest_passes_on_this_gpu(launches):
     assert record["passed"], [c for c in record["checks"] if not c["passed"]]
 
 
+def test_selftest_passes_when_the_first_call_comes_under_inference_mode(launches):
+    # ComfyUI runs every node under torch.inference_mode: a first call there runs the self-test there
+    with torch.inference_mode():
+        record = selftest.run(GPU, runtime.loaded_library_for(GPU))
+    assert record["passed"], record["reason"] or [c for c in record["checks"] if not c["passed"]]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     "shape, kwargs",
