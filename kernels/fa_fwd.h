@@ -42,8 +42,8 @@ struct FwdArgs {
 };
 
 // The LDS layout; rdna_flash_attn/runtime/variants.py computes the same size for the launcher.
-// HAS_MASK: one float per key of the tile after V^T, for a key-padding mask staged once per tile, then
-// one word per 32 keys: whether any of them carries a nonzero bias.
+// HAS_MASK: one float per key of the tile after V^T, for a key-padding mask staged once per tile. Nothing
+// more: eight bytes of flags took d48's masked kernel past its LDS granule, from 6 to 5 waves per SIMD.
 template <int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK, bool HAS_MASK = false>
 struct FwdShape {
   static constexpr int kBlockM = kFrag * WAVES;
@@ -54,9 +54,7 @@ struct FwdShape {
   static constexpr int kKOffset = kBlockM * kRow;
   static constexpr int kVtOffset = kKOffset + BLOCK_N * kRow;
   static constexpr int kBiasOffset = kVtOffset + D_CHUNK * kVtRow;  // a multiple of 8: 16-byte aligned
-  static constexpr int kFlagOffset = kBiasOffset + 2 * BLOCK_N;
-  static constexpr int kFlagWords = (BLOCK_N + 31) / 32;
-  static constexpr int kLdsElems = kBiasOffset + (HAS_MASK ? 2 * BLOCK_N + 2 * kFlagWords : 0);
+  static constexpr int kLdsElems = kBiasOffset + (HAS_MASK ? 2 * BLOCK_N : 0);
   static_assert(2 * kLdsElems <= 65536, "LDS over 64 KiB");
   static_assert(D_PAD % D_CHUNK == 0 && D_CHUNK % kFrag == 0 && BLOCK_N % kFrag == 0, "tile shape");
   static_assert(BLOCK_N <= kThreads, "one staged bias per thread");
@@ -218,7 +216,6 @@ struct FwdLoop {
   float scale;       // softmax scale * log2(e), >= 0: a negative scale was folded into Q
   float prob_shift;  // probability_shift(): subtracted from every exponent
   float* key_biases;  // Shape::kBiasOffset: the tile's key biases (kKeyBias)
-  u32* tile_flags;    // Shape::kFlagOffset: per 32 keys of the tile, whether any has a nonzero bias
   v8f o_acc[kOutFrags];
   float row_max;    // in log2 units, scaled
   float row_sum;    // this lane's share of the rounded probabilities; the partner lane has the rest
@@ -250,7 +247,7 @@ struct FwdLoop {
   // One key tile. MASKED: some key of the tile is past seqlen_k or (causal) past a query of this
   // workgroup, so scores are masked per key; every other tile skips the per-score compare. BIAS: see
   // BiasMode. Key biases are read once per tile by the workgroup, into LDS, where every wave finds
-  // them instead of each lane reading and converting its own, and into one flag per 32 keys. (Starting the score accumulators at bias / scale would save the additions too, but a row
+  // them instead of each lane reading and converting its own. (Starting the score accumulators at bias / scale would save the additions too, but a row
   // whose keys all carry one huge bias then loses Q.K to the rounding of every product step at that
   // magnitude.)
   template <bool MASKED, int BIAS>
@@ -266,8 +263,6 @@ struct FwdLoop {
     if constexpr (BIAS == kKeyBias) {
       const float key_bias = reads_key ? mask.bias_of_bits(bias_bits) : 0.f;
       if (reads_key) key_biases[tid] = key_bias;
-      const bool any_biased = any_lane(key_bias != 0.f);
-      if (reads_key && lane == 0) tile_flags[tid >> 5] = any_biased;
     }
     block_barrier();
 
@@ -300,10 +295,15 @@ struct FwdLoop {
       step_scale = 1.f;
     }
     if constexpr (BIAS == kKeyBias) {
-      u32 biased_words = 0u;
-      #pragma unroll
-      for (int w = 0; w < Shape::kFlagWords; ++w) biased_words |= tile_flags[w];
-      if (wave_uniform(biased_words) != 0u) {
+      // Each wave asks the staged biases itself whether the tile has any: a lane reads adjacent ones, in
+      // one LDS load.
+      constexpr int kBiasesPerLane = BLOCK_N >= 32 ? BLOCK_N / 32 : 1;  // BLOCK_N: 16, 32 or 64
+      bool biased = false;
+      if (BLOCK_N >= 32 || lane < BLOCK_N) {
+        #pragma unroll
+        for (int i = 0; i < kBiasesPerLane; ++i) biased |= key_biases[lane * kBiasesPerLane + i] != 0.f;
+      }
+      if (any_lane(biased)) {
         #pragma unroll
         for (int j = 0; j < kKeyFrags; ++j)  // acc_key(lane, s) is acc_key(lane, 0) + s on both ISAs
           scale_and_bias(s_acc[j], key_biases + j * kFrag + Isa::acc_key(lane, 0));
@@ -419,8 +419,7 @@ RDNA_DEV void fwd_body(const FwdArgs& a, u16* lds) {
             seq.visible_keys(a.causal, query),
             a.scale_log2 < 0.f ? -a.scale_log2 : a.scale_log2,
             float(probability_shift(dt, seq.seqlen_k)),
-            reinterpret_cast<float*>(lds + Shape::kBiasOffset),
-            reinterpret_cast<u32*>(lds + Shape::kFlagOffset)};
+            reinterpret_cast<float*>(lds + Shape::kBiasOffset)};
   #pragma unroll
   for (int f = 0; f < Loop::kOutFrags; ++f) loop.o_acc[f] = zero_v8f();
   loop.row_max = kNegInf;

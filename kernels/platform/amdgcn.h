@@ -42,8 +42,6 @@ RDNA_DEV void compiler_fence() { __asm__ volatile("" ::: "memory"); }
 
 // Whether `p` holds in any lane of the wave; every lane must call it.
 RDNA_DEV bool any_lane(bool p) { return __builtin_amdgcn_ballot_w32(p) != 0u; }
-// A value every lane holds alike, moved to a scalar register so that a branch on it stays scalar.
-RDNA_DEV u32 wave_uniform(u32 x) { return __builtin_amdgcn_readfirstlane(x); }
 
 RDNA_DEV u32x4 zero_u32x4() { return u32x4{0u, 0u, 0u, 0u}; }
 RDNA_DEV v8f zero_v8f() { return v8f{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}; }

@@ -56,8 +56,6 @@ RDNA_DEV void compiler_fence() { asm volatile("" ::: "memory"); }
 
 // Whether `p` holds in any lane of the wave; every lane must call it.
 RDNA_DEV bool any_lane(bool p) { return __any_sync(0xffffffffu, p); }
-// v_readfirstlane_b32 with every lane active: lane 0's value.
-RDNA_DEV u32 wave_uniform(u32 x) { return __shfl_sync(0xffffffffu, x, 0); }
 
 RDNA_DEV u32x4 zero_u32x4() { return u32x4{{0u, 0u, 0u, 0u}}; }
 RDNA_DEV v8f zero_v8f() { return v8f{{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}}; }

@@ -80,9 +80,9 @@ def fwd_copy_loads(d_pad: int, d_chunk: int) -> int:
 
 def lds_elems_fwd(waves: int, block_n: int, d_pad: int, d_chunk: int, masked: bool = False) -> int:
     """16-bit elements of LDS the forward kernel declares; mirrors FwdShape in kernels/fa_fwd.h (a
-    masked kernel stages one float per key of its tile and one flag word per 32 keys)."""
+    masked kernel stages one float per key of its tile)."""
     row = d_pad + LDS_ROW_PAD
-    mask_elems = 2 * block_n + 2 * -(-block_n // 32) if masked else 0
+    mask_elems = 2 * block_n if masked else 0
     return waves * FRAG * row + block_n * row + d_chunk * (block_n + LDS_ROW_PAD) + mask_elems
 
 
