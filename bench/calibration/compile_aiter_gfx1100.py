@@ -34,49 +34,18 @@ GFX1100_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "PRE_LOAD_V": False,
                   "waves_per_eu": 6, "num_stages": 1, "num_warps": 8}
 os.environ["FLASH_ATTENTION_FWD_TRITON_AMD_CONFIG_JSON"] = json.dumps(GFX1100_CONFIG)
 os.environ.pop("FLASH_ATTENTION_TRITON_AMD_AUTOTUNE", None)
-# Triton 3.9 default (FP fusion on, as in earlier Triton releases); set explicitly to
-# silence the 3.9 deprecation warning. An empty/0 value would change the code.
-os.environ["TRITON_DEFAULT_FP_FUSION"] = "1"
-os.environ.pop("TRITON_FORCE_DISABLE_FP_FUSION", None)
 sys.path.insert(0, PKG)
 
 import torch  # noqa: E402  (CPU torch, only for dtypes)
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource, compile as triton_compile, make_backend  # noqa: E402
 from triton.runtime.autotuner import Autotuner  # noqa: E402
-from triton.runtime.jit import create_function_from_signature  # noqa: E402
-from triton import knobs  # noqa: E402
 
+from triton_offline import GFX1100, FakeTensor, compile_kernel  # noqa: E402
 from aiterfa import fwd_prefill  # noqa: E402
 
 # ---------------------------------------------------------------- problem shape
 B, S, H, D = 2, 8192, 16, 128
 DTYPE = torch.float16
-TARGET = GPUTarget("hip", "gfx1100", 32)
-
-
-class FakeTensor:
-    """Stand-in for a torch CUDA tensor for Triton's specialization only."""
-
-    def __init__(self, shape, dtype):
-        self.shape = tuple(shape)
-        self.dtype = dtype
-        st, acc = [], 1
-        for s in reversed(self.shape):
-            st.append(acc)
-            acc *= s
-        self._stride = tuple(reversed(st))
-        self._nbytes = acc * torch.empty((), dtype=dtype).element_size()
-
-    def stride(self, i=None):
-        return self._stride if i is None else self._stride[i]
-
-    def data_ptr(self):
-        return 0x7F0000000000  # torch allocations are >=256-byte aligned
-
-    def ptr_range(self):
-        return self._nbytes  # HIPBackend.is_within_2gb -> <= 2**31-1
 
 
 def main():
@@ -143,47 +112,8 @@ def main():
     )
     # Autotuner.run merges config.all_kwargs() into kwargs
     kwargs.update(cfg.all_kwargs())
-    # JITFunction.run adds these
-    kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
-    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-    kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
-
-    # --------------------------- Triton's own binder/specialization for HIP target
-    backend = make_backend(TARGET)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound_args, specialization, _ = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, None)
-
-    print("signature (non-constexpr):")
-    for name, ty in signature.items():
-        if ty != "constexpr":
-            print(f"  {name}: {ty}")
-    print("constexprs:")
-    for path, val in constexprs.items():
-        print(f"  {fn.arg_names[path[0]]} = {val!r}")
-    print("attrs:")
-    for path, val in attrs.items():
-        if val:
-            print(f"  {fn.arg_names[path[0]]}: {val}")
-    print("options:", {kk: getattr(options, kk) for kk in ("arch", "num_warps", "num_stages", "waves_per_eu", "num_ctas")})
-
-    src = ASTSource(fn, signature, constexprs, attrs)
-    compiled = triton_compile(src, target=TARGET, options=options.__dict__)
-
-    os.makedirs(OUT, exist_ok=True)
-    hsaco = os.path.join(OUT, "attn_fwd_gfx1100.hsaco")
-    with open(hsaco, "wb") as f:
-        f.write(compiled.asm["hsaco"])
-    for ext in ("ttir", "ttgir", "llir", "amdgcn"):
-        if ext in compiled.asm:
-            with open(os.path.join(OUT, f"attn_fwd_gfx1100.{ext}"), "w") as f:
-                f.write(compiled.asm[ext])
-    md = compiled.metadata
-    grid = (B, H, triton.cdiv(S, cfg.kwargs["BLOCK_M"]))
-    print("wrote", hsaco, len(compiled.asm["hsaco"]), "bytes")
-    print("kernel name:", md.name)
-    print("shared (LDS bytes):", md.shared, " num_warps:", md.num_warps,
-          " threads/WG:", md.num_warps * TARGET.warp_size, " grid:", grid)
+    compile_kernel(fn, args, kwargs, GFX1100, os.path.join(OUT, "attn_fwd_gfx1100"))
+    print("grid:", (B, H, triton.cdiv(S, cfg.kwargs["BLOCK_M"])))
     print("triton", triton.__version__)
 
 
