@@ -61,7 +61,9 @@ def merge_undecoded(body: list[estimator.Insn]) -> list[estimator.Insn]:
             continue
         if insn.op == ".long":
             word = int(insn.args.split()[0], 16)
-            if word >> 25 == 0b0111111:  # VOP1 (4 bytes), e.g. v_cvt_f16_f32_e32 v1.h, v105
+            if word >> 25 == 0b0111111:  # VOP1, e.g. v_cvt_f16_f32_e32 v1.h, v105
+                if word & 0x1FF == 0xFF:  # src0 a literal: 8 bytes, the second a constant, not an instruction
+                    raise RuntimeError(f"undecodable VOP1 with a literal at {insn.addr:#x}: {insn.args}")
                 merged.append(estimator.Insn(insn.addr, "v_undecoded_vop1", insn.args))
                 continue
             if word >> 26 != 0b110101:  # VOP3 (8 bytes)
@@ -97,6 +99,9 @@ def tutorial_backward_loops(cfg: dict, seq: int, head_dim: int, waves: int) -> l
     seq / BLOCK_N1 workgroups of a head (workgroup p: its 128-key block p, then every later query block;
     its 128-query block p, then every earlier key block)."""
     n1, m1, m2, n2, slice_ = (cfg[k] for k in ("BLOCK_N1", "BLOCK_M1", "BLOCK_M2", "BLOCK_N2", "BLK_SLICE_FACTOR"))
+    # the causal structure below: workgroup p's key block and query block are both block p
+    if m2 != n1:
+        raise ValueError(f"BLOCK_M2 {m2} != BLOCK_N1 {n1}: the trip counts assume one block size per workgroup")
     pids = range(seq // n1)
     mean = lambda f: sum(map(f, pids)) / len(pids)  # noqa: E731
     wmma = lambda dots, rows, cols: dots * rows * cols * head_dim * 2 // WMMA_FLOPS // waves  # noqa: E731
@@ -127,6 +132,8 @@ def estimate_backward(case: dict, body: list[estimator.Insn], hw, occ) -> dict:
     `model` does."""
     batch, heads, seq, head_dim = case["shape"]
     threads, cfg = case["threads"], case["backward"]
+    if not case.get("causal"):
+        raise ValueError(f"{case['name']}: the backward's loops are priced for the causal tutorial kernel only")
     waves = threads // 32
     spans = sorted(estimator.key_tile_loops(body))
     loops = tutorial_backward_loops(cfg, seq, head_dim, waves)

@@ -28,6 +28,7 @@ import contextlib
 import copy
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -216,16 +217,27 @@ def kernel_attention(precision: str) -> Attention:
     return attention
 
 
-def checked_kernel_run(run: Callable[[], torch.Tensor], calls: int, eight_bit: bool) -> torch.Tensor:
+def float32_run(run: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`run` in float32 throughout: cuDNN's convolutions would take TF32 by default (the patch embedding)."""
+    saved = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        return run()
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+
+
+def checked_kernel_run(run: Callable[[], torch.Tensor], calls: int, eight_bit: bool) -> tuple[torch.Tensor, dict]:
     """Runs `run` and refuses its result unless every one of its `calls` attention calls reached the kernels
-    at the asked precision: a fallback would compare SDPA with itself."""
+    at the asked precision (a fallback would compare SDPA with itself); returns it with the dispatcher's
+    counts."""
     rdna_flash_attn.reset_stats()
     images = run()
     counts = rdna_flash_attn.stats()
     wanted = {"kernel": calls, "kernel_8bit": calls if eight_bit else 0, "fallback": 0}
     if any(counts[key] != value for key, value in wanted.items()):
         raise RuntimeError(f"attention calls did not all reach the kernels as asked: wanted {wanted}, got {counts}")
-    return images
+    return images, counts
 
 
 def psnr(a: torch.Tensor, b: torch.Tensor) -> list[float]:
@@ -234,26 +246,33 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> list[float]:
     return [math.inf if e == 0 else 10.0 * math.log10(1.0 / e) for e in mse.tolist()]
 
 
-def generate(model: DiffusionTransformer, setup: Setup, device: torch.device,
-             progress: Callable[[str], None], providers=PROVIDERS) -> dict[str, torch.Tensor]:
+def generate(model: DiffusionTransformer, setup: Setup, device: torch.device, progress: Callable[[str], None],
+             providers=PROVIDERS) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """Images per provider, and the dispatcher's counts of each kernel provider's run."""
     noise = torch.randn(setup.images, 3, setup.size, setup.size, device=device,
                         generator=torch.Generator(device=device).manual_seed(setup.seed + 2))
-    low = copy.deepcopy(model).to(torch.bfloat16)
+    bf16_model = copy.deepcopy(model).to(torch.bfloat16)
     calls = setup.sample_steps * setup.depth
     runs = {
-        "reference": lambda: sample(model.float(), noise, setup.sample_steps, math_attention),
-        "sdpa": lambda: sample(low, noise, setup.sample_steps, F.scaled_dot_product_attention),
+        "reference": lambda: (float32_run(lambda: sample(model, noise, setup.sample_steps, math_attention)), None),
+        "sdpa": lambda: (sample(bf16_model, noise, setup.sample_steps, F.scaled_dot_product_attention), None),
         "exact": lambda: checked_kernel_run(
-            lambda: sample(low, noise, setup.sample_steps, kernel_attention("exact")), calls, eight_bit=False),
+            lambda: sample(bf16_model, noise, setup.sample_steps, kernel_attention("exact")), calls, eight_bit=False),
         "8bit": lambda: checked_kernel_run(
-            lambda: sample(low, noise, setup.sample_steps, kernel_attention("8bit-qkpv")), calls, eight_bit=True),
+            lambda: sample(bf16_model, noise, setup.sample_steps, kernel_attention("8bit-qkpv")), calls,
+            eight_bit=True),
     }
-    images = {}
+    images, counts = {}, {}
     for name in providers:
         start = time.monotonic()
-        images[name] = runs[name]().cpu()
-        progress(f"sampled {name}: {setup.images} images, {setup.sample_steps} steps ({time.monotonic() - start:.1f} s)")
-    return images
+        result, dispatch = runs[name]()
+        images[name] = result.cpu()
+        if dispatch is not None:
+            counts[name] = dispatch
+        calls_text = f", {dispatch['kernel']} kernel calls ({dispatch['kernel_8bit']} in 8 bits)" if dispatch else ""
+        progress(f"sampled {name}: {setup.images} images, {setup.sample_steps} steps{calls_text} "
+                 f"({time.monotonic() - start:.1f} s)")
+    return images, counts
 
 
 def compare(images: dict[str, torch.Tensor]) -> list[dict]:
@@ -261,7 +280,7 @@ def compare(images: dict[str, torch.Tensor]) -> list[dict]:
     for a, b in COMPARED:
         if a in images and b in images:
             values = psnr(images[a], images[b])
-            finite = [v for v in values if math.isfinite(v)]
+            finite = [v for v in values if math.isfinite(v)]  # identical images (inf) left out of the mean
             rows.append(dict(pair=f"{a} vs {b}", psnr_db=values, mean_db=sum(finite) / len(finite) if finite else math.inf,
                              min_db=min(values), max_abs=(images[a] - images[b]).abs().max().item()))
     return rows
@@ -325,7 +344,7 @@ def main(argv=None) -> int:
     start = time.monotonic()
     model, losses = train(setup, device, progress)
     training_s = time.monotonic() - start
-    images = generate(model, setup, device, progress, providers)
+    images, dispatch_counts = generate(model, setup, device, progress, providers)
     rows = compare(images)
     for row in rows:
         progress(f"{row['pair']}: PSNR mean {row['mean_db']:.2f} dB, min {row['min_db']:.2f} dB, max |diff| {row['max_abs']:.4f}")
@@ -333,7 +352,8 @@ def main(argv=None) -> int:
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     record = dict(setup=asdict(setup), tokens=setup.tokens, head_dim=setup.head_dim, device=device_name,
                   torch=torch.__version__, training_seconds=training_s, final_loss=sum(losses[-100:]) / len(losses[-100:]),
-                  losses=losses[::10], comparisons=rows)
+                  environment={k: os.environ.get(k) for k in ("RDNA_FA_FORCE", "RDNA_FA_EMULATE")},
+                  dispatch_counts=dispatch_counts, losses=losses[::10], comparisons=rows)
     args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     for name in ("exact", "8bit"):
         if name in images:

@@ -107,6 +107,14 @@ def test_the_stride_limit_keeps_every_forward_tiles_offsets_within_32_bits():
         assert (rows * ops._MAX_KV_SEQ_STRIDE + variant.d_pad) * 2 < 2**32, variant.symbol
 
 
+def test_every_masked_forward_tile_suits_its_per_wave_bias_check():
+    """kernels/fa_fwd.h's key-bias check has each lane read block_n / 32 adjacent staged biases (one, in
+    lanes below block_n, at 16): a block_n of 48 or 80 would leave keys unread."""
+    for variant in variants.FWD_VARIANTS:
+        if variant.masked:
+            assert variant.block_n == 16 or variant.block_n % 32 == 0, variant.symbol
+
+
 def test_given_out_and_lse_are_written_where_they_lie(library):
     q, k, v = tensors(layout="bshd")
     ops.flash_attention_forward(q, k, v)

@@ -33,8 +33,9 @@ from ..runtime.loader import KernelLibrary
 
 log = logging.getLogger(LOGGER_NAME)
 
-REVISION = 2  # bump when the checks change, so cached verdicts are redone (2: a first call under
-# inference mode no longer fails them)
+# Bumped when the checks change, so cached verdicts are redone (2: a first call under inference mode no
+# longer fails them).
+REVISION = 2
 CACHE_FILE_NAME = "selftest.json"
 
 # (batch, heads, query tokens, key tokens, head dim, causal): SD head dims, lengths that are not

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from bench import generation_8bit as generation
-from rdna_flash_attn import settings
 
 CPU = torch.device("cpu")
 
@@ -45,11 +44,12 @@ def test_tiny_run_writes_its_record(tmp_path):
 
 
 def test_the_exact_path_runs_every_call_on_the_kernels_and_8bit_refuses_a_target_without_it(fake_gpu):
-    settings.fp32_cast = "bf16"  # the tiny CPU model's float32 reference path stays on SDPA's math
     model, _ = generation.train(generation.TINY, CPU, lambda line: None)
-    images = generation.generate(model, generation.TINY, CPU, lambda line: None, ("sdpa", "exact"))
+    images, counts = generation.generate(model, generation.TINY, CPU, lambda line: None, ("sdpa", "exact"))
     calls = generation.TINY.sample_steps * generation.TINY.depth
     assert len(fake_gpu.launches) == calls
+    assert counts == {"exact": {"kernel": calls, "kernel_8bit": 0, "fallback": 0, "fallback_reasons": {},
+                                "exact_not_8bit_reasons": {}}}
     (row,) = generation.compare(images)
     assert row["pair"] == "sdpa vs exact" and row["min_db"] > 40.0
     # the fake GPU is an RX 7900 XTX (gfx1100): its calls run exact, so the 8-bit run must not be compared
