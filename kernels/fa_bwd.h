@@ -127,6 +127,14 @@ constexpr bool kResidentV = HAS_MASK && kFusedDkdv<D_PAD> ? D_PAD <= 48 : D_PAD 
 template <int D_PAD, bool HAS_MASK>
 constexpr bool kKeyBiasOnce = HAS_MASK && (Isa::kOperandElems == 8 || (D_PAD != 64 && D_PAD != 128));
 
+// The tile copies' uniform-base addressing (tiles.h) keeps per-thread offsets and tile bases live
+// across the query or key loop. gfx11's masked workgroups have no registers to spare for them at one
+// head dim each: dK/dV at d128 would spill SGPRs, dQ at d32 VGPRs. Those keep 64-bit addresses.
+template <int D_PAD, bool HAS_MASK>
+constexpr bool kUniformBaseDkdv = !(HAS_MASK && Isa::kOperandElems == 16 && D_PAD == 128);
+template <int D_PAD, bool HAS_MASK>
+constexpr bool kUniformBaseDq = !(HAS_MASK && Isa::kOperandElems == 16 && D_PAD == 32);
+
 // acc[f] += A_f x, A_f the f-th 16-row fragment of an LDS tile.
 template <int FRAGS, int LDS_ROW, class DT>
 RDNA_DEV void accumulate(DT dt, v8f (&acc)[FRAGS], const u16* tile, int col0, const Isa::Operand& x, int lane) {
@@ -172,6 +180,7 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
   constexpr int kDimFrags = D_PAD / kFrag;
   constexpr int kChunks = (D_PAD + D_CHUNK - 1) / D_CHUNK;
   constexpr int kDimUnroll = kDimFrags % 2 == 0 && D_PAD <= 128 ? 2 : 1;  // more costs registers
+  constexpr bool kUniformBase = kUniformBaseDkdv<D_PAD, HAS_MASK>;
   const DT dt{};
   const float kInf = __builtin_inff();
 
@@ -239,17 +248,19 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
     const float key_bias = key_padding ? mask.bias_log2(0, key) : 0.f;
     for (int q0 = q_begin; q0 < seq.seqlen_q; q0 += BLOCK_M) {
       block_barrier();
-      load_rows<BLOCK_M, D_PAD, Shape::kRow, Shape::kThreads, true>(q_lds, q, a.q_stride_s, q0, seq.seqlen_q,
-                                                                    a.head_dim, tid);
+      load_rows<BLOCK_M, D_PAD, Shape::kRow, Shape::kThreads, true, kUniformBase>(q_lds, q, a.q_stride_s, q0,
+                                                                                  seq.seqlen_q, a.head_dim, tid);
       if (make_dk) {
-        load_rows<BLOCK_M, D_PAD, Shape::kRow, Shape::kThreads, true>(do_lds, dout, a.do_stride_s, q0, seq.seqlen_q,
-                                                                      a.head_dim, tid);
-        load_transposed<BLOCK_M, D_CHUNK, Shape::kTRow, Shape::kThreads>(qt_lds, q, a.q_stride_s, q0, seq.seqlen_q,
-                                                                         col0, a.head_dim, tid);
+        load_rows<BLOCK_M, D_PAD, Shape::kRow, Shape::kThreads, true, kUniformBase>(do_lds, dout, a.do_stride_s, q0,
+                                                                                    seq.seqlen_q, a.head_dim, tid);
+        load_transposed<BLOCK_M, D_CHUNK, Shape::kTRow, Shape::kThreads, kUniformBase>(qt_lds, q, a.q_stride_s, q0,
+                                                                                       seq.seqlen_q, col0, a.head_dim,
+                                                                                       tid);
       }
       if (!make_dk || kBoth) {
-        load_transposed<BLOCK_M, D_CHUNK, Shape::kTRow, Shape::kThreads>(dot_lds, dout, a.do_stride_s, q0, seq.seqlen_q,
-                                                                         col0, a.head_dim, tid);
+        load_transposed<BLOCK_M, D_CHUNK, Shape::kTRow, Shape::kThreads, kUniformBase>(dot_lds, dout, a.do_stride_s, q0,
+                                                                                       seq.seqlen_q, col0, a.head_dim,
+                                                                                       tid);
       }
       for (int i = tid; i < BLOCK_M; i += Shape::kThreads) {
         const bool valid = q0 + i < seq.seqlen_q;
@@ -352,6 +363,7 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
   // (fa_fwd.h, kPeeledScoreSteps): one trip of the loop, so that it keeps its parity. Not at gfx11's d64,
   // whose four steps then unroll completely: it spills (bench/results, stop 37).
   constexpr int kPeeledSteps = !Isa::kInlineZeroAccumulator && kDimFrags == 4 ? 0 : kDimUnroll;
+  constexpr bool kUniformBase = kUniformBaseDq<D_PAD, HAS_MASK>;
   const DT dt{};
 
   const int tid = thread_id();
@@ -417,13 +429,14 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
     }
     for (int key0 = 0; key0 < key_end; key0 += BLOCK_N) {
       block_barrier();
-      load_rows<BLOCK_N, D_PAD, Shape::kRow, Shape::kThreads, true>(k_lds, k, a.k_stride_s, key0, seq.seqlen_k,
-                                                                    a.head_dim, tid);
-      load_rows<BLOCK_N, D_PAD, Shape::kRow, Shape::kThreads, true>(v_lds, v, a.v_stride_s, key0, seq.seqlen_k,
-                                                                    a.head_dim, tid);
+      load_rows<BLOCK_N, D_PAD, Shape::kRow, Shape::kThreads, true, kUniformBase>(k_lds, k, a.k_stride_s, key0,
+                                                                                  seq.seqlen_k, a.head_dim, tid);
+      load_rows<BLOCK_N, D_PAD, Shape::kRow, Shape::kThreads, true, kUniformBase>(v_lds, v, a.v_stride_s, key0,
+                                                                                  seq.seqlen_k, a.head_dim, tid);
       if (sweep == 1)
-        load_transposed<BLOCK_N, D_CHUNK, Shape::kTRow, Shape::kThreads>(kt_lds, k, a.k_stride_s, key0, seq.seqlen_k,
-                                                                         col0, a.head_dim, tid);
+        load_transposed<BLOCK_N, D_CHUNK, Shape::kTRow, Shape::kThreads, kUniformBase>(kt_lds, k, a.k_stride_s, key0,
+                                                                                       seq.seqlen_k, col0, a.head_dim,
+                                                                                       tid);
       block_barrier();
 
       v8f s_acc[kKeyFrags], dp_acc[kKeyFrags];

@@ -297,7 +297,8 @@ struct FwdLoop {
     if constexpr (BIAS == kKeyBias) {
       // Each wave asks the staged biases itself whether the tile has any: a lane reads adjacent ones, in
       // one LDS load.
-      constexpr int kBiasesPerLane = BLOCK_N >= 32 ? BLOCK_N / 32 : 1;  // BLOCK_N: 16, 32 or 64
+      constexpr int kBiasesPerLane = BLOCK_N >= 32 ? BLOCK_N / 32 : 1;
+      static_assert(BLOCK_N == 16 || BLOCK_N % 32 == 0, "every lane's biases together cover the tile's keys");
       bool biased = false;
       if (BLOCK_N >= 32 || lane < BLOCK_N) {
         #pragma unroll
@@ -388,8 +389,8 @@ RDNA_DEV void fwd_body(const FwdArgs& a, u16* lds) {
   const u16* q = a.q + batch * a.q_stride_b + head * a.q_stride_h + seq.q_row0 * a.q_stride_s;
   u16* q_lds = lds + Shape::kQOffset;
 
-  load_rows<Shape::kBlockM, D_PAD, Shape::kRow, Shape::kThreads>(q_lds, q, a.q_stride_s, q0, seq.seqlen_q, a.head_dim,
-                                                                 tid);
+  load_rows<Shape::kBlockM, D_PAD, Shape::kRow, Shape::kThreads, false, /*UNIFORM_BASE=*/false>(
+      q_lds, q, a.q_stride_s, q0, seq.seqlen_q, a.head_dim, tid);
   // The tile loop takes row maxima of the raw scores, which needs a scale >= 0: a negative one
   // becomes a positive one on -Q. Each thread flips the rows it stored itself.
   if (a.scale_log2 < 0.f)

@@ -19,57 +19,89 @@ RDNA_DEV u32x4 load16_at(const u16* uniform_base, u32 byte_offset) {
   return load16(reinterpret_cast<const u16*>(reinterpret_cast<const char*>(uniform_base) + byte_offset));
 }
 
+// Row r of a tile copied in key order (KEY_ORDER below) lies in LDS row key_order_row(r). key_slot
+// permutes the bits of a row index within 16 rows, so key_order_row(a + b) = key_order_row(a) +
+// key_order_row(b) wherever a and b share no set bit.
+RDNA_DEV int key_order_row(int r) { return (r & ~15) + Isa::key_slot(r & 15); }
+
 // Copies rows [row0, row0 + ROWS) x columns [0, COLS) of a (seq, dim) matrix into LDS, zero where
 // the row is past seqlen or the column past head_dim: padding never reaches the arithmetic.
 // KEY_ORDER: row r of each 16-row fragment goes to LDS row Isa::key_slot(r) (see the ISA headers),
 // so that a product with these rows as A puts them in the accumulator in Isa::acc_key order.
 // Loads are issued kCopyBatch at a time before their stores: one memory round trip per batch. More
 // in flight spill registers in the backward kernels' dQ (d128) on gfx1100.
+// UNIFORM_BASE: every load is the tile's uniform base plus a 32-bit byte offset per lane (load16_at;
+// the dispatch keeps sequence strides below 2^23 elements, so a tile of up to 128 rows fits), not a
+// 64-bit address per lane (about six VALU per load). With a whole number of threads per row, a thread
+// keeps its column and steps by whole rows, the steps in the uniform base: one offset and one LDS
+// address per thread instead of one per load, as fa_fwd.h's K loads do. Those per-thread values stay
+// live across a caller's loop, so kernels without registers to spare take the 64-bit form, and so
+// does the forward's one Q load per workgroup (its kernels keep their register allocation).
 constexpr int kCopyBatch = 2;
 
-template <int ROWS, int COLS, int LDS_ROW, int THREADS, bool KEY_ORDER = false>
+template <int ROWS, int COLS, int LDS_ROW, int THREADS, bool KEY_ORDER = false, bool UNIFORM_BASE = true>
 RDNA_DEV void load_rows(u16* dst, const u16* src, i64 stride, int row0, int seqlen, int head_dim, int tid) {
   constexpr int kChunks = COLS / 8;
   constexpr int kTotal = ROWS * kChunks;
   constexpr int kLoads = (kTotal + THREADS - 1) / THREADS;
   constexpr int kBatch = kLoads < kCopyBatch ? kLoads : kCopyBatch;
+  constexpr int kRowStep = UNIFORM_BASE && THREADS % kChunks == 0 ? THREADS / kChunks : 0;
+  // key_order_row splits over the thread's row and its steps where the steps are whole powers of two.
+  constexpr bool kSplitSlots = kRowStep > 0 && (kRowStep & (kRowStep - 1)) == 0;
+  const u16* tile = src + i64(row0) * stride;
+  const int rows_left = seqlen - row0;
+  const int thread_row = tid / kChunks, thread_col = tid % kChunks * 8;
+  const u32 thread_offset = u32(thread_row * int(stride) + thread_col) * 2u;
+  const int thread_slot = KEY_ORDER ? key_order_row(thread_row) : thread_row;
   #pragma unroll 1
   for (int b = 0; b < kLoads; b += kBatch) {
     u32x4 val[kBatch];
     #pragma unroll
     for (int n = 0; n < kBatch; ++n) {
       const int i = tid + (b + n) * THREADS;
-      const int row = row0 + i / kChunks;
-      const int c = (i % kChunks) * 8;
+      const int r = kRowStep ? thread_row + (b + n) * kRowStep : i / kChunks;
+      const int c = kRowStep ? thread_col : i % kChunks * 8;
       val[n] = zero_u32x4();
-      if (b + n < kLoads && (kTotal % THREADS == 0 || i < kTotal) && row < seqlen && c < head_dim)
-        val[n] = load16(src + row * stride + c);
+      const bool in_rows = UNIFORM_BASE ? r < rows_left : row0 + r < seqlen;
+      if (b + n < kLoads && (kTotal % THREADS == 0 || i < kTotal) && in_rows && c < head_dim)
+        val[n] = !UNIFORM_BASE ? load16(src + (row0 + r) * stride + c)
+                 : kRowStep    ? load16_at(tile + i64((b + n) * kRowStep) * stride, thread_offset)
+                               : load16_at(tile, u32(r * int(stride) + c) * 2u);
     }
     #pragma unroll
     for (int n = 0; n < kBatch; ++n) {
       const int i = tid + (b + n) * THREADS;
-      const int r = i / kChunks;
-      const int slot = KEY_ORDER ? (r & ~15) + Isa::key_slot(r & 15) : r;
-      if (b + n < kLoads && (kTotal % THREADS == 0 || i < kTotal)) store16(dst + slot * LDS_ROW + (i % kChunks) * 8, val[n]);
+      const int r = kRowStep ? thread_row + (b + n) * kRowStep : i / kChunks;
+      const int c = kRowStep ? thread_col : i % kChunks * 8;
+      const int slot = !KEY_ORDER ? r : kSplitSlots ? thread_slot + key_order_row((b + n) * kRowStep) : key_order_row(r);
+      if (b + n < kLoads && (kTotal % THREADS == 0 || i < kTotal)) store16(dst + slot * LDS_ROW + c, val[n]);
     }
   }
 }
 
 // Copies V rows [row0, row0 + ROWS), columns [col0, col0 + COLS) into LDS transposed (one LDS row
 // per output column), two keys per 32-bit store. Consecutive threads take consecutive key pairs so
-// the transposed stores fall in consecutive banks.
-template <int ROWS, int COLS, int LDS_ROW, int THREADS>
+// the transposed stores fall in consecutive banks. UNIFORM_BASE as in load_rows.
+template <int ROWS, int COLS, int LDS_ROW, int THREADS, bool UNIFORM_BASE = true>
 RDNA_DEV void load_transposed(u16* dst, const u16* src, i64 stride, int row0, int seqlen, int col0,
                               int head_dim, int tid) {
   constexpr int kPairs = ROWS / 2;
+  const u16* tile = src + i64(row0) * stride;
+  const int rows_left = seqlen - row0;
   for (int i = tid; i < kPairs * (COLS / 8); i += THREADS) {
     const int r = 2 * (i % kPairs);
     const int c = (i / kPairs) * 8;
-    const int row = row0 + r;
     u32x4 first = zero_u32x4(), second = zero_u32x4();
     if (col0 + c < head_dim) {
-      if (row < seqlen) first = load16(src + row * stride + col0 + c);
-      if (row + 1 < seqlen) second = load16(src + (row + 1) * stride + col0 + c);
+      if constexpr (UNIFORM_BASE) {
+        const u32 offset = u32(r * int(stride) + col0 + c) * 2u;
+        if (r < rows_left) first = load16_at(tile, offset);
+        if (r + 1 < rows_left) second = load16_at(tile, offset + u32(stride) * 2u);
+      } else {
+        const int row = row0 + r;
+        if (row < seqlen) first = load16(src + row * stride + col0 + c);
+        if (row + 1 < seqlen) second = load16(src + (row + 1) * stride + col0 + c);
+      }
     }
     #pragma unroll
     for (int e = 0; e < 8; ++e)

@@ -84,27 +84,38 @@ def test_misaligned_input_is_refused_after_its_signature_was_prepared(library):
     assert len(library.launches) == 1
 
 
-def test_a_key_or_value_sequence_stride_past_the_32_bit_tile_offsets_is_refused_by_name(library):
+def test_a_sequence_stride_past_the_32_bit_tile_offsets_is_refused_by_name(library):
     q, k, v = tensors(shape=(1, 1, 2, 8))
     wide = torch.zeros(2**23 + 8, dtype=q.dtype)
     far_apart = wide.as_strided((1, 1, 2, 8), (2**23 + 8, 2**23 + 8, 2**23, 1))
+    assert ops.forward_refusal(far_apart, k, v) == "query sequence stride 8388608 is 2^23 elements or more"
     assert ops.forward_refusal(q, far_apart, v) == "key sequence stride 8388608 is 2^23 elements or more"
     assert ops.forward_refusal(q, k, far_apart) == "value sequence stride 8388608 is 2^23 elements or more"
-    assert ops.forward_refusal(far_apart, k, v) is None  # Q's rows and O's use 64-bit addresses
     below = wide.as_strided((1, 1, 2, 8), (2**23 + 8, 2**23 + 8, 2**23 - 8, 1))
-    assert ops.forward_refusal(q, below, below) is None
+    assert ops.forward_refusal(below, below, below) is None
     # a packed batch's limit is on its tokens' stride
     packed = wide.as_strided((2, 1, 8), (2**23, 8, 1))
     assert ops.varlen_refusal(q[0].transpose(0, 1), packed, packed, *(torch.tensor([0, 2], dtype=torch.int32),) * 2,
                               2, 2) == "key sequence stride 8388608 is 2^23 elements or more"
 
 
-def test_the_stride_limit_keeps_every_forward_tiles_offsets_within_32_bits():
-    """TileCopy's offsets reach (block_n - 1) rows, and (threads / 16-byte chunks per row - 1) rows on
-    its per-thread path: both must stay below 2^32 bytes at the largest stride the dispatch lets in."""
-    for variant in variants.FWD_VARIANTS:
-        rows = max(variant.block_n, 32 * variant.waves // max(1, variant.d_pad // 8))
-        assert (rows * ops._MAX_KV_SEQ_STRIDE + variant.d_pad) * 2 < 2**32, variant.symbol
+def test_a_gradient_with_a_sequence_stride_past_the_tile_offsets_is_copied_not_refused():
+    wide = torch.zeros(2**23 + 8, dtype=torch.float16)
+    far_apart = wide.as_strided((1, 1, 2, 8), (2**23 + 8, 2**23 + 8, 2**23, 1))
+    compact = ops.kernel_layout(far_apart)
+    assert compact.stride(2) == 8 and torch.equal(compact, far_apart)
+
+
+def test_the_stride_limit_keeps_every_tiles_offsets_within_32_bits():
+    """Tile copies (kernels/tiles.h, TileCopy in fa_fwd.h) offset a tile's rows from its base by up to
+    (rows - 1) strides, and by (threads / 16-byte chunks per row - 1) on the per-thread path: both must
+    stay below 2^32 bytes at the largest stride the dispatch lets in (and below 2^31 where the offset
+    is first formed as an int)."""
+    tiles = [(v.symbol, max(v.block_n, v.block_rows), v.threads, v.d_pad) for v in variants.FWD_VARIANTS]
+    tiles += [(v.symbol, v.block_tile, v.threads, v.d_pad) for v in variants.BWD_VARIANTS]
+    for symbol, tile_rows, threads, d_pad in tiles:
+        rows = max(tile_rows, threads // max(1, d_pad // 8))
+        assert (rows * ops._MAX_SEQ_STRIDE + d_pad) * 2 < 2**31, symbol
 
 
 def test_every_masked_forward_tile_suits_its_per_wave_bias_check():

@@ -30,9 +30,9 @@ _SUPPORTED_HEAD_DIMS = frozenset(variants.SUPPORTED_HEAD_DIMS)
 _VECTOR_ELEMS = 8  # the kernels move 16-byte vectors of 16-bit values
 _MAX_GRID_YZ = 65535
 _MAX_SEQLEN = 2**31 - 1024
-# The forward kernel addresses a K or V tile's rows with 32-bit byte offsets from the tile's base (its
-# loads' scalar-base form): at most 64 rows apart, so their sequence strides stay below 2^23 elements.
-_MAX_KV_SEQ_STRIDE = 2**23
+# The kernels address the rows of a Q, K, V or dO tile as 32-bit byte offsets from its first row (their
+# loads' scalar-base form): below 2^23 elements per row, a tile of 64 rows stays within 2^31 bytes.
+_MAX_SEQ_STRIDE = 2**23
 _EMPTY = "empty tensor"
 LOG2_E = 1.4426950408889634  # the kernels take the softmax scale in base 2
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
@@ -77,9 +77,6 @@ def forward_refusal(q, k, v, is_causal: bool = False, scale: float | None = None
         reason = _layout_refusal(name, t)
         if reason:
             return reason
-    for name, t in (("key", k), ("value", v)):
-        if t.stride(2) >= _MAX_KV_SEQ_STRIDE:
-            return f"{name} sequence stride {t.stride(2)} is 2^23 elements or more"
     if scale is not None and not math.isfinite(scale):
         return "softmax scale is not finite"
     return mask_refusal(attn_mask, q, k)
@@ -170,6 +167,8 @@ def _layout_refusal(name: str, t: torch.Tensor) -> str | None:
         return f"{name} strides are not multiples of 8 elements (16 bytes)"
     if not _aligned(t):
         return f"{name} does not start on a 16-byte boundary (storage offset)"
+    if t.stride(2) >= _MAX_SEQ_STRIDE:
+        return f"{name} sequence stride {t.stride(2)} is 2^23 elements or more"
     return None
 
 
@@ -555,14 +554,14 @@ def flash_attention_varlen_backward(dout, q, k, v, lse, cu_seqlens_q, cu_seqlens
     reason = reason or _backward_stats_refusal(out, saved, q, lse)
     if reason is not None:
         raise ValueError(reason)
-    dout = kernel_layout(dout.unsqueeze(0)).squeeze(0)
+    dout = kernel_layout(_batch_views(dout)[0])  # the kernels' view, so that its token stride is checked
     grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     if _nothing_to_launch(q, k, max_seqlen_q, max_seqlen_k):
         return tuple(grad.zero_() for grad in grads)
-    views = _batch_views(q, k, v, dout, *grads)
+    views = _batch_views(q, k, v, *grads)
     if saved is not None:
         out = _batch_views(out)[0]
-    _launch_backward(views[3], *views[:3], lse, *views[4:], _causal_code(is_causal, True), scale, None,
+    _launch_backward(dout, *views[:3], lse, *views[3:], _causal_code(is_causal, True), scale, None,
                      cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k), (0, lse.stride(0)), out,
                      saved, cu_seqlens_q, cu_seqlens_k)
     return grads

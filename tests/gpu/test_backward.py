@@ -139,3 +139,27 @@ def test_gradients_keep_input_layouts(emulated_layer):
     k = make_inputs(1, 2, 77, 64, torch.float16, "bhsd", generator)
     dq, dk, dv = _kernel_grads(q, k, k, torch.randn_like(q), False, None)
     assert dq.stride() == q.stride() and dk.stride() == k.stride() and dv.stride() == k.stride()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_widest_sequence_stride_admitted_gives_the_compact_inputs_gradients(emulated_layer, head_dim):
+    """The tile copies address rows as 32-bit byte offsets from the tile's base (kernels/tiles.h): at
+    the largest sequence stride the dispatch admits (2^23 - 8 elements, 16 MiB between rows), a long
+    tile's offsets come close to 2^31 bytes. The gradients must be those of the same values laid out
+    compactly, bit for bit (the addressing changes no arithmetic)."""
+    stride = attention._MAX_SEQ_STRIDE - 8
+    seq = 70  # a full 64-row tile and a tail
+    generator = torch.Generator(device="cuda").manual_seed(head_dim)
+
+    def wide(values):
+        rows = torch.empty((seq, stride), dtype=values.dtype, device="cuda")
+        rows[:, :head_dim] = values
+        return rows[:, :head_dim].unsqueeze(0).unsqueeze(0)
+
+    compact = [torch.randn((seq, head_dim), dtype=torch.float16, device="cuda", generator=generator)
+               for _ in range(4)]
+    q, k, v, dout = (wide(t) for t in compact)
+    assert q.stride(2) == stride and attention.forward_refusal(q, k, v) is None
+    expected = _kernel_grads(*(t.view(1, 1, seq, head_dim) for t in compact), True, None)
+    got = _kernel_grads(q, k, v, dout, True, None)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
