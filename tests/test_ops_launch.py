@@ -106,11 +106,38 @@ def test_a_gradient_with_a_sequence_stride_past_the_tile_offsets_is_copied_not_r
     assert compact.stride(2) == 8 and torch.equal(compact, far_apart)
 
 
+def test_packed_tensors_are_judged_on_their_tokens_stride():
+    wide = torch.zeros(2**23 + 16, dtype=torch.float16)
+    head_major = wide.as_strided((2, 2, 8), (8, 2**23, 1))  # (tokens, heads, dim), heads 2^23 apart
+    assert ops.packed_kernel_layout(head_major) is head_major
+    tokens_far_apart = wide.as_strided((2, 2, 8), (2**23, 8, 1))
+    compact = ops.packed_kernel_layout(tokens_far_apart)
+    assert compact.stride(0) == 16 and torch.equal(compact, tokens_far_apart)
+
+
+def test_the_packed_backward_hands_the_kernels_a_gradient_they_can_reach(library, monkeypatch):
+    launched = {}
+    monkeypatch.setattr(ops, "_launch_backward", lambda dout, *rest: launched.setdefault("dout", dout))
+    q = torch.zeros(2, 1, 8, dtype=torch.float16)
+    dout = torch.arange(2**23 + 8, dtype=torch.float16).as_strided((2, 1, 8), (2**23, 8, 1))
+    lengths = torch.tensor([0, 2], dtype=torch.int32)
+    ops.flash_attention_varlen_backward(dout, q, q, q, torch.zeros(1, 2), lengths, lengths, 2, 2)
+    seen = launched["dout"]
+    assert seen.shape == (1, 1, 2, 8) and seen.stride(2) < ops._MAX_SEQ_STRIDE
+    assert torch.equal(seen[0].transpose(0, 1), dout)
+
+
+def test_outputs_are_not_held_to_the_read_tiles_stride_limit(library):
+    q, k, v = tensors(shape=(1, 1, 2, 8))
+    out = torch.zeros(2**23 + 8, dtype=q.dtype).as_strided(q.shape, (2**23 + 8, 2**23 + 8, 2**23, 1))
+    assert ops._output_refusal(q, out, None) is None  # written with 64-bit addresses
+
+
 def test_the_stride_limit_keeps_every_tiles_offsets_within_32_bits():
     """Tile copies (kernels/tiles.h, TileCopy in fa_fwd.h) offset a tile's rows from its base by up to
     (rows - 1) strides, and by (threads / 16-byte chunks per row - 1) on the per-thread path: both must
-    stay below 2^32 bytes at the largest stride the dispatch lets in (and below 2^31 where the offset
-    is first formed as an int)."""
+    stay below 2^31 bytes at the largest stride the dispatch lets in (the offset is first formed as an
+    int)."""
     tiles = [(v.symbol, max(v.block_n, v.block_rows), v.threads, v.d_pad) for v in variants.FWD_VARIANTS]
     tiles += [(v.symbol, v.block_tile, v.threads, v.d_pad) for v in variants.BWD_VARIANTS]
     for symbol, tile_rows, threads, d_pad in tiles:

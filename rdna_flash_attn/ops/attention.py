@@ -22,7 +22,8 @@ from .launch_args import (BwdArgs, CAUSAL_BOTTOM_RIGHT, CAUSAL_TOP_LEFT, FwdArgs
 
 __all__ = ["KernelUnavailable", "BackwardStats", "backward_stats_like", "forward_refusal", "mask_refusal",
            "varlen_refusal", "artifact_info", "forward_launch", "flash_attention_forward", "flash_attention_backward",
-           "flash_attention_varlen_forward", "flash_attention_varlen_backward", "kernel_layout"]
+           "flash_attention_varlen_forward", "flash_attention_varlen_backward", "kernel_layout",
+           "packed_kernel_layout"]
 
 _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 _MASK_KINDS = {torch.bool: MASK_BOOL, torch.float16: MASK_F16, torch.bfloat16: MASK_BF16, torch.float32: MASK_F32}
@@ -74,7 +75,7 @@ def forward_refusal(q, k, v, is_causal: bool = False, scale: float | None = None
     if q.shape[0] > _MAX_GRID_YZ or q.shape[1] > _MAX_GRID_YZ:
         return "batch or heads above 65535"
     for name, t in tensors:
-        reason = _layout_refusal(name, t)
+        reason = _layout_refusal(name, t) or _tile_offset_refusal(name, t)
         if reason:
             return reason
     if scale is not None and not math.isfinite(scale):
@@ -167,15 +168,30 @@ def _layout_refusal(name: str, t: torch.Tensor) -> str | None:
         return f"{name} strides are not multiples of 8 elements (16 bytes)"
     if not _aligned(t):
         return f"{name} does not start on a 16-byte boundary (storage offset)"
+    return None
+
+
+def _tile_offset_refusal(name: str, t: torch.Tensor) -> str | None:
+    """Why the kernels' 32-bit row offsets cannot reach the rows of a 4-D tensor they read in tiles
+    (Q, K, V, dO; see _MAX_SEQ_STRIDE), or None. Outputs are written with 64-bit addresses."""
     if t.stride(2) >= _MAX_SEQ_STRIDE:
         return f"{name} sequence stride {t.stride(2)} is 2^23 elements or more"
     return None
 
 
 def kernel_layout(t: torch.Tensor) -> torch.Tensor:
-    """t itself when the kernels can read it as it is, else a compact copy (only for odd views such
-    as a gradient arriving with a storage offset)."""
-    return t if _layout_refusal("", t) is None else t.clone(memory_format=torch.contiguous_format)
+    """t (4-D) itself when the kernels can read it as it is, else a compact copy (only for odd views
+    such as a gradient arriving with a storage offset)."""
+    readable = _layout_refusal("", t) is None and _tile_offset_refusal("", t) is None
+    return t if readable else t.clone(memory_format=torch.contiguous_format)
+
+
+def packed_kernel_layout(t: torch.Tensor) -> torch.Tensor:
+    """kernel_layout for a packed (total, heads, dim) tensor, judged on the kernels' (1, heads, total,
+    dim) view, where the sequence stride is the tokens' own."""
+    view = _batch_views(t)[0]
+    readable = _layout_refusal("", view) is None and _tile_offset_refusal("", view) is None
+    return t if readable else t.clone(memory_format=torch.contiguous_format)
 
 
 def artifact_info(device: torch.device) -> dict:
@@ -554,14 +570,14 @@ def flash_attention_varlen_backward(dout, q, k, v, lse, cu_seqlens_q, cu_seqlens
     reason = reason or _backward_stats_refusal(out, saved, q, lse)
     if reason is not None:
         raise ValueError(reason)
-    dout = kernel_layout(_batch_views(dout)[0])  # the kernels' view, so that its token stride is checked
+    dout = packed_kernel_layout(dout)
     grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     if _nothing_to_launch(q, k, max_seqlen_q, max_seqlen_k):
         return tuple(grad.zero_() for grad in grads)
-    views = _batch_views(q, k, v, *grads)
+    views = _batch_views(q, k, v, dout, *grads)
     if saved is not None:
         out = _batch_views(out)[0]
-    _launch_backward(dout, *views[:3], lse, *views[3:], _causal_code(is_causal, True), scale, None,
+    _launch_backward(views[3], *views[:3], lse, *views[4:], _causal_code(is_causal, True), scale, None,
                      cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k), (0, lse.stride(0)), out,
                      saved, cu_seqlens_q, cu_seqlens_k)
     return grads

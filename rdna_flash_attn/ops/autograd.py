@@ -155,7 +155,7 @@ class _VarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, training):
-        q, k, v = (attention.kernel_layout(t.unsqueeze(0)).squeeze(0) for t in (q, k, v))
+        q, k, v = (attention.packed_kernel_layout(t) for t in (q, k, v))
         saved = attention.backward_stats_like(q, varlen=True) if training else None
         out, lse = attention.flash_attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                             max_seqlen_k, is_causal, scale, saved=saved)

@@ -141,12 +141,14 @@ def test_gradients_keep_input_layouts(emulated_layer):
     assert dq.stride() == q.stride() and dk.stride() == k.stride() and dv.stride() == k.stride()
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_the_widest_sequence_stride_admitted_gives_the_compact_inputs_gradients(emulated_layer, head_dim):
-    """The tile copies address rows as 32-bit byte offsets from the tile's base (kernels/tiles.h): at
-    the largest sequence stride the dispatch admits (2^23 - 8 elements, 16 MiB between rows), a long
-    tile's offsets come close to 2^31 bytes. The gradients must be those of the same values laid out
-    compactly, bit for bit (the addressing changes no arithmetic)."""
+@pytest.mark.parametrize("head_dim, masked", [(48, False), (64, False), (128, False), (64, True), (128, True)])
+def test_the_widest_sequence_stride_admitted_gives_the_compact_inputs_gradients(emulated_layer, head_dim, masked):
+    """The tile copies address rows as 32-bit byte offsets from the tile's first row (kernels/tiles.h): at
+    the largest sequence stride the dispatch admits (2^23 - 8 elements, 16 MiB between rows), a 64-row
+    tile's offsets reach about 2^30 bytes. d48's copies take each lane's offset over the whole tile (its
+    threads do not cover whole rows); d64 and d128 step rows in the uniform base; the masked kernels
+    include gfx11's d128 dK/dV, which keeps 64-bit addresses. The gradients must be those of the same
+    values laid out compactly, bit for bit (the addressing changes no arithmetic)."""
     stride = attention._MAX_SEQ_STRIDE - 8
     seq = 70  # a full 64-row tile and a tail
     generator = torch.Generator(device="cuda").manual_seed(head_dim)
@@ -160,6 +162,12 @@ def test_the_widest_sequence_stride_admitted_gives_the_compact_inputs_gradients(
                for _ in range(4)]
     q, k, v, dout = (wide(t) for t in compact)
     assert q.stride(2) == stride and attention.forward_refusal(q, k, v) is None
-    expected = _kernel_grads(*(t.view(1, 1, seq, head_dim) for t in compact), True, None)
-    got = _kernel_grads(q, k, v, dout, True, None)
+    mask = (torch.arange(seq, device="cuda") < seq - 9).view(1, 1, 1, seq) if masked else None
+
+    def grads(q, k, v, dout):
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        return torch.autograd.grad(flash_attention(q, k, v, True, None, attn_mask=mask), (q, k, v), dout)
+
+    expected = grads(*(t.view(1, 1, seq, head_dim) for t in compact))
+    got = grads(q, k, v, dout)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
