@@ -75,7 +75,7 @@ def forward_refusal(q, k, v, is_causal: bool = False, scale: float | None = None
     if q.shape[0] > _MAX_GRID_YZ or q.shape[1] > _MAX_GRID_YZ:
         return "batch or heads above 65535"
     for name, t in tensors:
-        reason = _layout_refusal(name, t) or _tile_offset_refusal(name, t)
+        reason = _read_refusal(name, t)
         if reason:
             return reason
     if scale is not None and not math.isfinite(scale):
@@ -171,27 +171,25 @@ def _layout_refusal(name: str, t: torch.Tensor) -> str | None:
     return None
 
 
-def _tile_offset_refusal(name: str, t: torch.Tensor) -> str | None:
-    """Why the kernels' 32-bit row offsets cannot reach the rows of a 4-D tensor they read in tiles
-    (Q, K, V, dO; see _MAX_SEQ_STRIDE), or None. Outputs are written with 64-bit addresses."""
-    if t.stride(2) >= _MAX_SEQ_STRIDE:
-        return f"{name} sequence stride {t.stride(2)} is 2^23 elements or more"
-    return None
+def _read_refusal(name: str, t: torch.Tensor) -> str | None:
+    """_layout_refusal for a 4-D tensor the kernels read in tiles (Q, K, V, dO), whose rows their 32-bit
+    offsets must also reach (see _MAX_SEQ_STRIDE). Outputs are written with 64-bit addresses."""
+    reason = _layout_refusal(name, t)
+    if reason is None and t.stride(2) >= _MAX_SEQ_STRIDE:
+        reason = f"{name} sequence stride {t.stride(2)} is 2^23 elements or more"
+    return reason
 
 
 def kernel_layout(t: torch.Tensor) -> torch.Tensor:
     """t (4-D) itself when the kernels can read it as it is, else a compact copy (only for odd views
     such as a gradient arriving with a storage offset)."""
-    readable = _layout_refusal("", t) is None and _tile_offset_refusal("", t) is None
-    return t if readable else t.clone(memory_format=torch.contiguous_format)
+    return t if _read_refusal("", t) is None else t.clone(memory_format=torch.contiguous_format)
 
 
 def packed_kernel_layout(t: torch.Tensor) -> torch.Tensor:
     """kernel_layout for a packed (total, heads, dim) tensor, judged on the kernels' (1, heads, total,
     dim) view, where the sequence stride is the tokens' own."""
-    view = _batch_views(t)[0]
-    readable = _layout_refusal("", view) is None and _tile_offset_refusal("", view) is None
-    return t if readable else t.clone(memory_format=torch.contiguous_format)
+    return t if _read_refusal("", _batch_views(t)[0]) is None else t.clone(memory_format=torch.contiguous_format)
 
 
 def artifact_info(device: torch.device) -> dict:
