@@ -4,8 +4,10 @@ their disassembly.
 
 Not a measurement. Same pipe model as bench/estimate_gfx1100.py (the forward estimate); what differs
 is the counting: the backward main loops hold uniform branches (dQ: sweep 0 / 1; dK/dV: make_dk), so
-one iteration is traced through the control-flow graph per path instead of summing a span; dK/dV's
-causal test (ABI 2) is a branch too, taken as not causal. See bench/results/backward_estimate_gfx1100.md.
+one iteration is traced through the control-flow graph per path instead of summing a span; where the
+causal test is a branch (dK/dV from ABI 2 until update 11) it is taken as not causal, and where dQ runs
+the tiles every query sees whole in a loop of their own, that loop is the one counted (main_loop). See
+bench/results/backward_estimate_gfx1100.md.
 
     python3 bench/estimate_gfx1100_backward.py prebuilt/rdna_fa_gfx1100.hsaco prebuilt/rdna_fa_gfx1201.hsaco \
         --json bench/results/backward_estimate_gfx1100.json --png bench/results/backward_estimate_gfx1100.png
@@ -296,13 +298,21 @@ def paths(v, hw) -> dict[str, tuple[int, int]]:
 
 
 def main_loop(cfg: Cfg) -> int:
-    """The innermost loop with a barrier (the LDS tile loop) that holds every WMMA of the kernel's loops
-    with a barrier: the one-sweep dQ's delta, once per wave before them, is not part of it."""
+    """The loop that runs the tiles every query sees whole (dK/dV: query tiles; dQ: key tiles).
+
+    A tile loop is a loop with a barrier (the LDS tile copy) that holds WMMAs; the innermost ones run
+    the tiles. dK/dV has one. dQ has two where kOpenKeyTiles (kernels/fa_bwd.h) holds: one for the tiles
+    every query sees whole and one for the tiles whose scores are each tested (the ragged last tile, the
+    causal diagonal); the first is the shorter one, without the tests. At 4096 tokens, non-causal,
+    every tile is of the first kind. The one-sweep dQ's delta, once per wave before them, is in neither."""
     tile_loops = {h: blocks for h, blocks in cfg.loops.items()
-                  if {"s_barrier", "s_barrier_wait"} & set(cfg.ops(blocks))}  # gfx11, gfx12
-    wmma = {b for b, insns in cfg.blocks.items() if any(i.op.startswith("v_wmma") for i in insns)
-            and any(b in blocks for blocks in tile_loops.values())}
-    return min((h for h, blocks in tile_loops.items() if wmma <= blocks), key=lambda h: len(cfg.loops[h]))
+                  if {"s_barrier", "s_barrier_wait"} & set(cfg.ops(blocks))  # gfx11, gfx12
+                  and any(op.startswith("v_wmma") for op in cfg.ops(blocks))}
+    innermost = [h for h, blocks in tile_loops.items()
+                 if not any(o != h and tile_loops[o] < blocks for o in tile_loops)]
+    if len(innermost) not in (1, 2):
+        raise RuntimeError(f"expected one or two tile loops, found {len(innermost)}")
+    return min(innermost, key=lambda h: len(cfg.ops(cfg.loops[h])))
 
 
 def load_guards(cfg: Cfg, main: int, regs: list[str]) -> dict[str, bool]:
@@ -350,15 +360,17 @@ def sgpr_writes(i: Insn) -> list[str]:
 
 
 def causal_flags(cfg: Cfg, main: int) -> dict[str, bool]:
-    """The flags `a.causal != 0` (kernels ABI 2: Sequence::visible_keys branches on it inside the dK/dV
-    loop), each with its value when not causal, as estimated: read from the kernel argument load that
-    holds BwdArgs.causal and the 's_cmp_{lg,eq}_u32 sN, 0' / 's_cselect_b32 sM, -1, 0' made of it. Only
-    where that select is the one write of sM that reaches the main loop, and the loop writes sM not."""
+    """The flags `a.causal != 0` (kernels ABI 2 until update 11: Sequence::visible_keys branched on it
+    inside the dK/dV loop; none since), each with its value when not causal, as estimated: read from the
+    kernel argument load that holds BwdArgs.causal and the 's_cmp_{lg,eq}_u32 sN, 0' / 's_cselect_b32 sM,
+    -1, 0' made of it. Only where that select is the one write of sM that reaches the main loop, and the
+    loop writes sM not."""
     body, offset, source, flags = cfg.body, BwdArgs.causal.offset, None, {}
     for n, i in enumerate(body):
         args = [a.strip() for a in i.args.split(",")]
         if source is None and i.op.startswith("s_load_b") and len(args) == 3 and args[1] == "s[0:1]":
-            first, width = int(args[0][2:].split(":")[0].rstrip("]")), int(i.op.rsplit("b", 1)[1]) // 32
+            first = int(args[0][2:].split(":")[0]) if args[0].startswith("s[") else int(args[0][1:])  # s[a:b] or sN
+            width = int(i.op.rsplit("b", 1)[1]) // 32
             start = int(args[2], 16) if args[2] != "null" else 0
             if start <= offset < start + 4 * width:
                 source = f"s{first + (offset - start) // 4}"

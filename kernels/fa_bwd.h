@@ -135,6 +135,12 @@ constexpr bool kUniformBaseDkdv = !(HAS_MASK && Isa::kOperandElems == 16 && D_PA
 template <int D_PAD, bool HAS_MASK>
 constexpr bool kUniformBaseDq = !(HAS_MASK && Isa::kOperandElems == 16 && D_PAD == 32);
 
+// dQ's key tiles that every query of the workgroup sees whole run in a loop of their own, without the
+// per-score test (three VALU per score). The second copy of the loop body costs registers: gfx12's d64
+// would spill, and the masked kernels, which test and bias each score anyway, keep one loop.
+template <int D_PAD, bool HAS_MASK>
+constexpr bool kOpenKeyTiles = !HAS_MASK && !(Isa::kOperandElems == 8 && D_PAD == 64);
+
 // acc[f] += A_f x, A_f the f-th 16-row fragment of an LDS tile.
 template <int FRAGS, int LDS_ROW, class DT>
 RDNA_DEV void accumulate(DT dt, v8f (&acc)[FRAGS], const u16* tile, int col0, const Isa::Operand& x, int lane) {
@@ -211,6 +217,7 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
 
   const int wave_key0 = k0 + wave * kFrag;
   const int key = wave_key0 + (lane & 15);
+  const int key_seen_from = seq.first_query(a.causal, key);  // the first query that sees this lane's key
 
   v8f acc[kOutFrags];  // dK, or dV when the workgroup makes dV only
   v8f dv_acc[kBoth ? kOutFrags : 1];
@@ -287,10 +294,12 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
             Isa::mma(dt, dp_acc, load_operand<Shape::kRow>(do_lds + qf * kFrag * Shape::kRow, d * kFrag, lane), v_op);
           }
         }
-        // Q and dO rows lie in key_slot order, so accumulator value s is query acc_key(lane, s).
+        // Q and dO rows lie in key_slot order, so accumulator value s is query acc_key(lane, s), which
+        // is acc_key(lane, 0) + s on both ISAs: it sees this lane's key from s = first_s on.
+        const int first_s = key_seen_from - (q0 + qf * kFrag + Isa::acc_key(lane, 0));
         const auto probability = [&](int s) {
           const int row = qf * kFrag + Isa::acc_key(lane, s);
-          const bool visible = key < seq.visible_keys(a.causal, q0 + row);
+          const bool visible = s >= first_s;
           const float bias = !HAS_MASK ? 0.f : key_padding ? key_bias : mask.bias_log2(mask.row(q0 + row), key);
           const float exponent = min_f32(fma_f32(s_acc[s], a.scale_log2, bias) - lse_lds[row], kMaxExponent);
           return visible ? exp2_approx(exponent - norm_lds[row]) : 0.f;
@@ -358,7 +367,8 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
   constexpr int kOutFrags = D_CHUNK / kFrag;
   constexpr int kDimFrags = D_PAD / kFrag;
   constexpr int kChunks = (D_PAD + D_CHUNK - 1) / D_CHUNK;
-  constexpr int kDimUnroll = kDimFrags % 2 == 0 ? 2 : 1;  // a remainder iteration costs registers
+  // A remainder iteration costs registers. Static: the unroll pragma in key_tile reads it.
+  static constexpr int kDimUnroll = kDimFrags % 2 == 0 ? 2 : 1;
   // The first steps of S and dP run ahead of their loop from a zero C operand, as the forward's S does
   // (fa_fwd.h, kPeeledScoreSteps): one trip of the loop, so that it keeps its parity. Not at gfx11's d64,
   // whose four steps then unroll completely: it spills (bench/results, stop 37).
@@ -396,6 +406,7 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
 
   const int key_end = seq.visible_keys(a.causal, q0 + Shape::kBlockM - 1);
   const int key_limit = seq.visible_keys(a.causal, query);
+  const int open_end = seq.visible_keys(a.causal, q0);  // keys every query of the workgroup sees: its first's
   v8f dq_acc[kOutFrags];
   #pragma unroll
   for (int f = 0; f < kOutFrags; ++f) dq_acc[f] = zero_v8f();
@@ -427,7 +438,9 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
         a.row_log2_sum[stats] = norm;
       }
     }
-    for (int key0 = 0; key0 < key_end; key0 += BLOCK_N) {
+    // One key tile. MASKED: some key of the tile is past seqlen_k or (causal) past a query of this
+    // workgroup, so each score is tested; the other tiles skip the test.
+    const auto key_tile = [&](auto masked, int key0) {
       block_barrier();
       load_rows<BLOCK_N, D_PAD, Shape::kRow, Shape::kThreads, true, kUniformBase>(k_lds, k, a.k_stride_s, key0,
                                                                                   seq.seqlen_k, a.head_dim, tid);
@@ -460,13 +473,14 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
       // K and V rows lie in key_slot order, so accumulator value s is key acc_key(lane, s).
       #pragma unroll
       for (int j = 0; j < kKeyFrags; ++j) {
-        float bias[8] = {};  // acc_key(lane, s) is acc_key(lane, 0) + s on both ISAs
-        if constexpr (HAS_MASK) mask.biases_log2(mask_row, key0 + j * kFrag + Isa::acc_key(lane, 0), bias);
+        const int key = key0 + j * kFrag + Isa::acc_key(lane, 0);  // value s: key + s, on both ISAs
+        float bias[8] = {};
+        if constexpr (HAS_MASK) mask.biases_log2(mask_row, key, bias);
         #pragma unroll
         for (int s = 0; s < 8; ++s) {
-          const int key = key0 + j * kFrag + Isa::acc_key(lane, s);
           const float exponent = min_f32(fma_f32(s_acc[j][s], a.scale_log2, bias[s]) - lse_log2, kMaxExponent);
-          s_acc[j][s] = key < key_limit ? exp2_approx(exponent - norm) : 0.f;  // P^T
+          const bool visible = !decltype(masked)::value || s < key_limit - key;
+          s_acc[j][s] = visible ? exp2_approx(exponent - norm) : 0.f;  // P^T
         }
         if (sweep == 0) {
           #pragma unroll
@@ -480,7 +494,12 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
           accumulate<kOutFrags, Shape::kTRow>(dt, dq_acc, kt_lds, j * kFrag, rounded_operand(dt, dp_acc[j], lane), lane);
         }
       }
-    }
+    };
+    // Tiles every query of the workgroup sees whole, then the rest.
+    int key0 = 0;
+    if constexpr (kOpenKeyTiles<D_PAD, HAS_MASK>)
+      for (; key0 + BLOCK_N <= open_end; key0 += BLOCK_N) key_tile(Flag<false>{}, key0);
+    for (; key0 < key_end; key0 += BLOCK_N) key_tile(Flag<true>{}, key0);
   }
 
   block_barrier();

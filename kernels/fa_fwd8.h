@@ -34,11 +34,6 @@ struct Fwd8Args {
 
 constexpr float kLog2Fp8Max = 8.807354922057604f;  // log2(448)
 
-template <bool B>
-struct Flag {
-  static constexpr bool value = B;
-};
-
 // LDS in 32-bit words; rdna_flash_attn/runtime/variants.py (Fwd8Variant) computes the same size.
 template <int D_PAD, int WAVES, int BLOCK_N>
 struct Fwd8Shape {

@@ -36,6 +36,14 @@ struct Sequence {
     const int end = query + 1 + diagonal;
     return end < 0 ? 0 : min_int(end, seqlen_k);
   }
+
+  // The first query that sees `key` (visible_keys inverted): -kNoQuery when every query does,
+  // kNoQuery past seqlen_k. Query indices stay below 2^30, so differences with them fit an int.
+  static constexpr int kNoQuery = 1 << 30;
+  RDNA_DEV int first_query(int causal, int key) const {
+    if (key >= seqlen_k) return kNoQuery;
+    return causal ? key - diagonal : -kNoQuery;
+  }
 };
 
 constexpr float kBiasFloor = -1073741824.f;  // -2^30, in log2 units

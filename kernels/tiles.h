@@ -9,6 +9,12 @@ constexpr int kRowPad = 8;  // elements; keeps 16-byte alignment and spreads row
 constexpr float kLn2 = 0.69314718055994531f;
 constexpr float kLog2e = 1.44269504088896341f;
 
+// A compile-time choice passed to a generic lambda: one copy of a loop body per value.
+template <bool B>
+struct Flag {
+  static constexpr bool value = B;
+};
+
 RDNA_DEV u16 element_of(const u32x4& v, int e) { return u16(v[e >> 1] >> (16 * (e & 1))); }
 
 RDNA_DEV u32x4 load16(const u16* p) { return *reinterpret_cast<const u32x4*>(p); }
@@ -32,8 +38,8 @@ RDNA_DEV int key_order_row(int r) { return (r & ~15) + Isa::key_slot(r & 15); }
 // in flight spill registers in the backward kernels' dQ (d128) on gfx1100.
 // UNIFORM_BASE: every load is the tile's uniform base plus a 32-bit byte offset per lane (load16_at;
 // the dispatch keeps sequence strides below 2^23 elements, so a tile of up to 128 rows fits), not a
-// 64-bit address per lane (about six VALU per load). With a whole number of threads per row, a thread
-// keeps its column and steps by whole rows, the steps in the uniform base: one offset and one LDS
+// 64-bit address per lane (about six VALU per load). Where the threads cover a whole number of rows, a
+// thread keeps its column and steps by whole rows, the steps in the uniform base: one offset and one LDS
 // address per thread instead of one per load, as fa_fwd.h's K loads do. Those per-thread values stay
 // live across a caller's loop, so kernels without registers to spare take the 64-bit form, and so
 // does the forward's one Q load per workgroup (its kernels keep their register allocation).

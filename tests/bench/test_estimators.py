@@ -135,6 +135,29 @@ def test_the_backward_estimate_traces_every_path_of_a_shipped_code_object(target
         assert 0 < now["tflops_pess"] <= now["tflops_opt"] < estimator.HARDWARE[target].peak_tflops
 
 
+@pytest.mark.parametrize("target, d, split", [("gfx1100", 64, True), ("gfx1201", 128, True), ("gfx1201", 64, False)])
+def test_the_backward_estimate_counts_dq_over_the_tiles_every_query_sees_whole(target, d, split):
+    """Where dQ runs the key tiles every query of its workgroup sees whole in a loop of their own
+    (kOpenKeyTiles in kernels/fa_bwd.h; not gfx12's d64), the estimate counts that loop: the other one
+    tests each score of its tiles, one compare more per score (8 per lane and key fragment)."""
+    objdump = find_objdump()
+    if objdump is None:
+        pytest.skip("llvm-objdump (>= 19) not installed")
+    variant = variants.bwd_variant("dq", "f16", d)
+    path = REPO / "prebuilt" / f"rdna_fa_{target}.hsaco"
+    cfg = estimate_gfx1100_backward.Cfg(estimator.disassemble(objdump, path, target)[variant.symbol])
+    counted = estimate_gfx1100_backward.main_loop(cfg)
+    others = [h for h, blocks in cfg.loops.items() if h != counted and not blocks & cfg.loops[counted]
+              and {"s_barrier", "s_barrier_wait"} & set(cfg.ops(blocks))  # a tile loop, not output_delta's
+              and any(op.startswith("v_wmma") for op in cfg.ops(blocks))]
+    assert len(others) == (1 if split else 0)
+
+    def compares(header):
+        return sum(op.startswith("v_cmp") for op in cfg.ops(cfg.loops[header]))
+    for masked in others:
+        assert compares(masked) - compares(counted) == 8 * variant.block_tile // 16
+
+
 @pytest.mark.parametrize("target", ["gfx1100", "gfx1201"])
 def test_shape_pricing_reproduces_the_model_at_its_own_launch(target):
     """estimate_masked.shape_rows priced at the model's launch (SEQ tokens, BATCH_HEADS entries x heads,
