@@ -297,19 +297,23 @@ def paths(v, hw) -> dict[str, tuple[int, int]]:
             "dK": (frags * (2 * dim + out), 2 * rows + trans + stats + frags * (k_loads + v_loads))}
 
 
+def tile_loops(cfg: Cfg) -> dict[int, set[int]]:
+    """The loops with a barrier (the LDS tile copy) that hold WMMAs, header -> blocks: the tile loops and
+    the loops around them (dQ's sweeps, dK/dV's grouped heads)."""
+    return {h: blocks for h, blocks in cfg.loops.items()
+            if {"s_barrier", "s_barrier_wait"} & set(cfg.ops(blocks))  # gfx11, gfx12
+            and any(op.startswith("v_wmma") for op in cfg.ops(blocks))}
+
+
 def main_loop(cfg: Cfg) -> int:
     """The loop that runs the tiles every query sees whole (dK/dV: query tiles; dQ: key tiles).
 
-    A tile loop is a loop with a barrier (the LDS tile copy) that holds WMMAs; the innermost ones run
-    the tiles. dK/dV has one. dQ has two where kOpenKeyTiles (kernels/fa_bwd.h) holds: one for the tiles
-    every query sees whole and one for the tiles whose scores are each tested (the ragged last tile, the
-    causal diagonal); the first is the shorter one, without the tests. At 4096 tokens, non-causal,
+    The innermost tile_loops run the tiles. dK/dV has one. dQ has two where kOpenKeyTiles (kernels/fa_bwd.h)
+    holds: one for the tiles every query sees whole and one for the tiles whose scores are each tested (the
+    ragged last tile, the causal diagonal); the first is the shorter one, without the tests. At 4096 tokens, non-causal,
     every tile is of the first kind. The one-sweep dQ's delta, once per wave before them, is in neither."""
-    tile_loops = {h: blocks for h, blocks in cfg.loops.items()
-                  if {"s_barrier", "s_barrier_wait"} & set(cfg.ops(blocks))  # gfx11, gfx12
-                  and any(op.startswith("v_wmma") for op in cfg.ops(blocks))}
-    innermost = [h for h, blocks in tile_loops.items()
-                 if not any(o != h and tile_loops[o] < blocks for o in tile_loops)]
+    loops = tile_loops(cfg)
+    innermost = [h for h, blocks in loops.items() if not any(o != h and loops[o] < blocks for o in loops)]
     if len(innermost) not in (1, 2):
         raise RuntimeError(f"expected one or two tile loops, found {len(innermost)}")
     return min(innermost, key=lambda h: len(cfg.ops(cfg.loops[h])))
