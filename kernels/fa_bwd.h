@@ -439,7 +439,8 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
       }
     }
     // One key tile. MASKED: some key of the tile is past seqlen_k or (causal) past a query of this
-    // workgroup, so each score is tested; the other tiles skip the test.
+    // workgroup, so each score is tested; the other tiles skip the test. Where kOpenKeyTiles is false,
+    // every tile is tested.
     const auto key_tile = [&](auto masked, int key0) {
       block_barrier();
       load_rows<BLOCK_N, D_PAD, Shape::kRow, Shape::kThreads, true, kUniformBase>(k_lds, k, a.k_stride_s, key0,

@@ -37,12 +37,11 @@ struct Sequence {
     return end < 0 ? 0 : min_int(end, seqlen_k);
   }
 
-  // The first query that sees `key` (visible_keys inverted): -kNoQuery when every query does,
-  // kNoQuery past seqlen_k. Query indices stay below 2^30, so differences with them fit an int.
-  static constexpr int kNoQuery = 1 << 30;
+  // The first query that sees `key` (visible_keys inverted), never negative: 0 when every query does,
+  // INT_MAX past seqlen_k. So a query index subtracted from it cannot overflow.
   RDNA_DEV int first_query(int causal, int key) const {
-    if (key >= seqlen_k) return kNoQuery;
-    return causal ? key - diagonal : -kNoQuery;
+    if (key >= seqlen_k) return 0x7fffffff;
+    return causal && key > diagonal ? key - diagonal : 0;
   }
 };
 

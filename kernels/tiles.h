@@ -110,8 +110,10 @@ RDNA_DEV void load_transposed(u16* dst, const u16* src, i64 stride, int row0, in
       }
     }
     #pragma unroll
-    for (int e = 0; e < 8; ++e)
-      *reinterpret_cast<u32*>(dst + (c + e) * LDS_ROW + r) = pack_u16x2(element_of(first, e), element_of(second, e));
+    for (int e = 0; e < 8; ++e) {  // element e of both rows: one v_perm_b32
+      const u32 pair = e % 2 ? pack_high_halves(first[e / 2], second[e / 2]) : pack_low_halves(first[e / 2], second[e / 2]);
+      *reinterpret_cast<u32*>(dst + (c + e) * LDS_ROW + r) = pair;
+    }
   }
 }
 

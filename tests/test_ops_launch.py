@@ -99,18 +99,19 @@ def test_a_sequence_stride_past_the_32_bit_tile_offsets_is_refused_by_name(libra
                               2, 2) == "key sequence stride 8388608 is 2^23 elements or more"
 
 
-def test_a_sequence_past_2_30_is_refused_by_name(library):
-    """The backward's visibility test takes query and key indices below 2^30 (Sequence::first_query)."""
+def test_a_sequence_past_the_kernels_32_bit_row_indices_is_refused_by_name(library):
+    """Row indices plus a tile stay below 2^31 (the kernels' ints)."""
     q, k, v = tensors(shape=(1, 1, 2, 8))
-    for length, refused in ((2**30, False), (2**30 + 1, True)):
+    limit = 2**31 - 1024
+    for length, refused in ((limit, False), (limit + 1, True)):
         long = torch.zeros(8, dtype=q.dtype).as_strided((1, 1, length, 8), (0, 0, 0, 1))  # no memory behind it
         for args in ((long, k, v), (q, long, long)):
-            assert (ops.forward_refusal(*args) == "sequence longer than 2^30") == refused
+            assert (ops.forward_refusal(*args) == "sequence longer than 2^31 - 1024") == refused
     offsets = torch.tensor([0, 2], dtype=torch.int32)
     packed = q[0].transpose(0, 1)
-    assert ops.varlen_refusal(packed, packed, packed, offsets, offsets, 2**30 + 1, 2) == \
-        "max_seqlen_q or max_seqlen_k is negative or above 2^30"
-    assert ops.varlen_refusal(packed, packed, packed, offsets, offsets, 2**30, 2**30) is None
+    assert ops.varlen_refusal(packed, packed, packed, offsets, offsets, limit + 1, 2) == \
+        "max_seqlen_q or max_seqlen_k is negative or above 2^31 - 1024"
+    assert ops.varlen_refusal(packed, packed, packed, offsets, offsets, limit, limit) is None
 
 
 def test_a_gradient_with_a_sequence_stride_past_the_tile_offsets_is_copied_not_refused():

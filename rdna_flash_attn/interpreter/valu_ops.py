@@ -88,6 +88,15 @@ def _u24(x):
     return x.astype(np.uint64) & np.uint64(0xFFFFFF)
 
 
+def _bit_reversed(x):
+    """Bit i of each 32-bit value moved to bit 31 - i (the compiler builds 0x7fffffff as bfrev of -2)."""
+    x = x.astype(np.uint64)
+    out = np.zeros_like(x)
+    for i in range(32):
+        out |= ((x >> np.uint64(i)) & np.uint64(1)) << np.uint64(31 - i)
+    return out
+
+
 def _div_fixup(quotient, denominator, numerator):
     """v_div_fixup_f32 (S0 = quotient estimate, S1 = denominator, S2 = numerator): special cases
     of numerator / denominator, otherwise the estimate with the quotient's sign."""
@@ -138,6 +147,7 @@ OPS = {
     # 32-bit integer
     "mov_b32": (("u32",), "u32", lambda a: a),
     "not_b32": (("u32",), "u32", lambda a: ~a),
+    "bfrev_b32": (("u32",), "u32", _bit_reversed),
     "add_nc_u32": (U2, "u32", lambda a, b: a + b),
     "sub_nc_u32": (U2, "u32", lambda a, b: a - b),
     "subrev_nc_u32": (U2, "u32", lambda a, b: b - a),

@@ -30,9 +30,8 @@ _MASK_KINDS = {torch.bool: MASK_BOOL, torch.float16: MASK_F16, torch.bfloat16: M
 _SUPPORTED_HEAD_DIMS = frozenset(variants.SUPPORTED_HEAD_DIMS)
 _VECTOR_ELEMS = 8  # the kernels move 16-byte vectors of 16-bit values
 _MAX_GRID_YZ = 65535
-# The backward's visibility test subtracts query and key indices from sentinels of +-2^30
-# (kernels/sequence.h, Sequence::first_query): they must stay below 2^30.
-_MAX_SEQLEN = 2**30
+# The kernels index rows as 32-bit ints: a row index plus a tile must stay below 2^31.
+_MAX_SEQLEN = 2**31 - 1024
 # The kernels address the rows of a Q, K, V or dO tile as 32-bit byte offsets from its first row (their
 # loads' scalar-base form): below 2^23 elements per row, a tile of 64 rows stays within 2^31 bytes.
 _MAX_SEQ_STRIDE = 2**23
@@ -73,7 +72,7 @@ def forward_refusal(q, k, v, is_causal: bool = False, scale: float | None = None
     if q.numel() == 0 or k.numel() == 0:
         return _EMPTY
     if max(q.shape[2], k.shape[2]) > _MAX_SEQLEN:
-        return "sequence longer than 2^30"
+        return "sequence longer than 2^31 - 1024"
     if q.shape[0] > _MAX_GRID_YZ or q.shape[1] > _MAX_GRID_YZ:
         return "batch or heads above 65535"
     for name, t in tensors:
@@ -502,7 +501,7 @@ def varlen_refusal(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     if cu_seqlens_q.shape[0] - 1 > _MAX_GRID_YZ:
         return "batch above 65535"
     if not (0 <= int(max_seqlen_q) <= _MAX_SEQLEN and 0 <= int(max_seqlen_k) <= _MAX_SEQLEN):
-        return "max_seqlen_q or max_seqlen_k is negative or above 2^30"
+        return "max_seqlen_q or max_seqlen_k is negative or above 2^31 - 1024"
     reason = forward_refusal(*_batch_views(q, k, v))
     return None if reason == _EMPTY else reason  # no query or no key at all: nothing to launch
 

@@ -158,6 +158,27 @@ def test_the_backward_estimate_counts_dq_over_the_tiles_every_query_sees_whole(t
 
 
 @pytest.mark.parametrize("target", ["gfx1100", "gfx1201"])
+@pytest.mark.parametrize("kind", ["dq", "dkdv"])
+def test_the_backward_transposed_tile_copies_pack_each_pair_with_one_perm(target, kind):
+    """load_transposed (kernels/tiles.h) stores two rows' elements as one 32-bit word each: one v_perm_b32
+    per word, not the shifts, masks and ors of a pack from two 16-bit halves (two VALU a word)."""
+    objdump = find_objdump()
+    if objdump is None:
+        pytest.skip("llvm-objdump (>= 19) not installed")
+    variant = variants.bwd_variant(kind, "f16", 64)
+    path = REPO / "prebuilt" / f"rdna_fa_{target}.hsaco"
+    cfg = estimate_gfx1100_backward.Cfg(estimator.disassemble(objdump, path, target)[variant.symbol])
+    main = estimate_gfx1100_backward.main_loop(cfg)
+    copies = [h for h, blocks in cfg.loops.items() if h != main and blocks < cfg.loops[main]
+              and {"ds_store_2addr_b32", "ds_store_b32"} & set(cfg.ops(blocks))]
+    assert len(copies) == (2 if kind == "dkdv" else 1)  # Q^T and dO^T; K^T
+    for header in copies:
+        ops = cfg.ops(cfg.loops[header])
+        words = 2 * ops.count("ds_store_2addr_b32") + ops.count("ds_store_b32")
+        assert words == 8 and ops.count("v_perm_b32") == words
+
+
+@pytest.mark.parametrize("target", ["gfx1100", "gfx1201"])
 def test_shape_pricing_reproduces_the_model_at_its_own_launch(target):
     """estimate_masked.shape_rows priced at the model's launch (SEQ tokens, BATCH_HEADS entries x heads,
     whole tiles) gives the model's own TFLOP/s; a ragged length costs the padding of its last tiles."""

@@ -312,6 +312,17 @@ def test_permlanex16_reads_an_inactive_lane_only_with_fetch_inactive(target):
 
 
 @pytest.mark.parametrize("target", TARGETS)
+def test_bit_reverse(target):
+    from tinygrad.renderer.amd.dsl import v
+    values = np.array([0xFFFFFFFE, 1, 0x12345678, 0x80000000] * 8, np.uint32)
+    wave = Wave(8, 0)
+    wave.vgpr[0] = values
+    _run_instructions(target, [_isa(target, "ins").VOP1(_isa(target, "enum").VOP1Op.V_BFREV_B32_E32, v[1], v[0])],
+                      wave)
+    assert [int(x) for x in wave.vgpr[1][:4]] == [0x7FFFFFFF, 0x80000000, 0x1E6A2C48, 1]
+
+
+@pytest.mark.parametrize("target", TARGETS)
 def test_64_bit_signed_compares(target):
     from tinygrad.renderer.amd.dsl import s, v
     ins, ops_enum = _isa(target, "ins"), _isa(target, "enum").VOP3Op
