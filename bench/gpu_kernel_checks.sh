@@ -3,7 +3,8 @@
 # batch / grouped-head test grids and the custom-op tests through both emulated layers, then
 # compute-sanitizer memcheck and racecheck on a small forward+backward grid. Needs build/emu/ (python kernels/build.py
 # --no-amd --emulate; with --cuda-archs 90 it is 5 MB, small enough to build off the GPU machine with nvcc and carry).
-# Results go to ${OUT:-bench/out}. SKIP_FORWARD=1 / SKIP_API=1 leave those parts out.
+# Results go to ${OUT:-bench/out}. SKIP_FORWARD=1 / SKIP_API=1 leave those parts out. bench/compare_grids.py
+# then compares the grids with the recorded cases, bit for bit.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-bench/out}
