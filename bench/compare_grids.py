@@ -8,7 +8,8 @@ only the recorded cases of the layers they hold are compared.
 
     python3 bench/compare_grids.py OUT_DIR [OUT_DIR ...]
 
-Exit status 1 when a grid differs from the record or no report is found.
+Exit status 1 when a grid differs from the record, holds no case, or no report is found. A folder
+per layer: two folders with the same layer count its cases twice.
 """
 
 from __future__ import annotations
@@ -53,11 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         found += 1
         cases = [case for path in reports for case in json.loads(path.read_text())["cases"]]
         result = compare(cases, json.loads(gzip.decompress((RESULTS / record_name).read_bytes())))
-        identical = result["only_in_run"] == result["only_in_record"] == 0
+        identical = result["cases"] > 0 and result["only_in_run"] == result["only_in_record"] == 0
         same = same and identical
         print(f"{report_name}: {result['cases']} cases, {result['recorded']} recorded for layers "
-              f"{', '.join(result['layers'])}: " + ("identical" if identical else
-              f"{result['only_in_run']} only in the run, {result['only_in_record']} only in the record"))
+              f"{', '.join(result['layers'])}: " + ("identical" if identical else "nothing ran" if not result["cases"]
+              else f"{result['only_in_run']} only in the run, {result['only_in_record']} only in the record"))
     if not found:
         print("no grid report found in " + ", ".join(map(str, args.runs)))
     return 0 if found and same else 1

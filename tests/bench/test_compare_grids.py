@@ -34,5 +34,7 @@ def test_one_error_off_by_a_unit_in_the_last_place_is_a_difference(tmp_path, cap
     assert "1 only in the run, 1 only in the record" in capsys.readouterr().out
 
 
-def test_no_report_is_a_failure(tmp_path):
+def test_no_report_or_an_empty_one_is_a_failure(tmp_path):
     assert compare_grids.main([str(tmp_path)]) == 1
+    _write_run(tmp_path / "run", [])
+    assert compare_grids.main([str(tmp_path / "run")]) == 1
