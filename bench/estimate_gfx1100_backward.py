@@ -4,9 +4,9 @@ their disassembly.
 
 Not a measurement. Same pipe model as bench/estimate_gfx1100.py (the forward estimate); what differs
 is the counting: the backward main loops hold uniform branches (dQ: sweep 0 / 1; dK/dV: make_dk), so
-one iteration is traced through the control-flow graph per path instead of summing a span; where the
-causal test is a branch (dK/dV from ABI 2 until update 11) it is taken as not causal, and where dQ runs
-the tiles every query sees whole in a loop of their own, that loop is the one counted (main_loop). See
+one iteration is traced through the control-flow graph per path instead of summing a span; no main loop
+branches on the causal flag (since update 11 of the results), and where dQ runs the tiles every query sees
+whole in a loop of their own, that loop is the one counted (main_loop). See
 bench/results/backward_estimate_gfx1100.md.
 
     python3 bench/estimate_gfx1100_backward.py prebuilt/rdna_fa_gfx1100.hsaco prebuilt/rdna_fa_gfx1201.hsaco \
@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from estimate_gfx1100 import (BATCH_HEADS, CALIBRATION, DTYPES, HARDWARE, SEQ, SIMDS_PER_CU, Insn,  # noqa: E402
                               disassemble, model, tally, target_of, variants)
 
-from rdna_flash_attn.ops.launch_args import BwdArgs  # noqa: E402
 from rdna_flash_attn.runtime.codeobject import load_code_object  # noqa: E402
 from rdna_flash_attn.tools.report import find_objdump, occupancy  # noqa: E402
 
@@ -345,85 +344,18 @@ def load_guards(cfg: Cfg, main: int, regs: list[str]) -> dict[str, bool]:
     return {r: value for r, value in guards.items() if r not in other}
 
 
-# SALU instructions that leave SCC as it is (between a compare and the select that reads it).
-_KEEPS_SCC = ("s_mov_b32", "s_movk_i32", "s_mul_i32", "s_mul_hi_u32", "s_mul_hi_i32", "s_cselect_b32", "s_load_",
-              "s_waitcnt", "s_delay_alu", "s_nop")
-
-
-def sgpr_writes(i: Insn) -> list[str]:
-    """The SGPRs an instruction writes (scalar destinations, ranges expanded; VALU lane masks, carries)."""
-    if i.op.startswith("v_"):
-        return valu_sgpr_writes(i)
-    if not i.op.startswith("s_") or i.op.startswith(("s_cmp", "s_bitcmp", "s_cbranch", "s_branch", "s_wait", "s_delay",
-                                                     "s_nop", "s_barrier", "s_endpgm", "s_clause", "s_set", "s_sendmsg")):
-        return []
-    dst = i.args.split(",")[0].strip()
-    if m := re.match(r"^s\[(\d+):(\d+)\]$", dst):
-        return [f"s{n}" for n in range(int(m.group(1)), int(m.group(2)) + 1)]
-    return [dst] if _SGPR.match(dst) else []
-
-
-def causal_flags(cfg: Cfg, main: int) -> dict[str, bool]:
-    """The flags `a.causal != 0` (kernels ABI 2 until update 11: Sequence::visible_keys branched on it
-    inside the dK/dV loop; none since), each with its value when not causal, as estimated: read from the
-    kernel argument load that holds BwdArgs.causal and the 's_cmp_{lg,eq}_u32 sN, 0' / 's_cselect_b32 sM,
-    -1, 0' made of it. Only where that select is the one write of sM that reaches the main loop, and the
-    loop writes sM not."""
-    body, offset, source, flags = cfg.body, BwdArgs.causal.offset, None, {}
-    for n, i in enumerate(body):
-        args = [a.strip() for a in i.args.split(",")]
-        if source is None and i.op.startswith("s_load_b") and len(args) == 3 and args[1] == "s[0:1]":
-            first = int(args[0][2:].split(":")[0]) if args[0].startswith("s[") else int(args[0][1:])  # s[a:b] or sN
-            width = int(i.op.rsplit("b", 1)[1]) // 32
-            start = int(args[2], 16) if args[2] != "null" else 0
-            if start <= offset < start + 4 * width:
-                source = f"s{first + (offset - start) // 4}"
-        elif source and i.op in ("s_cmp_lg_u32", "s_cmp_eq_u32") and args[0] == source and args[1] == "0":
-            for j in body[n + 1:]:
-                jargs = [a.strip() for a in j.args.split(",")]
-                if j.op == "s_cselect_b32" and jargs[1:] == ["-1", "0"]:
-                    flags[jargs[0]] = (j.addr, i.op == "s_cmp_eq_u32")  # the value with causal == 0
-                    break
-                if j.op.startswith("s_") and not j.op.startswith(_KEEPS_SCC):
-                    break
-        elif source and source in sgpr_writes(i):
-            break  # the register holds something else from here
-    return {r: value for r, (addr, value) in flags.items()
-            if reaching_writes(cfg, r, main) == {addr}
-            and not any(r in sgpr_writes(i) for b in cfg.loops[main] for i in cfg.blocks[b])}
-
-
-def reaching_writes(cfg: Cfg, reg: str, block: int) -> set:
-    """Addresses of the writes of `reg` that reach the start of `block` (None: the kernel's entry value)."""
-    last = {b: next((i.addr for i in reversed(insns) if reg in sgpr_writes(i)), None) for b, insns in cfg.blocks.items()}
-    pred = {b: [p for p, succ in cfg.succ.items() if b in succ] for b in cfg.blocks}
-    into = {b: set() for b in cfg.blocks}
-    into[cfg.body[0].addr] = {None}
-    changed = True
-    while changed:
-        changed = False
-        for b in cfg.blocks:
-            new = into[b] | {w for p in pred[b] for w in ({last[p]} if last[p] is not None else into[p])}
-            changed |= new != into[b]
-            into[b] = new
-    return into[block]
-
-
-def count_path(cfg: Cfg, main: int, trips: dict[int, int], v, expect: tuple[int, int], pinned: dict[str, bool]):
-    """Tries every value of the uniform flags the main loop tests; exactly one count must match. Flags
-    in `pinned` (the causal flag) keep the value given."""
+def count_path(cfg: Cfg, main: int, trips: dict[int, int], v, expect: tuple[int, int]):
+    """Tries every value of the uniform flags the main loop tests; exactly one count must match."""
     written = {i.args.split(",")[0].strip() for b in cfg.loops[main] for i in cfg.blocks[b] if i.op.startswith("s_")
                and not (i.op == "s_mov_b32" and i.args.split(",")[1].strip() in ("-1", "0"))}
     regs = sorted({r.lstrip("!") for b in cfg.loops[main] if len(cfg.succ[b]) == 2
                    and (r := flag_of(cfg.blocks[b])) and r.lstrip("!") not in written})
     guards = load_guards(cfg, main, regs)
-    pinned = {r: value for r, value in pinned.items() if r in regs}
-    regs = [r for r in regs if r not in pinned]
     if len(guards) > 4:  # an unrolled head-dim loop: its loads all run or are all skipped
         regs = [r for r in regs if r not in guards]
-        settings = [{**pinned, **guards}, {**pinned, **{r: not value for r, value in guards.items()}}]
+        settings = [guards, {r: not value for r, value in guards.items()}]
     else:
-        settings = [pinned]
+        settings = [{}]
     where = {i.addr: region(cfg, trips, i) for b in cfg.loops[main] for i in cfg.blocks[b]}
     found = {}
     for values, fixed in itertools.product(itertools.product((False, True), repeat=len(regs)), settings):
@@ -533,9 +465,8 @@ def analyse(path: Path, objdump: str) -> list[dict]:
                 main = main_loop(cfg)
                 trips = loop_trips(cfg, main, v, co.target)
                 counts, flags, loops = {}, {}, {}
-                pinned = causal_flags(cfg, main)  # non-causal, as estimated
                 for name, expect in paths(v, hw).items():
-                    counts[name], flags[name], insns = count_path(cfg, main, trips, v, expect, pinned)
+                    counts[name], flags[name], insns = count_path(cfg, main, trips, v, expect)
                     loops[name] = tally([x for x in insns if x[2] == "head-dim loop"])
                 occ = occupancy(co.target, kernels[v.symbol], v.threads)
                 rows[kind] = {"variant": v, "waves_per_simd": occ.waves_per_simd, "counts": counts,

@@ -135,17 +135,22 @@ def test_the_backward_estimate_traces_every_path_of_a_shipped_code_object(target
         assert 0 < now["tflops_pess"] <= now["tflops_opt"] < estimator.HARDWARE[target].peak_tflops
 
 
+def _backward_cfg(target: str, kind: str, d: int):
+    """A shipped f16 backward kernel's control-flow graph and variant."""
+    objdump = find_objdump()
+    if objdump is None:
+        pytest.skip("llvm-objdump (>= 19) not installed")
+    variant = variants.bwd_variant(kind, "f16", d)
+    path = REPO / "prebuilt" / f"rdna_fa_{target}.hsaco"
+    return estimate_gfx1100_backward.Cfg(estimator.disassemble(objdump, path, target)[variant.symbol]), variant
+
+
 @pytest.mark.parametrize("target, d, split", [("gfx1100", 64, True), ("gfx1201", 128, True), ("gfx1201", 64, False)])
 def test_the_backward_estimate_counts_dq_over_the_tiles_every_query_sees_whole(target, d, split):
     """Where dQ runs the key tiles every query of its workgroup sees whole in a loop of their own
     (kOpenKeyTiles in kernels/fa_bwd.h; not gfx12's d64), the estimate counts that loop: the other one
     tests each score of its tiles, one compare more per score (8 per lane and key fragment)."""
-    objdump = find_objdump()
-    if objdump is None:
-        pytest.skip("llvm-objdump (>= 19) not installed")
-    variant = variants.bwd_variant("dq", "f16", d)
-    path = REPO / "prebuilt" / f"rdna_fa_{target}.hsaco"
-    cfg = estimate_gfx1100_backward.Cfg(estimator.disassemble(objdump, path, target)[variant.symbol])
+    cfg, variant = _backward_cfg(target, "dq", d)
     counted = estimate_gfx1100_backward.main_loop(cfg)
     others = [h for h, blocks in estimate_gfx1100_backward.tile_loops(cfg).items()
               if h != counted and not blocks & cfg.loops[counted]]
@@ -162,12 +167,7 @@ def test_the_backward_estimate_counts_dq_over_the_tiles_every_query_sees_whole(t
 def test_the_backward_transposed_tile_copies_pack_each_pair_with_one_perm(target, kind):
     """load_transposed (kernels/tiles.h) stores two rows' elements as one 32-bit word each: one v_perm_b32
     per word, not the shifts, masks and ors of a pack from two 16-bit halves (two VALU a word)."""
-    objdump = find_objdump()
-    if objdump is None:
-        pytest.skip("llvm-objdump (>= 19) not installed")
-    variant = variants.bwd_variant(kind, "f16", 64)
-    path = REPO / "prebuilt" / f"rdna_fa_{target}.hsaco"
-    cfg = estimate_gfx1100_backward.Cfg(estimator.disassemble(objdump, path, target)[variant.symbol])
+    cfg, _ = _backward_cfg(target, kind, 64)
     main = estimate_gfx1100_backward.main_loop(cfg)
     copies = [h for h, blocks in cfg.loops.items() if h != main and blocks < cfg.loops[main]
               and {"ds_store_2addr_b32", "ds_store_b32"} & set(cfg.ops(blocks))]
