@@ -6,7 +6,8 @@ Not a measurement. Same pipe model as bench/estimate_gfx1100.py (the forward est
 is the counting: the backward main loops hold uniform branches (dQ: sweep 0 / 1; dK/dV: make_dk), so
 one iteration is traced through the control-flow graph per path instead of summing a span; no main loop
 branches on the causal flag (since update 11 of the results), and where dQ runs the tiles every query sees
-whole in a loop of their own, that loop is the one counted (main_loop). See
+whole in a loop of their own, that loop is the one counted (main_loop); dK/dV's query fragments branch on
+whether any lane tests its scores, which none does in the estimate's calls (lane_vote). See
 bench/results/backward_estimate_gfx1100.md.
 
     python3 bench/estimate_gfx1100_backward.py prebuilt/rdna_fa_gfx1100.hsaco prebuilt/rdna_fa_gfx1201.hsaco \
@@ -196,6 +197,17 @@ def flag_of(block: list[Insn]) -> str | None:
     return None
 
 
+def lane_vote(block: list[Insn]) -> bool:
+    """Whether the block's closing vcc branch tests a lane compare: the kernel's `any_lane`, whose ballot
+    over a full exec mask is the compare's own mask ('v_cmp_lt_i32_e32 vcc_lo, 0, vN' ... s_cbranch_vccz)."""
+    if "vcc" not in block[-1].op:
+        return False
+    for i in reversed(block[:-1]):
+        if i.args.split(",")[0].strip() == "vcc_lo":
+            return i.op.startswith("v_cmp_")
+    return False
+
+
 _SGPR = re.compile(r"^(s\d+|vcc_lo|vcc_hi)$")
 
 
@@ -260,9 +272,14 @@ def trace(cfg: Cfg, main: int, trips: dict[int, int], flags: dict[str, bool]) ->
             pc = succ[1] if (last.op == "s_cbranch_execz") != active else succ[0]
         else:
             reg = flag_of(block)
-            if last.op not in ("s_cbranch_vccz", "s_cbranch_vccnz") or reg is None or reg.lstrip("!") not in flags:
+            if reg is None and lane_vote(block):
+                # dK/dV's "some score of this query fragment is tested": no lane's where every query sees
+                # the wave's keys, as in every fragment of the estimate's non-causal calls
+                vcc = False
+            elif last.op not in ("s_cbranch_vccz", "s_cbranch_vccnz") or reg is None or reg.lstrip("!") not in flags:
                 raise RuntimeError(f"unhandled branch {last.op} at {last.addr:#x}")
-            vcc = flags[reg.lstrip("!")] != reg.startswith("!")
+            else:
+                vcc = flags[reg.lstrip("!")] != reg.startswith("!")
             pc = succ[1] if (last.op == "s_cbranch_vccnz") == vcc else succ[0]
         if pc not in cfg.loops[main]:
             raise RuntimeError(f"trace left the main loop at {last.addr:#x}")

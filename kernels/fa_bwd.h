@@ -297,26 +297,36 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
         // Q and dO rows lie in key_slot order, so accumulator value s is query acc_key(lane, s), which
         // is acc_key(lane, 0) + s on both ISAs: it sees this lane's key from s = first_s on.
         const int first_s = key_seen_from - (q0 + qf * kFrag + Isa::acc_key(lane, 0));
-        const auto probability = [&](int s) {
+        const auto probability = [&](auto tested, int s) {
           const int row = qf * kFrag + Isa::acc_key(lane, s);
-          const bool visible = s >= first_s;
+          const bool visible = !decltype(tested)::value || s >= first_s;
           const float bias = !HAS_MASK ? 0.f : key_padding ? key_bias : mask.bias_log2(mask.row(q0 + row), key);
           const float exponent = min_f32(fma_f32(s_acc[s], a.scale_log2, bias) - lse_lds[row], kMaxExponent);
           return visible ? exp2_approx(exponent - norm_lds[row]) : 0.f;
         };
         const auto dS = [&](int s, float p) { return p * (dp_acc[s] - delta_lds[qf * kFrag + Isa::acc_key(lane, s)]); };
-        if constexpr (kBoth) {  // dV^T += dO^T P, then P turns into dS
+        // P, or for dK alone dS. Fragments whose queries all see the wave's keys skip the per-score test
+        // (one wave-uniform branch): it costs more than its compare, as the compiler sinks each probability
+        // into it, one exec-masked block per score, and so serializes the statistics' LDS reads. Their
+        // choice between P and dS is taken once, not per score, for the same reason (the tested fragments
+        // keep it per score: a fourth copy spills SGPRs in gfx11's d112 and d128 kernels).
+        const auto scores = [&](auto tested, bool ds) {
           #pragma unroll
-          for (int s = 0; s < 8; ++s) s_acc[s] = probability(s);
+          for (int s = 0; s < 8; ++s) {
+            const float p = probability(tested, s);
+            s_acc[s] = ds ? dS(s, p) : p;
+          }
+        };
+        if (any_lane(first_s > 0))
+          scores(Flag<true>{}, make_dk && !kBoth);
+        else if (make_dk && !kBoth)
+          scores(Flag<false>{}, true);
+        else
+          scores(Flag<false>{}, false);
+        if constexpr (kBoth) {  // dV^T += dO^T P, then P turns into dS
           accumulate<kOutFrags, Shape::kTRow>(dt, dv_acc, dot_lds, qf * kFrag, rounded_operand(dt, s_acc, lane), lane);
           #pragma unroll
           for (int s = 0; s < 8; ++s) s_acc[s] = dS(s, s_acc[s]);
-        } else {
-          #pragma unroll
-          for (int s = 0; s < 8; ++s) {
-            const float p = probability(s);
-            s_acc[s] = make_dk ? dS(s, p) : p;
-          }
         }
         // P (for dV) or dS (for dK)
         accumulate<kOutFrags, Shape::kTRow>(dt, acc, make_dk ? qt_lds : dot_lds, qf * kFrag,

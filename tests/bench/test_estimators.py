@@ -5,6 +5,7 @@ backward estimate's traces of both targets' shipped code objects, and the 8-bit 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import pytest
@@ -135,14 +136,18 @@ def test_the_backward_estimate_traces_every_path_of_a_shipped_code_object(target
         assert 0 < now["tflops_pess"] <= now["tflops_opt"] < estimator.HARDWARE[target].peak_tflops
 
 
+@functools.lru_cache(maxsize=None)
+def _shipped_listing(target: str) -> dict:
+    """A shipped code object's disassembly, once per target for the tests that read it (tens of seconds each)."""
+    return estimator.disassemble(find_objdump(), REPO / "prebuilt" / f"rdna_fa_{target}.hsaco", target)
+
+
 def _backward_cfg(target: str, kind: str, d: int):
     """A shipped f16 backward kernel's control-flow graph and variant."""
-    objdump = find_objdump()
-    if objdump is None:
+    if find_objdump() is None:
         pytest.skip("llvm-objdump (>= 19) not installed")
     variant = variants.bwd_variant(kind, "f16", d)
-    path = REPO / "prebuilt" / f"rdna_fa_{target}.hsaco"
-    return estimate_gfx1100_backward.Cfg(estimator.disassemble(objdump, path, target)[variant.symbol]), variant
+    return estimate_gfx1100_backward.Cfg(_shipped_listing(target)[variant.symbol]), variant
 
 
 @pytest.mark.parametrize("target, d, split", [("gfx1100", 64, True), ("gfx1201", 128, True), ("gfx1201", 64, False)])
@@ -160,6 +165,29 @@ def test_the_backward_estimate_counts_dq_over_the_tiles_every_query_sees_whole(t
         return sum(op.startswith("v_cmp") for op in cfg.ops(cfg.loops[header]))
     for masked in others:
         assert compares(masked) - compares(counted) == 8 * variant.block_tile // 16
+
+
+@pytest.mark.parametrize("target", ["gfx1100", "gfx1201"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_the_backward_estimate_counts_dkdv_fragments_without_the_per_score_test(target, d):
+    """dK/dV tests each score only in query fragments some of whose queries miss a key of the wave (one
+    wave-uniform branch on any_lane, kernels/fa_bwd.h); every fragment of the estimate's non-causal calls
+    takes the other side. There, on every path (dK+dV fused; dV, dK), the 8 probabilities run straight
+    (at most two blocks); the side the trace skips runs each in an exec-masked block of its own."""
+    cfg, variant = _backward_cfg(target, "dkdv", d)
+    main = estimate_gfx1100_backward.main_loop(cfg)
+    votes = [b for b in cfg.loops[main] if len(cfg.succ[b]) == 2 and estimate_gfx1100_backward.lane_vote(cfg.blocks[b])]
+    assert len(votes) == 1
+    fragments = cfg.innermost(votes[0])
+    exps = {b: n for b in cfg.loops[fragments] if (n := cfg.ops({b}).count("v_exp_f32_e32"))}
+    trips = estimate_gfx1100_backward.loop_trips(cfg, main, variant, target)
+    for expect in estimate_gfx1100_backward.paths(variant, estimator.HARDWARE[target]).values():
+        _, _, insns = estimate_gfx1100_backward.count_path(cfg, main, trips, variant, expect)
+        counted = {i.addr for i, _, _ in insns}
+        run = [n for b, n in exps.items() if cfg.blocks[b][0].addr in counted]
+        skipped = [n for b, n in exps.items() if cfg.blocks[b][0].addr not in counted]
+        assert sum(run) == 8 and len(run) <= 2
+        assert skipped.count(1) >= 8
 
 
 @pytest.mark.parametrize("target", ["gfx1100", "gfx1201"])
