@@ -198,13 +198,14 @@ def flag_of(block: list[Insn]) -> str | None:
 
 
 def lane_vote(block: list[Insn]) -> bool:
-    """Whether the block's closing vcc branch tests a lane compare: the kernel's `any_lane`, whose ballot
-    over a full exec mask is the compare's own mask ('v_cmp_lt_i32_e32 vcc_lo, 0, vN' ... s_cbranch_vccz)."""
-    if "vcc" not in block[-1].op:
+    """Whether the block closes with dK/dV's `any_lane(first_s > 0)` (kernels/fa_bwd.h): a vcc branch on
+    the lane compare 'v_cmp_lt_i32_e32 vcc_lo, 0, vN', whose mask over a full exec is the ballot."""
+    if block[-1].op not in ("s_cbranch_vccz", "s_cbranch_vccnz"):
         return False
     for i in reversed(block[:-1]):
-        if i.args.split(",")[0].strip() == "vcc_lo":
-            return i.op.startswith("v_cmp_")
+        args = [a.strip() for a in i.args.split(",")]
+        if args[0] == "vcc_lo":
+            return i.op == "v_cmp_lt_i32_e32" and args[1] == "0"
     return False
 
 
@@ -229,7 +230,9 @@ def in_row_copy_loop(cfg: Cfg, block: int, main: int) -> bool:
 
 def trace(cfg: Cfg, main: int, trips: dict[int, int], flags: dict[str, bool]) -> Counter:
     """Times each instruction runs in one main-loop iteration: all lanes active (every divergent block
-    runs), inner loops run their trip counts, uniform branches follow the given SGPR flag values."""
+    runs), inner loops run their trip counts, uniform branches follow the given SGPR flag values, and
+    dK/dV's vote on testing the scores (lane_vote) goes the way no lane tests: every query fragment sees
+    all of its wave's keys in the estimate's non-causal calls without padded keys."""
     given, flags, runs, visits, entered, pc = set(flags), dict(flags), Counter(), Counter(), {}, main
     limit = 4 * len(cfg.loops[main]) * max([1, *trips.values()]) ** 2  # above any real iteration (nesting <= 2)
     while not (pc == main and visits[main]):
@@ -273,9 +276,7 @@ def trace(cfg: Cfg, main: int, trips: dict[int, int], flags: dict[str, bool]) ->
         else:
             reg = flag_of(block)
             if reg is None and lane_vote(block):
-                # dK/dV's "some score of this query fragment is tested": no lane's where every query sees
-                # the wave's keys, as in every fragment of the estimate's non-causal calls
-                vcc = False
+                vcc = False  # no lane tests a score (see above)
             elif last.op not in ("s_cbranch_vccz", "s_cbranch_vccnz") or reg is None or reg.lstrip("!") not in flags:
                 raise RuntimeError(f"unhandled branch {last.op} at {last.addr:#x}")
             else:
@@ -363,6 +364,9 @@ def load_guards(cfg: Cfg, main: int, regs: list[str]) -> dict[str, bool]:
 
 def count_path(cfg: Cfg, main: int, trips: dict[int, int], v, expect: tuple[int, int]):
     """Tries every value of the uniform flags the main loop tests; exactly one count must match."""
+    votes = [b for b in cfg.loops[main] if len(cfg.succ[b]) == 2 and lane_vote(cfg.blocks[b])]
+    if len(votes) > (v.kind == "dkdv"):
+        raise RuntimeError(f"{v.symbol}: {len(votes)} branches read as dK/dV's score-test vote")
     written = {i.args.split(",")[0].strip() for b in cfg.loops[main] for i in cfg.blocks[b] if i.op.startswith("s_")
                and not (i.op == "s_mov_b32" and i.args.split(",")[1].strip() in ("-1", "0"))}
     regs = sorted({r.lstrip("!") for b in cfg.loops[main] if len(cfg.succ[b]) == 2
