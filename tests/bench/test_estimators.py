@@ -178,8 +178,8 @@ def test_the_backward_estimate_counts_dkdv_fragments_without_the_per_score_test(
     main = estimate_gfx1100_backward.main_loop(cfg)
     votes = [b for b in cfg.loops[main] if len(cfg.succ[b]) == 2 and estimate_gfx1100_backward.lane_vote(cfg.blocks[b])]
     assert len(votes) == 1
-    fragments = cfg.innermost(votes[0])
-    exps = {b: n for b in cfg.loops[fragments] if (n := cfg.ops({b}).count("v_exp_f32_e32"))}
+    voting_loop = cfg.innermost(votes[0])  # the query-fragment loop; at 16-query tiles the tile loop itself
+    exps = {b: n for b in cfg.loops[voting_loop] if (n := cfg.ops({b}).count("v_exp_f32_e32"))}
     trips = estimate_gfx1100_backward.loop_trips(cfg, main, variant, target)
     for expect in estimate_gfx1100_backward.paths(variant, estimator.HARDWARE[target]).values():
         _, _, insns = estimate_gfx1100_backward.count_path(cfg, main, trips, variant, expect)
