@@ -209,6 +209,11 @@ def lane_vote(block: list[Insn]) -> bool:
     return False
 
 
+def score_test_votes(cfg: Cfg, main: int) -> list[int]:
+    """The main loop's blocks that close with dK/dV's vote (lane_vote)."""
+    return [b for b in cfg.loops[main] if len(cfg.succ[b]) == 2 and lane_vote(cfg.blocks[b])]
+
+
 _SGPR = re.compile(r"^(s\d+|vcc_lo|vcc_hi)$")
 
 
@@ -364,7 +369,7 @@ def load_guards(cfg: Cfg, main: int, regs: list[str]) -> dict[str, bool]:
 
 def count_path(cfg: Cfg, main: int, trips: dict[int, int], v, expect: tuple[int, int]):
     """Tries every value of the uniform flags the main loop tests; exactly one count must match."""
-    votes = [b for b in cfg.loops[main] if len(cfg.succ[b]) == 2 and lane_vote(cfg.blocks[b])]
+    votes = score_test_votes(cfg, main)
     if len(votes) > (v.kind == "dkdv"):
         raise RuntimeError(f"{v.symbol}: {len(votes)} branches read as dK/dV's score-test vote")
     written = {i.args.split(",")[0].strip() for b in cfg.loops[main] for i in cfg.blocks[b] if i.op.startswith("s_")

@@ -176,7 +176,7 @@ def test_the_backward_estimate_counts_dkdv_fragments_without_the_per_score_test(
     (at most two blocks); the side the trace skips runs each in an exec-masked block of its own."""
     cfg, variant = _backward_cfg(target, "dkdv", d)
     main = estimate_gfx1100_backward.main_loop(cfg)
-    votes = [b for b in cfg.loops[main] if len(cfg.succ[b]) == 2 and estimate_gfx1100_backward.lane_vote(cfg.blocks[b])]
+    votes = estimate_gfx1100_backward.score_test_votes(cfg, main)
     assert len(votes) == 1
     voting_loop = cfg.innermost(votes[0])  # the query-fragment loop; at 16-query tiles the tile loop itself
     exps = {b: n for b in cfg.loops[voting_loop] if (n := cfg.ops({b}).count("v_exp_f32_e32"))}
