@@ -136,7 +136,7 @@ def loop_trips(cfg: Cfg, main: int, v, target: str) -> dict[int, int]:
             # head-dim loop inside it is unrolled completely
             trips[h] = v.block_tile // FRAG
         elif any(op.startswith("v_wmma") for op in ops):  # head-dim loop, #pragma unroll kDimUnroll
-            trips[h] = (dim_frags - peeled_steps(v, target)) // dim_unroll(v)
+            trips[h] = (dim_frags - peeled_steps(v, target)) // dim_unroll(v, target)
         elif any(op.startswith("ds_store") and op != "ds_store_b128" for op in ops):
             # load_transposed (32-bit or 16-bit stores): (rows / 2) key pairs x (cols / 8), a thread's
             # share; the wave of thread 0 takes the most trips, and every wave waits for it at the barrier
@@ -152,16 +152,19 @@ def loop_trips(cfg: Cfg, main: int, v, target: str) -> dict[int, int]:
 
 
 def peeled_steps(v, target: str) -> int:
-    """Head-dim steps ahead of the loop (kPeeledSteps in kernels/fa_bwd.h): the dQ kernel's first trip,
-    except at gfx11's d64; the dK/dV kernels peel none."""
-    if v.kind != "dq" or (target.startswith("gfx11") and v.d_pad // FRAG == 4):
+    """Head-dim steps ahead of the loop (kPeeledSteps in kernels/fa_bwd.h): the dQ kernel's first trip
+    (at gfx11's d64 one step, its loop rolled); the dK/dV kernels peel none."""
+    if v.kind != "dq":
         return 0
-    return dim_unroll(v)
+    return dim_unroll(v, target)
 
 
-def dim_unroll(v) -> int:
-    """The head-dim loop's unroll factor (kDimUnroll in kernels/fa_bwd.h): 2 over an even number of
-    fragments (dK/dV: up to d128), else 1 (a remainder iteration costs registers)."""
+def dim_unroll(v, target: str) -> int:
+    """The head-dim loop's unroll factor (kDimUnroll, for dQ kLoopUnroll, in kernels/fa_bwd.h): 2 over an
+    even number of fragments (dK/dV: up to d128), else 1 (a remainder iteration costs registers); 1 in
+    gfx11's d64 dQ kernel, whose loop runs the three steps after the peeled one."""
+    if v.kind == "dq" and target.startswith("gfx11") and v.d_pad // FRAG == 4:
+        return 1
     even = (v.d_pad // FRAG) % 2 == 0
     return 2 if even and (v.kind == "dq" or v.d_pad <= 128) else 1
 

@@ -107,6 +107,15 @@ RDNA_DEV float output_delta(DT dt, const BwdArgs& a, const u16* dout, const u16*
 // kMaxExponent so that such a row's sum stays finite before it is divided out.
 constexpr float kMaxExponent = 64.f;
 
+// A score's base-2 exponent relative to its row offset, capped, from the negated offset. A masked
+// score is biased first, rounded as the forward rounds it (at a huge bias the offset is a maximum of
+// such values); an unmasked one takes one fma for its multiply and subtraction.
+template <bool HAS_MASK>
+RDNA_DEV float capped_exponent(float s, float scale_log2, float bias, float neg_offset) {
+  const float x = HAS_MASK ? fma_f32(s, scale_log2, bias) + neg_offset : fma_f32(s, scale_log2, neg_offset);
+  return min_f32(x, kMaxExponent);
+}
+
 // dK/dV: a wave's K and V operands are the same for every query tile. Up to these padded head dims
 // they stay in registers beside the accumulators (gfx11 operands hold every value twice, so K and V
 // of d128 would spill); past them they are re-read from global memory (cache hits) per use.
@@ -148,16 +157,29 @@ RDNA_DEV void accumulate(DT dt, v8f (&acc)[FRAGS], const u16* tile, int col0, co
   for (int f = 0; f < FRAGS; ++f) Isa::mma(dt, acc[f], load_operand<LDS_ROW>(tile + f * kFrag * LDS_ROW, col0, lane), x);
 }
 
+// gfx11's bf16 d64 fused dK/dV kernel holds 255 VGPRs (bf16 rounding takes more than f16's): it spills
+// with either register-costing choice below, which every other kernel takes.
+template <class DT, int D_PAD>
+constexpr bool kNoSpareVgprs = Isa::kOperandElems == 16 && !kIsF16<DT> && D_PAD == 64;
+
 // x, an accumulator tile whose rows are keys (or queries) in Isa::acc_key order, as the B operand of a
-// product over them, each value rounded once to 16 bits.
-template <class DT>
+// product over them, each value rounded once to 16 bits. FETCH_INACTIVE (other_half's) saves a move per
+// exchange and costs registers.
+template <bool FETCH_INACTIVE, class DT>
 RDNA_DEV Isa::Operand rounded_operand(DT dt, const v8f& x, int lane) {
   u32 bits[4];
   #pragma unroll
   for (int w = 0; w < 4; ++w) bits[w] = pack_rounded(dt, x[2 * w], x[2 * w + 1]);
-  // Without fetch-inactive: with it gfx11's fused d64 dK/dV kernel spills (bench/results, stop 37).
-  return Isa::keys_to_operand</*FETCH_INACTIVE=*/false>(bits, lane);
+  return Isa::keys_to_operand<FETCH_INACTIVE>(bits, lane);
 }
+
+// The first product of each dK/dV query fragment takes a zero C operand. gfx11 has no inline zero for
+// it, and clang re-creates the zeros per fragment (8 moves) unless they are held in 8 VGPRs across the
+// query tiles (at d80 and up a tile is one fragment). Only where K is resident: there the head-dim loop
+// unrolls completely and the held zeros feed that product; a rolled loop copies them into its
+// accumulators anyway.
+template <class DT, int D_PAD>
+constexpr bool kHeldZeroC = !Isa::kInlineZeroAccumulator && kResidentK<D_PAD> && !kNoSpareVgprs<DT, D_PAD>;
 
 // LDS of the dK/dV kernel; rdna_flash_attn/runtime/variants.py computes the same size.
 template <int D_PAD, int WAVES, int BLOCK_M, int D_CHUNK>
@@ -171,7 +193,7 @@ struct DkdvShape {
   static constexpr int kDoOffset = BLOCK_M * kRow;
   static constexpr int kQtOffset = kDoOffset + BLOCK_M * kRow;
   static constexpr int kDotOffset = kQtOffset + D_CHUNK * kTRow;
-  // float lse_log2[BLOCK_M], delta[BLOCK_M], row_log2_sum[BLOCK_M]
+  // float neg_offset[BLOCK_M], delta[BLOCK_M], row_log2_sum[BLOCK_M]
   static constexpr int kStatsOffset = kDotOffset + D_CHUNK * kTRow;
   static constexpr int kLdsElems = kStatsOffset + 6 * BLOCK_M;
   static_assert(2 * kLdsElems <= 65536, "LDS over 64 KiB");
@@ -197,6 +219,7 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
   // accumulator set in registers, and the dV workgroups skip dP altogether.
   constexpr bool kBoth = kFusedDkdv<D_PAD>;
   constexpr int kJobs = kBoth ? kChunks : 2 * kChunks;
+  constexpr bool kFetchInactive = !kNoSpareVgprs<DT, D_PAD>;
   const int job = block_id_x() % kJobs;
   const bool make_dk = kBoth || job >= kChunks;
   const int chunk = job % kChunks;
@@ -211,8 +234,8 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
   u16* do_lds = lds + Shape::kDoOffset;
   u16* qt_lds = lds + Shape::kQtOffset;
   u16* dot_lds = lds + Shape::kDotOffset;
-  float* lse_lds = reinterpret_cast<float*>(lds + Shape::kStatsOffset);
-  float* delta_lds = lse_lds + BLOCK_M;
+  float* neg_offset_lds = reinterpret_cast<float*>(lds + Shape::kStatsOffset);
+  float* delta_lds = neg_offset_lds + BLOCK_M;
   float* norm_lds = delta_lds + BLOCK_M;
 
   const int wave_key0 = k0 + wave * kFrag;
@@ -253,6 +276,7 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
     // A key-padding mask (one bias per key) gives this lane's key one bias for every query: read once.
     const bool key_padding = kKeyBiasOnce<D_PAD, HAS_MASK> && a.mask_stride_q == 0;
     const float key_bias = key_padding ? mask.bias_log2(0, key) : 0.f;
+    const v8f first_c = kHeldZeroC<DT, D_PAD> ? held_zero_v8f() : zero_v8f();
     for (int q0 = q_begin; q0 < seq.seqlen_q; q0 += BLOCK_M) {
       block_barrier();
       load_rows<BLOCK_M, D_PAD, Shape::kRow, Shape::kThreads, true, kUniformBase>(q_lds, q, a.q_stride_s, q0,
@@ -271,7 +295,8 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
       }
       for (int i = tid; i < BLOCK_M; i += Shape::kThreads) {
         const bool valid = q0 + i < seq.seqlen_q;
-        lse_lds[i] = valid ? a.lse[stats + q0 + i] * a.lse_to_log2 : kInf;  // +inf: padding rows get probability 0
+        // -inf: padding rows get probability 0
+        neg_offset_lds[i] = valid ? -(a.lse[stats + q0 + i] * a.lse_to_log2) : -kInf;
         delta_lds[i] = valid ? a.delta[stats + q0 + i] : 0.f;
         norm_lds[i] = valid ? a.row_log2_sum[stats + q0 + i] : 0.f;
       }
@@ -280,7 +305,7 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
       // One query fragment at a time: unrolling this loop multiplies the live accumulators.
       #pragma unroll 1
       for (int qf = 0; qf < kQueryFrags; ++qf) {
-        v8f s_acc = zero_v8f(), dp_acc = zero_v8f();
+        v8f s_acc = first_c, dp_acc = first_c;
         #pragma unroll kDimSteps
         for (int d = 0; d < kDimFrags; ++d) {
           const Isa::Operand k_op = kHoldK ? k_ops[kHoldK ? d : 0]
@@ -301,7 +326,7 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
           const int row = qf * kFrag + Isa::acc_key(lane, s);
           const bool visible = !decltype(tested)::value || s >= first_s;
           const float bias = !HAS_MASK ? 0.f : key_padding ? key_bias : mask.bias_log2(mask.row(q0 + row), key);
-          const float exponent = min_f32(fma_f32(s_acc[s], a.scale_log2, bias) - lse_lds[row], kMaxExponent);
+          const float exponent = capped_exponent<HAS_MASK>(s_acc[s], a.scale_log2, bias, neg_offset_lds[row]);
           return visible ? exp2_approx(exponent - norm_lds[row]) : 0.f;
         };
         const auto dS = [&](int s, float p) { return p * (dp_acc[s] - delta_lds[qf * kFrag + Isa::acc_key(lane, s)]); };
@@ -317,20 +342,22 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
             s_acc[s] = ds ? dS(s, p) : p;
           }
         };
+        const bool ds_only = make_dk && !kBoth;  // dK alone: the scores turn into dS straight away
         if (any_lane(first_s > 0))
-          scores(Flag<true>{}, make_dk && !kBoth);
-        else if (make_dk && !kBoth)
+          scores(Flag<true>{}, ds_only);
+        else if (ds_only)
           scores(Flag<false>{}, true);
         else
           scores(Flag<false>{}, false);
         if constexpr (kBoth) {  // dV^T += dO^T P, then P turns into dS
-          accumulate<kOutFrags, Shape::kTRow>(dt, dv_acc, dot_lds, qf * kFrag, rounded_operand(dt, s_acc, lane), lane);
+          accumulate<kOutFrags, Shape::kTRow>(dt, dv_acc, dot_lds, qf * kFrag,
+                                              rounded_operand<kFetchInactive>(dt, s_acc, lane), lane);
           #pragma unroll
           for (int s = 0; s < 8; ++s) s_acc[s] = dS(s, s_acc[s]);
         }
         // P (for dV) or dS (for dK)
         accumulate<kOutFrags, Shape::kTRow>(dt, acc, make_dk ? qt_lds : dot_lds, qf * kFrag,
-                                            rounded_operand(dt, s_acc, lane), lane);
+                                            rounded_operand<kFetchInactive>(dt, s_acc, lane), lane);
       }
     }
   }
@@ -380,9 +407,12 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
   // A remainder iteration costs registers. Static: the unroll pragma in key_tile reads it.
   static constexpr int kDimUnroll = kDimFrags % 2 == 0 ? 2 : 1;
   // The first steps of S and dP run ahead of their loop from a zero C operand, as the forward's S does
-  // (fa_fwd.h, kPeeledScoreSteps): one trip of the loop, so that it keeps its parity. Not at gfx11's d64,
-  // whose four steps then unroll completely: it spills (bench/results, stop 37).
-  constexpr int kPeeledSteps = !Isa::kInlineZeroAccumulator && kDimFrags == 4 ? 0 : kDimUnroll;
+  // (fa_fwd.h, kPeeledScoreSteps): one trip of the loop, so that it keeps its parity. At gfx11's d64 one
+  // step, and the other three stay a loop: after two, the last two unroll completely and spill (bench/
+  // results, stop 37). Static: the unroll pragma in key_tile reads it.
+  static constexpr bool kOnePeeled = !Isa::kInlineZeroAccumulator && kDimFrags == 4;
+  constexpr int kPeeledSteps = kOnePeeled ? 1 : kDimUnroll;
+  static constexpr int kLoopUnroll = kOnePeeled ? 1 : kDimUnroll;
   constexpr bool kUniformBase = kUniformBaseDq<D_PAD, HAS_MASK>;
   const DT dt{};
 
@@ -412,7 +442,7 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
   const int mask_row = mask.row(query);
   const bool valid_query = query < seq.seqlen_q;
   const i64 stats = batch * a.lse_stride_b + head * a.lse_stride_h + seq.q_row0 + query;
-  const float lse_log2 = valid_query ? a.lse[stats] * a.lse_to_log2 : __builtin_inff();
+  const float neg_offset = valid_query ? -(a.lse[stats] * a.lse_to_log2) : -__builtin_inff();
 
   const int key_end = seq.visible_keys(a.causal, q0 + Shape::kBlockM - 1);
   const int key_limit = seq.visible_keys(a.causal, query);
@@ -479,7 +509,7 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
       for (int j = 0; j < kKeyFrags; ++j) s_acc[j] = dp_acc[j] = zero_v8f();
       #pragma unroll
       for (int d = 0; d < kPeeledSteps; ++d) product_step(d);
-      #pragma unroll kDimUnroll
+      #pragma unroll kLoopUnroll
       for (int d = kPeeledSteps; d < kDimFrags; ++d) product_step(d);
       // K and V rows lie in key_slot order, so accumulator value s is key acc_key(lane, s).
       #pragma unroll
@@ -489,7 +519,7 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
         if constexpr (HAS_MASK) mask.biases_log2(mask_row, key, bias);
         #pragma unroll
         for (int s = 0; s < 8; ++s) {
-          const float exponent = min_f32(fma_f32(s_acc[j][s], a.scale_log2, bias[s]) - lse_log2, kMaxExponent);
+          const float exponent = capped_exponent<HAS_MASK>(s_acc[j][s], a.scale_log2, bias[s], neg_offset);
           const bool visible = !decltype(masked)::value || s < key_limit - key;
           s_acc[j][s] = visible ? exp2_approx(exponent - norm) : 0.f;  // P^T
         }
@@ -502,7 +532,8 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
         } else {
           #pragma unroll
           for (int s = 0; s < 8; ++s) dp_acc[j][s] = s_acc[j][s] * (dp_acc[j][s] - delta);  // dS^T
-          accumulate<kOutFrags, Shape::kTRow>(dt, dq_acc, kt_lds, j * kFrag, rounded_operand(dt, dp_acc[j], lane), lane);
+          accumulate<kOutFrags, Shape::kTRow>(dt, dq_acc, kt_lds, j * kFrag,
+                                              rounded_operand</*FETCH_INACTIVE=*/true>(dt, dp_acc[j], lane), lane);
         }
       }
     };

@@ -45,6 +45,18 @@ RDNA_DEV bool any_lane(bool p) { return __builtin_amdgcn_ballot_w32(p) != 0u; }
 
 RDNA_DEV u32x4 zero_u32x4() { return u32x4{0u, 0u, 0u, 0u}; }
 RDNA_DEV v8f zero_v8f() { return v8f{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}; }
+// Zeros that clang must keep in VGPRs: it cannot re-create an asm result where it is used, as it does a
+// constant. Distinct asm text per element, so that the eight are not merged into one register.
+template <int I>
+RDNA_DEV float held_zero() {
+  float z;
+  __asm__("v_mov_b32 %0, 0 ; held zero %1" : "=v"(z) : "n"(I));
+  return z;
+}
+RDNA_DEV v8f held_zero_v8f() {
+  return v8f{held_zero<0>(), held_zero<1>(), held_zero<2>(), held_zero<3>(), held_zero<4>(), held_zero<5>(),
+             held_zero<6>(), held_zero<7>()};
+}
 
 RDNA_DEV float exp2_approx(float x) { return __builtin_amdgcn_exp2f(x); }
 RDNA_DEV float log2_approx(float x) { return __builtin_amdgcn_logf(x); }

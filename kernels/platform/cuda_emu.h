@@ -59,6 +59,8 @@ RDNA_DEV bool any_lane(bool p) { return __any_sync(0xffffffffu, p); }
 
 RDNA_DEV u32x4 zero_u32x4() { return u32x4{{0u, 0u, 0u, 0u}}; }
 RDNA_DEV v8f zero_v8f() { return v8f{{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}}; }
+// The same zeros: register allocation is the RDNA compiler's concern (amdgcn.h).
+RDNA_DEV v8f held_zero_v8f() { return zero_v8f(); }
 
 RDNA_DEV float exp2_approx(float x) { return exp2f(x); }
 RDNA_DEV float log2_approx(float x) { return log2f(x); }

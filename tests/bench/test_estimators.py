@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 
 import pytest
 
@@ -188,6 +189,33 @@ def test_the_backward_estimate_counts_dkdv_fragments_without_the_per_score_test(
         skipped = [n for b, n in exps.items() if cfg.blocks[b][0].addr not in counted]
         assert sum(run) == 8 and len(run) <= 2
         assert skipped.count(1) >= 8
+
+
+def _vgprs(operand: str) -> set[int]:
+    """The VGPRs an operand names: v7 or v[8:15]; none for anything else."""
+    if match := re.fullmatch(r"v\[(\d+):(\d+)\]", operand):
+        return set(range(int(match[1]), int(match[2]) + 1))
+    return {int(operand[1:])} if re.fullmatch(r"v\d+", operand) else set()
+
+
+def _written_vgprs(insn) -> set[int]:
+    """The VGPRs a VALU instruction writes: its first operand, both halves of a dual issue."""
+    return set().union(*(_vgprs(half.split(",")[0].strip()) for half in insn.args.split("::")))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_gfx11_dkdv_fragments_start_their_products_from_held_zeros(d):
+    """gfx11's WMMA takes no inline zero C operand. A dK/dV query fragment's first products of S and dP
+    read 8 zero VGPRs that nothing in the query-tile loop writes (kHeldZeroC in kernels/fa_bwd.h), not
+    zeros that 8 moves re-create per fragment; every other product accumulates in place."""
+    cfg, _ = _backward_cfg("gfx1100", "dkdv", d)
+    loop = [i for b in cfg.loops[estimate_gfx1100_backward.main_loop(cfg)] for i in cfg.blocks[b]]
+    firsts = [args for i in loop if i.op.startswith("v_wmma")
+              and (args := [a.strip() for a in i.args.split(",")])[0] != args[3]]
+    assert len(firsts) == 2
+    zeros = set().union(*(_vgprs(args[3]) for args in firsts))
+    assert len(zeros) == 8
+    assert not [i for i in loop if i.op.startswith("v_") and _written_vgprs(i) & zeros]
 
 
 @pytest.mark.parametrize("target", ["gfx1100", "gfx1201"])
