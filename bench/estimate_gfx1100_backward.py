@@ -135,7 +135,7 @@ def loop_trips(cfg: Cfg, main: int, v, target: str) -> dict[int, int]:
             # dK/dV: the 16-query fragment loop (#pragma unroll 1); with K held in registers the
             # head-dim loop inside it is unrolled completely
             trips[h] = v.block_tile // FRAG
-        elif any(op.startswith("v_wmma") for op in ops):  # head-dim loop, #pragma unroll kDimUnroll
+        elif any(op.startswith("v_wmma") for op in ops):  # head-dim loop: kDimUnroll (dQ: kLoopUnroll)
             trips[h] = (dim_frags - peeled_steps(v, target)) // dim_unroll(v, target)
         elif any(op.startswith("ds_store") and op != "ds_store_b128" for op in ops):
             # load_transposed (32-bit or 16-bit stores): (rows / 2) key pairs x (cols / 8), a thread's
@@ -156,14 +156,19 @@ def peeled_steps(v, target: str) -> int:
     (at gfx11's d64 one step, its loop rolled); the dK/dV kernels peel none."""
     if v.kind != "dq":
         return 0
-    return dim_unroll(v, target)
+    return 1 if one_peeled(v, target) else dim_unroll(v, target)
+
+
+def one_peeled(v, target: str) -> bool:
+    """gfx11's d64 dQ kernel: one head-dim step ahead of a rolled loop (kOnePeeled in kernels/fa_bwd.h)."""
+    return v.kind == "dq" and target.startswith("gfx11") and v.d_pad // FRAG == 4
 
 
 def dim_unroll(v, target: str) -> int:
     """The head-dim loop's unroll factor (kDimUnroll, for dQ kLoopUnroll, in kernels/fa_bwd.h): 2 over an
     even number of fragments (dK/dV: up to d128), else 1 (a remainder iteration costs registers); 1 in
     gfx11's d64 dQ kernel, whose loop runs the three steps after the peeled one."""
-    if v.kind == "dq" and target.startswith("gfx11") and v.d_pad // FRAG == 4:
+    if one_peeled(v, target):
         return 1
     even = (v.d_pad // FRAG) % 2 == 0
     return 2 if even and (v.kind == "dq" or v.d_pad <= 128) else 1

@@ -198,24 +198,45 @@ def _vgprs(operand: str) -> set[int]:
     return {int(operand[1:])} if re.fullmatch(r"v\d+", operand) else set()
 
 
+_LOADS = ("ds_load", "global_load", "scratch_load", "buffer_load")
+
+
 def _written_vgprs(insn) -> set[int]:
-    """The VGPRs a VALU instruction writes: its first operand, both halves of a dual issue."""
-    return set().union(*(_vgprs(half.split(",")[0].strip()) for half in insn.args.split("::")))
+    """The VGPRs an instruction writes: a VALU instruction's or a load's first operand; both halves of a
+    dual issue (the second half's text starts with its own opcode)."""
+    if not (insn.op.startswith("v_") or insn.op.startswith(_LOADS)):
+        return set()
+    halves = insn.args.split("::")
+    return set().union(_vgprs(halves[0].split(",")[0].strip()),
+                       *(_vgprs(half.split(",")[0].split()[-1]) for half in halves[1:]))
+
+
+def _sets_zero(insn, register: int) -> bool:
+    """Whether the instruction moves 0 into the register (v_mov_b32, or either half of a dual move)."""
+    texts = [f"{insn.op} {insn.args}"] if "::" not in insn.args else \
+        [f"{insn.op} {insn.args.split('::')[0]}", insn.args.split("::")[1]]
+    return any(re.fullmatch(rf"v_(dual_)?mov_b32(_e32)? v{register}, 0", " ".join(t.split())) for t in texts)
 
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_gfx11_dkdv_fragments_start_their_products_from_held_zeros(d):
     """gfx11's WMMA takes no inline zero C operand. A dK/dV query fragment's first products of S and dP
-    read 8 zero VGPRs that nothing in the query-tile loop writes (kHeldZeroC in kernels/fa_bwd.h), not
-    zeros that 8 moves re-create per fragment; every other product accumulates in place."""
+    read 8 VGPRs set to zero before the query-tile loop and written nowhere in it (kHeldZeroC in
+    kernels/fa_bwd.h), not zeros that 8 moves re-create per fragment; every other product accumulates in
+    place."""
     cfg, _ = _backward_cfg("gfx1100", "dkdv", d)
-    loop = [i for b in cfg.loops[estimate_gfx1100_backward.main_loop(cfg)] for i in cfg.blocks[b]]
+    main = estimate_gfx1100_backward.main_loop(cfg)
+    loop = [i for b in sorted(cfg.loops[main]) for i in cfg.blocks[b]]
     firsts = [args for i in loop if i.op.startswith("v_wmma")
               and (args := [a.strip() for a in i.args.split(",")])[0] != args[3]]
     assert len(firsts) == 2
     zeros = set().union(*(_vgprs(args[3]) for args in firsts))
     assert len(zeros) == 8
-    assert not [i for i in loop if i.op.startswith("v_") and _written_vgprs(i) & zeros]
+    assert not [i for i in loop if _written_vgprs(i) & zeros]
+    before = [i for i in cfg.body if i.addr < min(i.addr for i in loop)]
+    for register in zeros:
+        last = [i for i in before if register in _written_vgprs(i)][-1]
+        assert _sets_zero(last, register), (register, last)
 
 
 @pytest.mark.parametrize("target", ["gfx1100", "gfx1201"])
