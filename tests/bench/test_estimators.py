@@ -201,21 +201,23 @@ def _vgprs(operand: str) -> set[int]:
 _LOADS = ("ds_load", "global_load", "scratch_load", "buffer_load")
 
 
+def _halves(insn) -> list[str]:
+    """An instruction's text per issued operation, opcode first: one, or the two halves of a dual issue."""
+    first, *second = insn.args.split("::")
+    return [f"{insn.op} {first}", *second]
+
+
 def _written_vgprs(insn) -> set[int]:
-    """The VGPRs an instruction writes: a VALU instruction's or a load's first operand; both halves of a
-    dual issue (the second half's text starts with its own opcode)."""
+    """The VGPRs an instruction writes: each half's first operand, for VALU instructions and loads."""
     if not (insn.op.startswith("v_") or insn.op.startswith(_LOADS)):
         return set()
-    halves = insn.args.split("::")
-    return set().union(_vgprs(halves[0].split(",")[0].strip()),
-                       *(_vgprs(half.split(",")[0].split()[-1]) for half in halves[1:]))
+    return set().union(*(_vgprs(half.split(",")[0].split()[-1]) for half in _halves(insn)))
 
 
 def _sets_zero(insn, register: int) -> bool:
     """Whether the instruction moves 0 into the register (v_mov_b32, or either half of a dual move)."""
-    texts = [f"{insn.op} {insn.args}"] if "::" not in insn.args else \
-        [f"{insn.op} {insn.args.split('::')[0]}", insn.args.split("::")[1]]
-    return any(re.fullmatch(rf"v_(dual_)?mov_b32(_e32)? v{register}, 0", " ".join(t.split())) for t in texts)
+    return any(re.fullmatch(rf"v_(dual_)?mov_b32(_e32)? v{register}, 0", " ".join(half.split()))
+               for half in _halves(insn))
 
 
 @pytest.mark.parametrize("d", [64, 128])
