@@ -158,28 +158,31 @@ RDNA_DEV void accumulate(DT dt, v8f (&acc)[FRAGS], const u16* tile, int col0, co
 }
 
 // gfx11's bf16 d64 fused dK/dV kernel holds 255 VGPRs (bf16 rounding takes more than f16's): it spills
-// with either register-costing choice below, which every other kernel takes.
+// with either register-costing choice of dK/dV below (fetch-inactive exchanges, held zeros), which the
+// other dK/dV kernels take wherever it applies.
 template <class DT, int D_PAD>
-constexpr bool kNoSpareVgprs = Isa::kOperandElems == 16 && !kIsF16<DT> && D_PAD == 64;
+constexpr bool kDkdvNoSpareVgprs = Isa::kOperandElems == 16 && !kIsF16<DT> && D_PAD == 64;
 
 // x, an accumulator tile whose rows are keys (or queries) in Isa::acc_key order, as the B operand of a
 // product over them, each value rounded once to 16 bits. FETCH_INACTIVE (other_half's) saves a move per
-// exchange and costs registers.
-template <bool FETCH_INACTIVE, class DT>
+// exchange and costs registers. PROBABILITIES: x holds no negative values (pack_probabilities).
+template <bool FETCH_INACTIVE, bool PROBABILITIES, class DT>
 RDNA_DEV Isa::Operand rounded_operand(DT dt, const v8f& x, int lane) {
   u32 bits[4];
   #pragma unroll
-  for (int w = 0; w < 4; ++w) bits[w] = pack_rounded(dt, x[2 * w], x[2 * w + 1]);
+  for (int w = 0; w < 4; ++w) {
+    const float lo = x[2 * w], hi = x[2 * w + 1];
+    bits[w] = PROBABILITIES ? pack_probabilities(dt, lo, hi) : pack_rounded(dt, lo, hi);
+  }
   return Isa::keys_to_operand<FETCH_INACTIVE>(bits, lane);
 }
 
 // The first product of each dK/dV query fragment takes a zero C operand. gfx11 has no inline zero for
 // it, and clang re-creates the zeros per fragment (8 moves) unless they are held in 8 VGPRs across the
-// query tiles (at d80 and up a tile is one fragment). Only where K is resident: there the head-dim loop
-// unrolls completely and the held zeros feed that product; a rolled loop copies them into its
-// accumulators anyway.
+// query tiles. Only where K is resident: there the head-dim loop unrolls completely and the held zeros
+// feed that product; a rolled loop copies them into its accumulators anyway.
 template <class DT, int D_PAD>
-constexpr bool kHeldZeroC = !Isa::kInlineZeroAccumulator && kResidentK<D_PAD> && !kNoSpareVgprs<DT, D_PAD>;
+constexpr bool kHeldZeroC = !Isa::kInlineZeroAccumulator && kResidentK<D_PAD> && !kDkdvNoSpareVgprs<DT, D_PAD>;
 
 // LDS of the dK/dV kernel; rdna_flash_attn/runtime/variants.py computes the same size.
 template <int D_PAD, int WAVES, int BLOCK_M, int D_CHUNK>
@@ -219,7 +222,7 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
   // accumulator set in registers, and the dV workgroups skip dP altogether.
   constexpr bool kBoth = kFusedDkdv<D_PAD>;
   constexpr int kJobs = kBoth ? kChunks : 2 * kChunks;
-  constexpr bool kFetchInactive = !kNoSpareVgprs<DT, D_PAD>;
+  constexpr bool kFetchInactive = !kDkdvNoSpareVgprs<DT, D_PAD>;
   const int job = block_id_x() % kJobs;
   const bool make_dk = kBoth || job >= kChunks;
   const int chunk = job % kChunks;
@@ -351,13 +354,13 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
           scores(Flag<false>{}, false);
         if constexpr (kBoth) {  // dV^T += dO^T P, then P turns into dS
           accumulate<kOutFrags, Shape::kTRow>(dt, dv_acc, dot_lds, qf * kFrag,
-                                              rounded_operand<kFetchInactive>(dt, s_acc, lane), lane);
+                                              rounded_operand<kFetchInactive, true>(dt, s_acc, lane), lane);
           #pragma unroll
           for (int s = 0; s < 8; ++s) s_acc[s] = dS(s, s_acc[s]);
         }
         // P (for dV) or dS (for dK)
         accumulate<kOutFrags, Shape::kTRow>(dt, acc, make_dk ? qt_lds : dot_lds, qf * kFrag,
-                                            rounded_operand<kFetchInactive>(dt, s_acc, lane), lane);
+                                            rounded_operand<kFetchInactive, false>(dt, s_acc, lane), lane);
       }
     }
   }
@@ -404,14 +407,14 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
   constexpr int kOutFrags = D_CHUNK / kFrag;
   constexpr int kDimFrags = D_PAD / kFrag;
   constexpr int kChunks = (D_PAD + D_CHUNK - 1) / D_CHUNK;
-  // A remainder iteration costs registers. Static: the unroll pragma in key_tile reads it.
-  static constexpr int kDimUnroll = kDimFrags % 2 == 0 ? 2 : 1;
+  constexpr int kDimUnroll = kDimFrags % 2 == 0 ? 2 : 1;  // a remainder iteration costs registers
   // The first steps of S and dP run ahead of their loop from a zero C operand, as the forward's S does
   // (fa_fwd.h, kPeeledScoreSteps): one trip of the loop, so that it keeps its parity. At gfx11's d64 one
   // step, and the other three stay a loop: after two, the last two unroll completely and spill (bench/
-  // results, stop 37). Static: the unroll pragma in key_tile reads it.
-  static constexpr bool kOnePeeled = !Isa::kInlineZeroAccumulator && kDimFrags == 4;
+  // results, stop 37).
+  constexpr bool kOnePeeled = !Isa::kInlineZeroAccumulator && kDimFrags == 4;
   constexpr int kPeeledSteps = kOnePeeled ? 1 : kDimUnroll;
+  // Static: the unroll pragma in key_tile reads it.
   static constexpr int kLoopUnroll = kOnePeeled ? 1 : kDimUnroll;
   constexpr bool kUniformBase = kUniformBaseDq<D_PAD, HAS_MASK>;
   const DT dt{};
@@ -532,8 +535,8 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
         } else {
           #pragma unroll
           for (int s = 0; s < 8; ++s) dp_acc[j][s] = s_acc[j][s] * (dp_acc[j][s] - delta);  // dS^T
-          accumulate<kOutFrags, Shape::kTRow>(dt, dq_acc, kt_lds, j * kFrag,
-                                              rounded_operand</*FETCH_INACTIVE=*/true>(dt, dp_acc[j], lane), lane);
+          const Isa::Operand ds_op = rounded_operand</*FETCH_INACTIVE=*/true, /*PROBABILITIES=*/false>(dt, dp_acc[j], lane);
+          accumulate<kOutFrags, Shape::kTRow>(dt, dq_acc, kt_lds, j * kFrag, ds_op, lane);
         }
       }
     };

@@ -349,7 +349,7 @@ struct FwdLoop {
         }
         exact_even += p[0];
         exact_odd += p[1];
-        p_bits[j][w] = pack_rounded(dt, p[0], p[1]);
+        p_bits[j][w] = pack_probabilities(dt, p[0], p[1]);
         tile_sum = add_pair(dt, p_bits[j][w], tile_sum);
       }
     row_sum = row_sum * rescale + tile_sum;

@@ -67,6 +67,14 @@ RDNA_DEV float round_even(float x) { return __builtin_rintf(x); }  // to the nea
 RDNA_DEV float as_f32(u32 x) { return __builtin_bit_cast(float, x); }
 RDNA_DEV u32 as_u32(float x) { return __builtin_bit_cast(u32, x); }
 
+// Two probabilities rounded to f16, packed (lo first): one v_fma_mix{lo,hi}_f16 (p * 1 + 0, rounded once)
+// each, where clang takes two conversions and a pack. The + 0 turns -0 into +0, so not for signed values.
+RDNA_DEV u32 pack_probabilities(f16, float lo, float hi) {
+  u32 bits;
+  __asm__("v_fma_mixlo_f16 %0, %1, 1.0, 0" : "=v"(bits) : "v"(lo));
+  __asm__("v_fma_mixhi_f16 %0, %1, 1.0, 0" : "+v"(bits) : "v"(hi));
+  return bits;
+}
 RDNA_DEV u16 to_bits(f16, float x) { return __builtin_bit_cast(u16, (_Float16)x); }
 RDNA_DEV float from_bits(f16, u16 x) { return (float)__builtin_bit_cast(_Float16, x); }
 

@@ -93,6 +93,7 @@ RDNA_DEV u32 pack_high_halves(u32 lo, u32 hi) { return (lo >> 16) | (hi & 0xffff
 RDNA_DEV u32 pack_rounded(f16, float lo, float hi) {
   return u32(to_bits(f16{}, lo)) | (u32(to_bits(f16{}, hi)) << 16);
 }
+RDNA_DEV u32 pack_probabilities(f16 dt, float lo, float hi) { return pack_rounded(dt, lo, hi); }
 RDNA_DEV float add_pair(f16, u32 pair, float acc) {
   return acc + (from_bits(f16{}, u16(pair)) + from_bits(f16{}, u16(pair >> 16)));
 }

@@ -46,6 +46,8 @@ RDNA_DEV u16 probability_bits(f16 dt, float rounded) { return to_bits(dt, rounde
 RDNA_DEV u32 pack_rounded(bf16, float lo, float hi) {
   return pack_high_halves(as_u32(lo) + 0x8000u, as_u32(hi) + 0x8000u);
 }
+// pack_rounded for probabilities (>= 0): f16 has a cheaper form on AMD (amdgcn.h).
+RDNA_DEV u32 pack_probabilities(bf16 dt, float lo, float hi) { return pack_rounded(dt, lo, hi); }
 
 RDNA_DEV u16 to_bits(bf16, float x) {
   const u32 u = as_u32(x);

@@ -241,6 +241,31 @@ def test_gfx11_dkdv_fragments_start_their_products_from_held_zeros(d):
         assert _sets_zero(last, register), (register, last)
 
 
+def _probability_roundings(loop) -> tuple[int, int]:
+    """A loop's f16 roundings of probabilities by v_fma_mix{lo,hi}_f16 p, 1.0, 0, and its f32 -> f16 conversions."""
+    mixes = sum(i.op in ("v_fma_mixlo_f16", "v_fma_mixhi_f16")
+                and [a.strip() for a in i.args.split(",")][2:] == ["1.0", "0"] for i in loop)
+    return mixes, sum(i.op.startswith("v_cvt_f16_f32") for i in loop)
+
+
+@pytest.mark.parametrize("target", ["gfx1100", "gfx1201"])
+def test_f16_probabilities_are_rounded_by_one_mix_each(target):
+    """pack_probabilities (kernels/platform/amdgcn.h) rounds each f16 probability with one v_fma_mix{lo,hi}_f16,
+    not two conversions and a pack per pair: the forward's 32 per lane and 64-key tile, d64 dK/dV's 8 (P for dV)
+    per query fragment, and no f32 -> f16 conversion left in either loop."""
+    if find_objdump() is None:
+        pytest.skip("llvm-objdump (>= 19) not installed")
+    forward = _shipped_listing(target)[variants.fwd_variant("f16", 64).symbol]
+    start, end = estimator.main_loop(forward)
+    assert _probability_roundings([i for i in forward if start <= i.addr <= end]) == (32, 0)
+    cfg, _ = _backward_cfg(target, "dkdv", 64)
+    main = estimate_gfx1100_backward.main_loop(cfg)
+    fragments = [blocks for h, blocks in cfg.loops.items() if h != main and blocks < cfg.loops[main]
+                 and any(op.startswith("v_wmma") for op in cfg.ops(blocks))]
+    assert len(fragments) == 1
+    assert _probability_roundings([i for b in sorted(fragments[0]) for i in cfg.blocks[b]]) == (8, 0)
+
+
 @pytest.mark.parametrize("target", ["gfx1100", "gfx1201"])
 @pytest.mark.parametrize("kind", ["dq", "dkdv"])
 def test_the_backward_transposed_tile_copies_pack_each_pair_with_one_perm(target, kind):
