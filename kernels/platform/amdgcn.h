@@ -67,14 +67,6 @@ RDNA_DEV float round_even(float x) { return __builtin_rintf(x); }  // to the nea
 RDNA_DEV float as_f32(u32 x) { return __builtin_bit_cast(float, x); }
 RDNA_DEV u32 as_u32(float x) { return __builtin_bit_cast(u32, x); }
 
-// Two probabilities rounded to f16, packed (lo first): one v_fma_mix{lo,hi}_f16 (p * 1 + 0, rounded once)
-// each, where clang takes two conversions and a pack. The + 0 turns -0 into +0, so not for signed values.
-RDNA_DEV u32 pack_probabilities(f16, float lo, float hi) {
-  u32 bits;
-  __asm__("v_fma_mixlo_f16 %0, %1, 1.0, 0" : "=v"(bits) : "v"(lo));
-  __asm__("v_fma_mixhi_f16 %0, %1, 1.0, 0" : "+v"(bits) : "v"(hi));
-  return bits;
-}
 RDNA_DEV u16 to_bits(f16, float x) { return __builtin_bit_cast(u16, (_Float16)x); }
 RDNA_DEV float from_bits(f16, u16 x) { return (float)__builtin_bit_cast(_Float16, x); }
 
@@ -107,6 +99,16 @@ typedef __bf16 v2bf __attribute__((ext_vector_type(2)));
 
 // Two values rounded to f16 (nearest even) as one packed word: two v_cvt_f16_f32 and a v_pack_b32_f16.
 RDNA_DEV u32 pack_rounded(f16, float lo, float hi) { return __builtin_bit_cast(u32, v2h{(_Float16)lo, (_Float16)hi}); }
+// Two probabilities rounded to f16, packed (lo first), each as p * 1 rounded once: clang selects one
+// v_fma_mix{lo,hi}_f16 for that (its + 0 turns -0 into +0: not for signed values), where a plain conversion
+// takes two v_cvt_f16_f32 and a v_pack_b32_f16 per pair. The 1 comes from an asm that clang cannot fold
+// away. The mix itself is not inline asm: LLVM's hazard recognizer does not look into asm (gfx110x must wait
+// before a VALU reads a v_exp_f32 result), and it does look at what it selects.
+RDNA_DEV u32 pack_probabilities(f16, float lo, float hi) {
+  float one;
+  __asm__("s_mov_b32 %0, 1.0" : "=s"(one));
+  return __builtin_bit_cast(u32, v2h{(_Float16)(lo * one), (_Float16)(hi * one)});
+}
 
 // acc + both 16-bit values of a packed word, in one v_dot2 against (1, 1): the products are exact.
 RDNA_DEV float add_pair(f16, u32 pair, float acc) {

@@ -242,17 +242,19 @@ def test_gfx11_dkdv_fragments_start_their_products_from_held_zeros(d):
 
 
 def _probability_roundings(loop) -> tuple[int, int]:
-    """A loop's f16 roundings of probabilities by v_fma_mix{lo,hi}_f16 p, 1.0, 0, and its f32 -> f16 conversions."""
+    """A loop's f16 roundings of probabilities, v_fma_mix{lo,hi}_f16 p, one, 0 with the 1.0 in an SGPR (dS's
+    mixes multiply by a VGPR), and its f32 -> f16 conversions."""
     mixes = sum(i.op in ("v_fma_mixlo_f16", "v_fma_mixhi_f16")
-                and [a.strip() for a in i.args.split(",")][2:] == ["1.0", "0"] for i in loop)
+                and re.fullmatch(r"s\d+", (args := [a.strip() for a in i.args.split(",")])[2]) is not None
+                and args[3] == "0" for i in loop)
     return mixes, sum(i.op.startswith("v_cvt_f16_f32") for i in loop)
 
 
 @pytest.mark.parametrize("target", ["gfx1100", "gfx1201"])
 def test_f16_probabilities_are_rounded_by_one_mix_each(target):
-    """pack_probabilities (kernels/platform/amdgcn.h) rounds each f16 probability with one v_fma_mix{lo,hi}_f16,
-    not two conversions and a pack per pair: the forward's 32 per lane and 64-key tile, d64 dK/dV's 8 (P for dV)
-    per query fragment, and no f32 -> f16 conversion left in either loop."""
+    """pack_probabilities (kernels/platform/amdgcn.h) has clang round each f16 probability with one
+    v_fma_mix{lo,hi}_f16, not two conversions and a pack per pair: the forward's 32 per lane and 64-key tile,
+    d64 dK/dV's 8 (P for dV) per query fragment, and no f32 -> f16 conversion left in either loop."""
     if find_objdump() is None:
         pytest.skip("llvm-objdump (>= 19) not installed")
     forward = _shipped_listing(target)[variants.fwd_variant("f16", 64).symbol]
