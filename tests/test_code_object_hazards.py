@@ -8,8 +8,10 @@ the wait for the instructions it selects, but not for inline asm: stop 44's firs
 rounded v_exp_f32 results with an asm v_fma_mix and read them unmitigated. gfx1150/1151 and gfx12 do not
 have the hazard.
 
-The scan runs in address order through each straight-line run of a kernel: a branch, or an instruction a
-branch lands on, ends the run (across those edges LLVM's own waits are taken on trust)."""
+The scan follows each kernel's control flow (branches, fall-throughs, loop back edges) to a fixed point, so
+a transcendental result is tracked into every block it can reach. It is at least as strict as LLVM: an
+accumulating instruction (v_fmac, v_dot2acc, v_fma_mix, v_permlanex16, ...) reads its destination, and a
+later write of the register does not end the hazard of the transcendental one."""
 
 from __future__ import annotations
 
@@ -37,31 +39,60 @@ def vgprs(operand: str) -> set[int]:
     return found
 
 
+# Instructions whose destination is also a source (an accumulator, or a half or lanes they keep).
+TIED = ("v_fmac_", "v_dual_fmac_", "v_dot2acc_", "v_dual_dot2acc_", "v_dot2c_", "v_fma_mixlo_", "v_fma_mixhi_",
+        "v_permlane", "v_writelane_", "v_mac_")
+BRANCH, NO_FALL_THROUGH = ("s_cbranch", "s_branch"), ("s_branch", "s_setpc", "s_endpgm")
+
+
 def reads_and_writes(op: str, args: str) -> tuple[set[int], set[int]]:
     """The VGPRs a VALU instruction reads and writes: its first operand is written (a VOPD names one per
-    half), except for v_cmpx, which writes only exec."""
+    half) and, for TIED instructions, read; v_cmpx writes only exec."""
     reads, writes = set(), set()
     for index, half in enumerate(args.split("::")):
         operands = [a.strip() for a in half.split(",")]
+        mnemonic = op
         if index:
-            operands[0] = operands[0].split(None, 1)[1]  # the second half's own mnemonic
-        if op.startswith("v_cmpx"):
+            mnemonic, operands[0] = operands[0].split(None, 1)  # the second half's own mnemonic
+        if mnemonic.startswith("v_cmpx"):
             reads |= set().union(*map(vgprs, operands))
-        else:
-            writes |= vgprs(operands[0])
-            reads |= set().union(*map(vgprs, operands[1:]))
+            continue
+        writes |= vgprs(operands[0])
+        reads |= set().union(*map(vgprs, operands[1 if not mnemonic.startswith(TIED) else 0:]))
     return reads, writes
 
 
 def branch_target(addr: int, op: str, args: str) -> int | None:
-    if not (op.startswith("s_cbranch") or op == "s_branch"):
+    if not op.startswith(BRANCH):
         return None
     offset = int(args.split()[0])
     return addr + 4 + 4 * (offset - 65536 if offset >= 32768 else offset)
 
 
+Pending = dict[int, tuple[int, int]]  # VGPR -> (VALU, transcendental) issued since a transcendental wrote it
+
+
+def run_block(block, pending: Pending, found: set[str], kernel: str) -> Pending:
+    """One basic block from the given state: records the reads that come too early, returns the state after."""
+    pending = dict(pending)
+    for addr, op, args in block:
+        if op.startswith(MEMORY) or op == "s_waitcnt_depctr" and (int(args, 16) >> 12) & 0xF == 0:
+            pending.clear()
+        if not op.startswith("v_"):
+            continue
+        reads, writes = reads_and_writes(op, args)
+        if reads & pending.keys():
+            found.add(f"{kernel}: {addr:#x} {op} {args}")
+        transcendental = op.startswith(TRANSCENDENTAL)
+        pending = {r: (valu + 1, trans + transcendental) for r, (valu, trans) in pending.items()  # TRANS is VALU too
+                   if valu + 1 < VALU_BETWEEN and trans + transcendental < TRANSCENDENTAL_BETWEEN}
+        if transcendental:
+            pending.update({r: (0, 0) for r in writes})
+    return pending
+
+
 def unmitigated_reads(listing: str) -> list[str]:
-    """'kernel: address op' of every VALU instruction that reads a transcendental result too early."""
+    """'kernel: address op' of every VALU instruction that can read a transcendental result too early."""
     kernels: dict[str, list[tuple[int, str, str]]] = {}
     name = None
     for line in listing.splitlines():
@@ -70,34 +101,37 @@ def unmitigated_reads(listing: str) -> list[str]:
             kernels[name] = []
         elif name and (m := _LINE.match(line)):
             kernels[name].append((int(m.group(3), 16), m.group(1), m.group(2)))
-    found = []
+    found: set[str] = set()
     for kernel, body in kernels.items():
         targets = {t for addr, op, args in body if (t := branch_target(addr, op, args)) is not None}
-        pending: dict[int, list[int]] = {}  # VGPR -> [VALU, transcendental] issued since a transcendental wrote it
-        for addr, op, args in body:
-            if addr in targets:
-                pending.clear()
-            if op.startswith(MEMORY) or op == "s_waitcnt_depctr" and (int(args, 16) >> 12) & 0xF == 0:
-                pending.clear()
-            if op.startswith("v_"):
-                reads, writes = reads_and_writes(op, args)
-                if any(r in pending and pending[r][0] < VALU_BETWEEN and pending[r][1] < TRANSCENDENTAL_BETWEEN
-                       for r in reads):
-                    found.append(f"{kernel}: {addr:#x} {op} {args}")
-                transcendental = op.startswith(TRANSCENDENTAL)
-                for counts in pending.values():  # a transcendental instruction counts as a VALU one too
-                    counts[0] += 1
-                    counts[1] += transcendental
-                for r in writes:
-                    pending.pop(r, None)
-                if transcendental:
-                    pending.update({r: [0, 0] for r in writes})
-            if op.startswith(("s_cbranch", "s_branch", "s_setpc", "s_endpgm")):
-                pending.clear()
-    return found
+        starts = sorted({0} | {i for i, (addr, _, _) in enumerate(body) if addr in targets}
+                        | {i + 1 for i, (_, op, _) in enumerate(body[:-1]) if op.startswith(BRANCH + NO_FALL_THROUGH)})
+        blocks = [body[a:b] for a, b in zip(starts, starts[1:] + [len(body)])]
+        index = {block[0][0]: i for i, block in enumerate(blocks)}
+        successors = []
+        for i, block in enumerate(blocks):
+            addr, op, args = block[-1]
+            nexts = [] if op.startswith(NO_FALL_THROUGH) or i + 1 == len(blocks) else [i + 1]
+            if (t := branch_target(addr, op, args)) in index:
+                nexts.append(index[t])
+            successors.append(nexts)
+        entry: list[Pending | None] = [{}] + [None] * (len(blocks) - 1)
+        work = [0]
+        while work:  # states only grow (more registers, smaller counts), so this ends
+            i = work.pop()
+            after = run_block(blocks[i], entry[i], found, kernel)
+            for j in successors[i]:
+                merged = dict(entry[j] or {})
+                for r, (valu, trans) in after.items():
+                    old = merged.get(r)
+                    merged[r] = (valu, trans) if old is None else (min(old[0], valu), min(old[1], trans))
+                if merged != entry[j]:
+                    entry[j] = merged
+                    work.append(j)
+    return sorted(found)
 
 
-def test_the_scan_finds_an_unmitigated_read_and_accepts_a_waited_distant_or_memory_separated_one():
+def test_the_scan_finds_early_reads_through_accumulators_and_branches_and_accepts_separated_ones():
     listing = "\n".join([
         "0000000000001000 <k>:",
         "\tv_exp_f32_e32 v1, v2                 // 000000001000: 00000000",
@@ -112,17 +146,27 @@ def test_the_scan_finds_an_unmitigated_read_and_accepts_a_waited_distant_or_memo
         "\tv_exp_f32_e32 v11, v2                // 000000001024: 00000000",
         "\tds_load_b128 v[20:23], v0            // 000000001028: 00000000",
         "\tv_add_f32_e32 v12, v11, v11          // 00000000102C: 00000000",
+        "\tv_exp_f32_e32 v13, v2                // 000000001030: 00000000",
+        "\tv_fmac_f32_e32 v13, v2, v2           // 000000001034: 00000000",
+        "\tv_exp_f32_e32 v14, v2                // 000000001038: 00000000",
+        "\ts_cbranch_execz 1                    // 00000000103C: 00000000",
+        "\tv_mov_b32_e32 v15, 0                 // 000000001040: 00000000",
+        "\tv_mov_b32_e32 v16, v14               // 000000001044: 00000000",
+        "\ts_endpgm                             // 000000001048: 00000000",
     ])
     assert unmitigated_reads(listing) == ["k: 0x1004 v_fma_mixlo_f16 v3, v1, s2, 0",
-                                          "k: 0x1020 v_dual_mov_b32 v9, v6 :: v_dual_mov_b32 v10, v7"]
+                                          "k: 0x1020 v_dual_mov_b32 v9, v6 :: v_dual_mov_b32 v10, v7",
+                                          "k: 0x1034 v_fmac_f32_e32 v13, v2, v2",
+                                          "k: 0x1044 v_mov_b32_e32 v16, v14"]
 
 
+@pytest.mark.parametrize("version", [5, 4])
 @pytest.mark.parametrize("target", HAZARD_TARGETS)
-def test_no_valu_reads_a_transcendental_result_unmitigated(target):
+def test_no_valu_reads_a_transcendental_result_unmitigated(target, version):
     objdump = find_objdump()
     if objdump is None:
         pytest.skip("llvm-objdump (>= 19) not installed")
-    path = artifacts.prebuilt_artifact(target).path
+    path = artifacts.prebuilt_artifact(target, version).path
     listing = subprocess.run([objdump, "-d", f"--mcpu={target}", str(path)], capture_output=True, text=True,
                              check=True).stdout
     found = unmitigated_reads(listing)
