@@ -16,19 +16,17 @@ later write of the register does not end the hazard of the transcendental one.""
 from __future__ import annotations
 
 import re
-import subprocess
 
 import pytest
 
+from bench.estimate_gfx1100 import Insn, classify, disassemble
+from bench.estimate_gfx1100_backward import branch_target
 from rdna_flash_attn.runtime import artifacts
 from rdna_flash_attn.tools.report import find_objdump
 
 HAZARD_TARGETS = ("gfx1100", "gfx1101", "gfx1102", "gfx1103")
-TRANSCENDENTAL = ("v_exp_", "v_log_", "v_rcp_", "v_rsq_", "v_sqrt_", "v_sin_", "v_cos_")
 VALU_BETWEEN, TRANSCENDENTAL_BETWEEN = 6, 2
 MEMORY = ("ds_", "global_", "buffer_", "flat_", "scratch_", "exp")  # these end the hazard as the wait does
-_LINE = re.compile(r"^\s+([a-z_0-9]+)\s*(.*?)\s*//\s*([0-9A-F]{12}):")
-_FUNCTION = re.compile(r"^[0-9a-f]+ <(\S+)>:")
 _VGPRS = re.compile(r"\bv(?:(\d+)\b|\[(\d+):(\d+)\])")
 
 
@@ -62,20 +60,14 @@ def reads_and_writes(op: str, args: str) -> tuple[set[int], set[int]]:
     return reads, writes
 
 
-def branch_target(addr: int, op: str, args: str) -> int | None:
-    if not op.startswith(BRANCH):
-        return None
-    offset = int(args.split()[0])
-    return addr + 4 + 4 * (offset - 65536 if offset >= 32768 else offset)
-
-
 Pending = dict[int, tuple[int, int]]  # VGPR -> (VALU, transcendental) issued since a transcendental wrote it
 
 
 def run_block(block, pending: Pending, found: set[str], kernel: str) -> Pending:
     """One basic block from the given state: records the reads that come too early, returns the state after."""
     pending = dict(pending)
-    for addr, op, args in block:
+    for insn in block:
+        addr, op, args = insn.addr, insn.op, insn.args
         if op.startswith(MEMORY) or op == "s_waitcnt_depctr" and (int(args, 16) >> 12) & 0xF == 0:
             pending.clear()
         if not op.startswith("v_"):
@@ -83,7 +75,7 @@ def run_block(block, pending: Pending, found: set[str], kernel: str) -> Pending:
         reads, writes = reads_and_writes(op, args)
         if reads & pending.keys():
             found.add(f"{kernel}: {addr:#x} {op} {args}")
-        transcendental = op.startswith(TRANSCENDENTAL)
+        transcendental = classify(op) == "trans"
         pending = {r: (valu + 1, trans + transcendental) for r, (valu, trans) in pending.items()  # TRANS is VALU too
                    if valu + 1 < VALU_BETWEEN and trans + transcendental < TRANSCENDENTAL_BETWEEN}
         if transcendental:
@@ -91,28 +83,19 @@ def run_block(block, pending: Pending, found: set[str], kernel: str) -> Pending:
     return pending
 
 
-def unmitigated_reads(listing: str) -> list[str]:
+def unmitigated_reads(kernels: dict[str, list[Insn]]) -> list[str]:
     """'kernel: address op' of every VALU instruction that can read a transcendental result too early."""
-    kernels: dict[str, list[tuple[int, str, str]]] = {}
-    name = None
-    for line in listing.splitlines():
-        if m := _FUNCTION.match(line):
-            name = m.group(1)
-            kernels[name] = []
-        elif name and (m := _LINE.match(line)):
-            kernels[name].append((int(m.group(3), 16), m.group(1), m.group(2)))
     found: set[str] = set()
     for kernel, body in kernels.items():
-        targets = {t for addr, op, args in body if (t := branch_target(addr, op, args)) is not None}
-        starts = sorted({0} | {i for i, (addr, _, _) in enumerate(body) if addr in targets}
-                        | {i + 1 for i, (_, op, _) in enumerate(body[:-1]) if op.startswith(BRANCH + NO_FALL_THROUGH)})
+        targets = {t for i in body if (t := branch_target(i)) is not None}
+        starts = sorted({0} | {n for n, i in enumerate(body) if i.addr in targets}
+                        | {n + 1 for n, i in enumerate(body[:-1]) if i.op.startswith(BRANCH + NO_FALL_THROUGH)})
         blocks = [body[a:b] for a, b in zip(starts, starts[1:] + [len(body)])]
-        index = {block[0][0]: i for i, block in enumerate(blocks)}
+        index = {block[0].addr: i for i, block in enumerate(blocks)}
         successors = []
         for i, block in enumerate(blocks):
-            addr, op, args = block[-1]
-            nexts = [] if op.startswith(NO_FALL_THROUGH) or i + 1 == len(blocks) else [i + 1]
-            if (t := branch_target(addr, op, args)) in index:
+            nexts = [] if block[-1].op.startswith(NO_FALL_THROUGH) or i + 1 == len(blocks) else [i + 1]
+            if (t := branch_target(block[-1])) in index:
                 nexts.append(index[t])
             successors.append(nexts)
         entry: list[Pending | None] = [{}] + [None] * (len(blocks) - 1)
@@ -132,32 +115,31 @@ def unmitigated_reads(listing: str) -> list[str]:
 
 
 def test_the_scan_finds_early_reads_through_accumulators_and_branches_and_accepts_separated_ones():
-    listing = "\n".join([
-        "0000000000001000 <k>:",
-        "\tv_exp_f32_e32 v1, v2                 // 000000001000: 00000000",
-        "\tv_fma_mixlo_f16 v3, v1, s2, 0       // 000000001004: 00000000",
-        "\tv_exp_f32_e32 v4, v2                 // 000000001008: 00000000",
-        "\ts_waitcnt_depctr 0xfff               // 00000000100C: 00000000",
-        "\tv_add_f32_e32 v5, v4, v4             // 000000001010: 00000000",
-        "\tv_exp_f32_e32 v6, v2                 // 000000001014: 00000000",
-        "\tv_exp_f32_e32 v7, v2                 // 000000001018: 00000000",
-        "\tv_exp_f32_e32 v8, v2                 // 00000000101C: 00000000",
-        "\tv_dual_mov_b32 v9, v6 :: v_dual_mov_b32 v10, v7  // 000000001020: 00000000",
-        "\tv_exp_f32_e32 v11, v2                // 000000001024: 00000000",
-        "\tds_load_b128 v[20:23], v0            // 000000001028: 00000000",
-        "\tv_add_f32_e32 v12, v11, v11          // 00000000102C: 00000000",
-        "\tv_exp_f32_e32 v13, v2                // 000000001030: 00000000",
-        "\tv_fmac_f32_e32 v13, v2, v2           // 000000001034: 00000000",
-        "\tv_exp_f32_e32 v14, v2                // 000000001038: 00000000",
-        "\ts_cbranch_execz 1                    // 00000000103C: 00000000",
-        "\tv_mov_b32_e32 v15, 0                 // 000000001040: 00000000",
-        "\tv_mov_b32_e32 v16, v14               // 000000001044: 00000000",
-        "\ts_endpgm                             // 000000001048: 00000000",
-    ])
-    assert unmitigated_reads(listing) == ["k: 0x1004 v_fma_mixlo_f16 v3, v1, s2, 0",
-                                          "k: 0x1020 v_dual_mov_b32 v9, v6 :: v_dual_mov_b32 v10, v7",
-                                          "k: 0x1034 v_fmac_f32_e32 v13, v2, v2",
-                                          "k: 0x1044 v_mov_b32_e32 v16, v14"]
+    body = [
+        Insn(0x1000, "v_exp_f32_e32", "v1, v2"),
+        Insn(0x1004, "v_fma_mixlo_f16", "v3, v1, s2, 0"),
+        Insn(0x1008, "v_exp_f32_e32", "v4, v2"),
+        Insn(0x100C, "s_waitcnt_depctr", "0xfff"),
+        Insn(0x1010, "v_add_f32_e32", "v5, v4, v4"),
+        Insn(0x1014, "v_exp_f32_e32", "v6, v2"),
+        Insn(0x1018, "v_exp_f32_e32", "v7, v2"),
+        Insn(0x101C, "v_exp_f32_e32", "v8, v2"),
+        Insn(0x1020, "v_dual_mov_b32", "v9, v6 :: v_dual_mov_b32 v10, v7"),
+        Insn(0x1024, "v_exp_f32_e32", "v11, v2"),
+        Insn(0x1028, "ds_load_b128", "v[20:23], v0"),
+        Insn(0x102C, "v_add_f32_e32", "v12, v11, v11"),
+        Insn(0x1030, "v_exp_f32_e32", "v13, v2"),
+        Insn(0x1034, "v_fmac_f32_e32", "v13, v2, v2"),
+        Insn(0x1038, "v_exp_f32_e32", "v14, v2"),
+        Insn(0x103C, "s_cbranch_execz", "1"),
+        Insn(0x1040, "v_mov_b32_e32", "v15, 0"),
+        Insn(0x1044, "v_mov_b32_e32", "v16, v14"),
+        Insn(0x1048, "s_endpgm", ""),
+    ]
+    assert unmitigated_reads({"k": body}) == ["k: 0x1004 v_fma_mixlo_f16 v3, v1, s2, 0",
+                                              "k: 0x1020 v_dual_mov_b32 v9, v6 :: v_dual_mov_b32 v10, v7",
+                                              "k: 0x1034 v_fmac_f32_e32 v13, v2, v2",
+                                              "k: 0x1044 v_mov_b32_e32 v16, v14"]
 
 
 @pytest.mark.parametrize("version", [5, 4])
@@ -167,7 +149,5 @@ def test_no_valu_reads_a_transcendental_result_unmitigated(target, version):
     if objdump is None:
         pytest.skip("llvm-objdump (>= 19) not installed")
     path = artifacts.prebuilt_artifact(target, version).path
-    listing = subprocess.run([objdump, "-d", f"--mcpu={target}", str(path)], capture_output=True, text=True,
-                             check=True).stdout
-    found = unmitigated_reads(listing)
+    found = unmitigated_reads(disassemble(objdump, path, target))
     assert not found, f"{len(found)} unmitigated reads, first: {found[:3]}"
