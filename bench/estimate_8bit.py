@@ -4,12 +4,15 @@ the exact kernel of the same head dim, with and without its quantizing pass (ker
 
 Not a measurement. The attention kernel's key-tile loop goes through bench/estimate_gfx1100.py's reading of
 the disassembly and its model unchanged, with one addition: an 8-bit WMMA costs half a 16-bit one on gfx12
-(AMD's matrix instruction calculator: 8 cycles against 16). The calibration factor is the forward's.
+(AMD's matrix instruction calculator: 8 cycles against 16). The calibration factor is the forward's. Where
+the kernel skips O's rescale on tiles without a new row maximum, that block counts on the forward's share
+of the tiles (estimate_gfx1100.rescaled_tile_share).
 
-The quantizing pass is memory-bound (a few VALU operations per value against 4.3 bytes): its cost here is
-the bytes its two launches move over the 9070 XT's 640 GB/s, an optimistic figure (full DRAM bandwidth,
-no launch gap): 16-bit Q read once and K and V twice (channel statistics, then codes), the 8-bit codes
-written once, and the scales (a float per query row, per 16 keys, and two per channel).
+K and V's quantizing pass is memory-bound (a few VALU operations per value against 5 bytes): its cost here
+is the bytes its two launches move over the 9070 XT's 640 GB/s, an optimistic figure (full DRAM bandwidth,
+no launch gap): 16-bit K and V read twice (channel statistics, then codes), their 8-bit codes written once,
+and the scales (a float per 16 keys, three per channel). The kernel quantizes Q itself: it reads 16-bit Q
+rows where it read 8-bit ones, once per workgroup, outside the key-tile loop the model counts.
 
     python3 bench/estimate_8bit.py prebuilt/rdna_fa_gfx1201.hsaco --json bench/results/estimate_8bit.json \\
         --md bench/results/estimate_8bit.md
@@ -35,10 +38,10 @@ SPEEDUP_TARGET, PUBLISHED_FP8 = 1.7, 117.0  # issue 24: over the exact kernel at
 
 
 def pass_bytes(d: int) -> float:
-    """Bytes the quantizing pass moves per (batch, head) at SEQ tokens (self-attention, one K/V head)."""
+    """Bytes K and V's quantizing pass moves per (batch, head) at SEQ tokens (self-attention, one K/V head)."""
     values = estimator.SEQ * d
-    scales = 4 * (estimator.SEQ + estimator.SEQ // variants.FWD8_SCALE_KEYS + 3 * d)
-    return values * (2 + 2 * 2 * 2) + values * 3 + scales
+    scales = 4 * (estimator.SEQ // variants.FWD8_SCALE_KEYS + 3 * d)
+    return values * 2 * 2 * 2 + values * 2 + scales
 
 
 def pass_seconds(pass_bytes: float, hw: estimator.Hardware) -> float:
@@ -51,7 +54,9 @@ def eight_bit_row(functions, co, kernels, dtype: str, d: int) -> dict:
     body = functions[variant.symbol]
     main = estimator.main_loop(body)
     loops = estimator.inner_loops(body, main, variant, peeled_steps=1)  # fa_fwd8.h: S's first step
-    counts = estimator.count_tile(body, main, loops)
+    skips_rescale = bool(estimator.skipped_blocks(body, main, loops))
+    counts = estimator.count_tile(body, main, loops, estimator.rescaled_tile_share(variant.block_n) if skips_rescale
+                                  else None)
     expected = 2 * variant.d_pad // 16 * (variant.block_n // 16)  # S^T and O^T, both over d_pad
     if counts.wmma != expected or counts.wmma_8bit != expected:
         raise RuntimeError(f"{variant.symbol}: {counts.wmma} WMMA ({counts.wmma_8bit} 8-bit) per tile, "
@@ -62,7 +67,7 @@ def eight_bit_row(functions, co, kernels, dtype: str, d: int) -> dict:
     flops = 4.0 * estimator.SEQ * estimator.SEQ * d * estimator.BATCH_HEADS
     attention_s = flops / (model["tflops_pess"] * 1e12)
     with_pass = round(flops / (attention_s + pass_seconds(pass_bytes(d), hw)) / 1e12, 1)
-    return {"kernel": variant.symbol, "dtype": dtype, "d": d, "d_pad": variant.d_pad,
+    return {"kernel": variant.symbol, "dtype": dtype, "d": d, "d_pad": variant.d_pad, "skips_rescale": skips_rescale,
             "waves_per_simd": occ.waves_per_simd, "occupancy_limit": occ.limited_by,
             "counts_per_wave_tile": {k: v for k, v in vars(counts).items() if k not in ("valu_mix",)},
             "model": model, "tflops_pess_with_pass": with_pass, "pass_bytes_per_head": pass_bytes(d)}
@@ -92,8 +97,9 @@ def markdown(rows: list[dict]) -> str:
              f"Not measured: `bench/estimate_8bit.py` reads the shipped code object's disassembly through "
              f"`bench/estimate_gfx1100.py`'s model, an 8-bit WMMA at half a 16-bit one's cycles, calibrated "
              f"x{estimator.CALIBRATION['gfx1201']} like the forward. {estimator.SEQ} tokens, batch x heads "
-             f"{estimator.BATCH_HEADS}, non-causal; TFLOP/s on 4*Sq*Sk*d (useful d), pessimistic column. The "
-             f"quantizing pass (kernels/quant8.h): its bytes over {hw.dram_gbs:g} GB/s (uncalibrated, optimistic).", "",
+             f"{estimator.BATCH_HEADS}, non-causal; TFLOP/s on 4*Sq*Sk*d (useful d), pessimistic column. K and "
+             f"V's quantizing pass (kernels/quant8.h; the kernel quantizes Q itself): its bytes over "
+             f"{hw.dram_gbs:g} GB/s (uncalibrated, optimistic).", "",
              "| dtype | d | exact kernel | 8-bit kernel | x exact | 8-bit with its pass | x exact | pass MB per head | bound | waves/SIMD |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -2,10 +2,10 @@
 // twice the 16-bit rate. S^T = K Q^T on the int8 WMMA (exact int32 sums), O^T += V^T P^T on the fp8
 // (OCP e4m3) one with float32 sums; the online softmax between them is the 16-bit forward's (fa_fwd.h).
 //
-// The inputs arrive quantized by one pass on the GPU (rdna_flash_attn/ops/quantized.py), in buffers of
-// this kernel's layout: head dim zero-padded to D_PAD, keys zero-padded to whole tiles, so no load is
-// predicated or clamped.
-// - Q as int8, one scale per query row, the softmax scale and log2(e) folded in;
+// Q is read in 16 bits and quantized here, once per workgroup: int8, one scale per query row (quant8.h's
+// rounding), the softmax scale and log2(e) folded in. K and V arrive quantized by one pass on the GPU
+// (kernels/quant8.h), in buffers of this kernel's layout: head dim zero-padded to D_PAD, keys zero-padded
+// to whole tiles, so no load of a key tile is predicated or clamped.
 // - K smoothed (its per-channel mean over the keys subtracted: that moves every score of a row by the
 //   same amount, which softmax ignores) as int8, one scale per 16 keys (one WMMA fragment: a wave-uniform
 //   multiplier per fragment);
@@ -14,14 +14,14 @@
 // P is relative to the running maximum, at most 1: it is scaled by 448 (e4m3's largest value) before
 // its rounding to fp8, which the row sum (of the unrounded values) carries too, so it cancels.
 #pragma once
-#include "tiles.h"
+#include "quant8.h"
 
 namespace rdna {
 
 // Kernel argument block; mirrored by rdna_flash_attn/ops/launch_args.py (Fwd8Args).
 struct Fwd8Args {
-  const u32* q8;         // (batch, heads, seqlen_q, D_PAD) int8
-  const float* q_scale;  // (batch, heads, seqlen_q): dequantisation x softmax scale x log2(e)
+  const u16* q;  // 16-bit, strided
+  i64 q_stride_b, q_stride_h, q_stride_s;
   const u32* k8;         // (batch, kv_heads, k_rows, D_PAD) int8
   const float* k_scale;  // (batch, kv_heads, k_rows / 16)
   const u32* vt8;        // (batch, kv_heads, D_PAD, k_rows) e4m3
@@ -30,6 +30,7 @@ struct Fwd8Args {
   u16* o;
   i64 o_stride_b, o_stride_h, o_stride_s;
   int heads, kv_heads, seqlen_q, seqlen_k, k_rows, head_dim;
+  float scale_log2;  // softmax scale x log2(e)
 };
 
 constexpr float kLog2Fp8Max = 8.807354922057604f;  // log2(448)
@@ -56,12 +57,46 @@ RDNA_DEV Isa::Operand8 load_operand8(const u32* tile, int col0, int lane) {
   return *reinterpret_cast<const Isa::Operand8*>(tile + (lane & 15) * ROW_WORDS + (col0 + Isa::operand_k0(lane)) / 4);
 }
 
+// The wave's 16 query rows as int8 codes in LDS rows ROW_WORDS words apart (a row's 16-bit values
+// split between lanes r and r + 16, half the head dim each; zeros past head_dim and past seqlen_q) and
+// the lane's row scale times softmax scale x log2(e), returned. The scale maps the row's largest |value|
+// to 127: 1 for a row of zeros, NaN for a row with a NaN (quant8.h's scale_for).
+template <class DT, int D_PAD, int ROW_WORDS>
+RDNA_DEV float quantize_q_rows(const Fwd8Args& a, const u16* q_row, bool real_row, u32* wave_q, int lane) {
+  constexpr int kHalf = D_PAD / 2;
+  const DT dt{};
+  const int col0 = (lane >> 4) * kHalf;
+  u32x4 raw[kHalf / 8];  // every load issued before the first use: one memory round trip
+  #pragma unroll
+  for (int p = 0; p < kHalf / 8; ++p) {
+    raw[p] = zero_u32x4();
+    if (real_row && col0 + p * 8 < a.head_dim) raw[p] = load16(q_row + col0 + p * 8);
+  }
+  float x[kHalf];
+  #pragma unroll
+  for (int c = 0; c < kHalf; ++c) x[c] = from_bits(dt, element_of(raw[c / 8], c % 8));
+  float amax = 0.f;
+  bool nan = false;
+  #pragma unroll
+  for (int c = 0; c < kHalf; ++c) {
+    amax = max_f32(amax, abs_f32(x[c]));
+    nan |= x[c] != x[c];
+  }
+  amax = max_f32(amax, other_half(amax));
+  nan |= other_half(nan ? 1.f : 0.f) != 0.f;
+  const float scale = scale_for(amax, nan, kInt8Max);
+  u32* const codes = wave_q + (lane & 15) * ROW_WORDS + col0 / 4;
+  #pragma unroll
+  for (int w = 0; w < kHalf / 4; ++w) codes[w] = int8_codes(&x[4 * w], scale);
+  return scale * a.scale_log2;
+}
+
 // Copies ROWS rows of BYTES bytes (a whole number of 16-byte pieces) from global rows `stride` words
 // apart into LDS rows LDS_ROW words apart. Every load is issued before the first store: one memory
-// round trip. Rows at or past `rows` (Q's last block) are zero. Loads take the uniform `src` plus a
-// 32-bit byte offset per lane (load16_at): the dispatch keeps ROWS x stride below 2^29 words.
+// round trip. Loads take the uniform `src` plus a 32-bit byte offset per lane (load16_at): the
+// dispatch keeps ROWS x stride below 2^29 words.
 template <int ROWS, int BYTES, int LDS_ROW, int THREADS>
-RDNA_DEV void copy_byte_rows(u32* dst, const u32* src, int stride, int rows, int tid) {
+RDNA_DEV void copy_byte_rows(u32* dst, const u32* src, int stride, int tid) {
   constexpr int kPieces = BYTES / 16;
   constexpr int kTotal = ROWS * kPieces;
   constexpr int kLoads = (kTotal + THREADS - 1) / THREADS;
@@ -70,7 +105,7 @@ RDNA_DEV void copy_byte_rows(u32* dst, const u32* src, int stride, int rows, int
   for (int n = 0; n < kLoads; ++n) {
     const int i = tid + n * THREADS, r = i / kPieces;
     val[n] = zero_u32x4();
-    if ((kTotal % THREADS == 0 || i < kTotal) && r < rows)
+    if (kTotal % THREADS == 0 || i < kTotal)
       val[n] = load16_at(reinterpret_cast<const u16*>(src), u32(r * stride + i % kPieces * 4) * 4u);
   }
   #pragma unroll
@@ -87,6 +122,10 @@ RDNA_DEV void fwd8_body(const Fwd8Args& a, u32* lds) {
   constexpr int kKeyFrags = BLOCK_N / kFrag;
   constexpr int kDimFrags = D_PAD / kFrag;
   constexpr int kWordsPerRow = D_PAD / 4;
+  // A tile where no row of the wave meets a new maximum skips rescaling O (a multiplication by exactly
+  // 1), as fa_fwd.h's kSkipsRescale. Below 8 output fragments the branch saves nothing (d64, d96: the
+  // same VALU count per tile with it).
+  constexpr bool kSkipsRescale = kDimFrags >= 8;
   const DT dt{};
   const float kNegInf = -__builtin_inff();
 
@@ -96,20 +135,18 @@ RDNA_DEV void fwd8_body(const Fwd8Args& a, u32* lds) {
   const i64 head = block_id_y(), batch = block_id_z();
   const i64 kv_head = head / (a.heads / a.kv_heads);
   const int q0 = block_id_x() * Shape::kBlockM;
-  const i64 q_head = batch * a.heads + head, kv = batch * a.kv_heads + kv_head;
+  const i64 kv = batch * a.kv_heads + kv_head;
 
-  u32* const q_lds = lds + Shape::kQOffset;
   u32* const k_lds = lds + Shape::kKOffset;
   u32* const vt_lds = lds + Shape::kVtOffset;
-  copy_byte_rows<Shape::kBlockM, D_PAD, Shape::kRowWords, Shape::kThreads>(
-      q_lds, a.q8 + (q_head * a.seqlen_q + q0) * kWordsPerRow, kWordsPerRow, a.seqlen_q - q0, tid);
-
+  u32* const wave_q = lds + Shape::kQOffset + wave * kFrag * Shape::kRowWords;
   const int query = q0 + wave * kFrag + (lane & 15);
-  const float q_scale = query < a.seqlen_q ? a.q_scale[q_head * a.seqlen_q + query] : 0.f;
+  const float q_scale = quantize_q_rows<DT, D_PAD, Shape::kRowWords>(
+      a, a.q + batch * a.q_stride_b + head * a.q_stride_h + i64(query) * a.q_stride_s, query < a.seqlen_q, wave_q,
+      lane);
   const u32* const k8 = a.k8 + kv * a.k_rows * kWordsPerRow;
   const u32* const vt8 = a.vt8 + kv * D_PAD * (a.k_rows / 4);
   const float* const k_scale = a.k_scale + kv * (a.k_rows / kFrag);
-  const u32* const wave_q = q_lds + wave * kFrag * Shape::kRowWords;
 
   v8f o_acc[kDimFrags];
   #pragma unroll
@@ -121,9 +158,8 @@ RDNA_DEV void fwd8_body(const Fwd8Args& a, u32* lds) {
     constexpr bool MASKED = decltype(masked_flag)::value;
     block_barrier();  // every wave is done with the previous tile
     copy_byte_rows<BLOCK_N, D_PAD, Shape::kRowWords, Shape::kThreads>(k_lds, k8 + i64(key0) * kWordsPerRow,
-                                                                       kWordsPerRow, BLOCK_N, tid);
-    copy_byte_rows<D_PAD, BLOCK_N, Shape::kVtRowWords, Shape::kThreads>(vt_lds, vt8 + key0 / 4, a.k_rows / 4, D_PAD,
-                                                                         tid);
+                                                                       kWordsPerRow, tid);
+    copy_byte_rows<D_PAD, BLOCK_N, Shape::kVtRowWords, Shape::kThreads>(vt_lds, vt8 + key0 / 4, a.k_rows / 4, tid);
     block_barrier();
 
     // The first head-dim step's products start from the WMMA's inline zero: no accumulator zeroing.
@@ -145,28 +181,44 @@ RDNA_DEV void fwd8_body(const Fwd8Args& a, u32* lds) {
                     q_op);
     }
 
-    // Scores in log2 units: the int32 sums (below 2^24, exact in float32) times both scales.
-    float s[kKeyFrags][8];
+    // Scores in log2 units are the int32 sums (below 2^24, exact in float32) times both scales, one
+    // positive step per key fragment: a fragment's maximum is taken over its sums, then scaled (rounding
+    // keeps the order, so this is the maximum of the scaled scores).
+    float sums[kKeyFrags][8], step[kKeyFrags];
     float tile_max = kNegInf;
     #pragma unroll
     for (int j = 0; j < kKeyFrags; ++j) {
-      const float step = q_scale * k_scale[key0 / kFrag + j];
+      step[j] = q_scale * k_scale[key0 / kFrag + j];
+      float top = kNegInf;
       #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        s[j][e] = float(s_acc[j][e]) * step;
-        if (MASKED && key0 + j * kFrag + Isa::acc_key(lane, e) >= a.seqlen_k) s[j][e] = kNegInf;
-        tile_max = max_f32(tile_max, s[j][e]);
+        sums[j][e] = float(s_acc[j][e]);
+        if (MASKED && key0 + j * kFrag + Isa::acc_key(lane, e) >= a.seqlen_k) sums[j][e] = kNegInf;
+        top = max_f32(top, sums[j][e]);
       }
+      tile_max = max_f32(tile_max, top * step[j]);
     }
     tile_max = max_f32(tile_max, other_half(tile_max));
-    const float new_max = max_f32(row_max, tile_max);  // finite: every tile has a key below seqlen_k
-    const float rescale = exp2_approx(row_max - new_max);
-    row_max = new_max;
-    // P = exp2(s - bias) <= 448 at the row maximum. bias rounds to float32: from |new_max| near 2^20 it can
-    // fall short by more than log2(464 / 448), and the conversion turns values above 464 into NaN. One
-    // float32 step up (a per-row test) keeps the maximum's P at or below 448.
-    float bias = new_max - kLog2Fp8Max;
-    if (new_max - bias > kLog2Fp8Max) bias = as_f32(as_u32(bias) + (bias >= 0.f ? 1u : 0xffffffffu));
+    auto scale_output = [&](float rescale) {
+      #pragma unroll
+      for (int f = 0; f < kDimFrags; ++f)
+        #pragma unroll
+        for (int e = 0; e < 8; ++e) o_acc[f][e] *= rescale;
+    };
+    float rescale = 1.f;
+    if (!kSkipsRescale || any_lane(tile_max > row_max)) {  // wave-uniform
+      const float new_max = max_f32(row_max, tile_max);  // finite: every tile has a key below seqlen_k
+      rescale = exp2_approx(row_max - new_max);
+      row_max = new_max;
+      if constexpr (kSkipsRescale) scale_output(rescale);
+    }
+    // P = exp2(s - bias) <= 448, or the conversion turns values above 464 into NaN. Each exponent is one
+    // fma of the unrounded product, which can exceed the rounded maximum by half an ulp (more than
+    // log2(464 / 448) from |row_max| near 2^20): the bias is taken from at least one ulp above it. bias
+    // rounds to float32 too: one float32 step up (a per-row test) keeps top - bias <= log2(448).
+    const float top = fma_f32(abs_f32(row_max), 0x1p-23f, row_max);
+    float bias = top - kLog2Fp8Max;
+    if (top - bias > kLog2Fp8Max) bias = as_f32(as_u32(bias) + (bias >= 0.f ? 1u : 0xffffffffu));
 
     Isa::Operand8 p_op[kKeyFrags];
     float tile_sum = 0.f;
@@ -175,16 +227,14 @@ RDNA_DEV void fwd8_body(const Fwd8Args& a, u32* lds) {
       float p[8];
       #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        p[e] = exp2_approx(s[j][e] - bias);  // exp2(-inf) = 0 for the masked keys
+        p[e] = exp2_approx(fma_f32(sums[j][e], step[j], -bias));
+        if (MASKED && sums[j][e] == kNegInf) p[e] = 0.f;  // not exp2(-inf x 0) = NaN where a step underflows
         tile_sum += p[e];
       }
       p_op[j] = Isa::keys_to_operand8(pack_fp8x4(p[0], p[1], p[2], p[3]), pack_fp8x4(p[4], p[5], p[6], p[7]));
     }
     row_sum = row_sum * rescale + tile_sum;
-    #pragma unroll
-    for (int f = 0; f < kDimFrags; ++f)
-      #pragma unroll
-      for (int e = 0; e < 8; ++e) o_acc[f][e] *= rescale;
+    if constexpr (!kSkipsRescale) scale_output(rescale);
 
     #pragma unroll
     for (int j = 0; j < kKeyFrags; ++j)

@@ -1,15 +1,15 @@
-// The 8-bit forward's quantizing pass (gfx12; fa_fwd8.h takes its output): two launches.
+// The 8-bit forward's quantizing pass for K and V (gfx12; fa_fwd8.h takes its output and quantizes Q
+// itself, with this file's rounding): two launches.
 //
 // quant8_stats: one workgroup per (batch, key/value head) reads K and V once and writes, per channel,
 // K's mean, V's mean and V's scale (largest |V - mean| / 448, e4m3's largest value). Summed in a fixed
 // order: the same inputs give the same bits.
-// quant8_codes: one workgroup per 64 tokens of one head reads Q (and, for heads below kv_heads, K and V)
-// once more and writes the codes in fa_fwd8.h's layout:
-// - Q as int8, one scale per row (the largest |value| / 127), times softmax scale x log2(e);
+// quant8_codes: one workgroup per 64 keys of one key/value head reads K and V once more and writes the
+// codes in fa_fwd8.h's layout:
 // - K - mean as int8, one scale per 16 keys;
 // - V - mean as e4m3 with its channel's scale, transposed (a row per channel) through LDS.
 // Rows past the sequence (keys up to k_rows) and channels past head_dim are written as zeros, scales of
-// all-zero rows or blocks as 1, so fa_fwd8.h reads whole tiles with no mask on its loads.
+// all-zero blocks as 1, so fa_fwd8.h reads whole tiles with no mask on its loads.
 #pragma once
 #include "tiles.h"
 
@@ -17,26 +17,21 @@ namespace rdna {
 
 // Kernel argument block; mirrored by rdna_flash_attn/ops/launch_args.py (Quant8Args).
 struct Quant8Args {
-  const u16* q;
   const u16* k;
   const u16* v;
-  i64 q_stride_b, q_stride_h, q_stride_s;
   i64 k_stride_b, k_stride_h, k_stride_s;
   i64 v_stride_b, v_stride_h, v_stride_s;
-  u32* q8;
-  float* q_scale;
   u32* k8;
   float* k_scale;
   u32* vt8;
   float* k_mean;  // (batch, kv_heads, D_PAD), written by quant8_stats
   float* v_mean;
   float* v_scale;
-  int heads, kv_heads, seqlen_q, seqlen_k, k_rows, head_dim;
-  float scale_log2;  // softmax scale x log2(e)
+  int kv_heads, seqlen_k, k_rows, head_dim;
 };
 
 constexpr int kQuantThreads = 256;  // quant8_stats
-constexpr int kQuantRows = 64;      // quant8_codes: tokens per workgroup, one thread each
+constexpr int kQuantRows = 64;      // quant8_codes: keys per workgroup, one thread each
 constexpr float kInt8Max = 127.f;
 constexpr float kFp8Max = 448.f;
 
@@ -130,23 +125,26 @@ RDNA_DEV void quant8_stats_body(const Quant8Args& a, float* lds) {
   }
 }
 
-// A row of head_dim values (zeros past it) as int8 codes of x / scale, 4 to a word, stored as 16-byte
-// pieces: the scale maps the row's (or block's) largest |value| to 127.
+// Four values as int8 codes of x / scale (rounded to nearest even, clamped to +-127), one to a byte.
+RDNA_DEV u32 int8_codes(const float* x, float scale) {
+  u32 word = 0;
+  #pragma unroll
+  for (int b = 0; b < 4; ++b) {
+    const float code = min_f32(max_f32(round_even(x[b] / scale), -kInt8Max), kInt8Max);
+    word |= (u32(int(code)) & 0xffu) << (8 * b);
+  }
+  return word;
+}
+
+// A row of head_dim values (zeros past it) as int8 codes of x / scale, stored as 16-byte pieces: the
+// scale maps the block's largest |value| to 127.
 template <int D_PAD>
 RDNA_DEV void store_int8_row(u32* dst, const float (&x)[D_PAD], float scale) {
   #pragma unroll
   for (int p = 0; p < D_PAD / 16; ++p) {
     u32x4 piece;
     #pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      u32 word = 0;
-      #pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const float code = min_f32(max_f32(round_even(x[16 * p + 4 * w + b] / scale), -kInt8Max), kInt8Max);
-        word |= (u32(int(code)) & 0xffu) << (8 * b);
-      }
-      piece[w] = word;
-    }
+    for (int w = 0; w < 4; ++w) piece[w] = int8_codes(&x[16 * p + 4 * w], scale);
     store16(reinterpret_cast<u16*>(dst + 4 * p), piece);
   }
 }
@@ -169,43 +167,24 @@ RDNA_DEV void quant8_codes_body(const Quant8Args& a, u32* lds) {
   constexpr int kWordsPerRow = D_PAD / 4;
   const DT dt{};
   const int tid = thread_id();
-  const i64 head = block_id_y(), batch = block_id_z();
+  const i64 kv_head = block_id_y(), batch = block_id_z();
   const int row0 = block_id_x() * kQuantRows, row = row0 + tid;
   float x[D_PAD];
 
-  if (row0 < a.seqlen_q) {  // Q: one scale per row
-    load_row(dt, a.q + head_offset(batch, head, a.q_stride_b, a.q_stride_h), a.q_stride_s, row, a.seqlen_q,
-             a.head_dim, x);
-    float amax = 0.f;
-    bool nan = false;
-    #pragma unroll
-    for (int c = 0; c < D_PAD; ++c) {
-      amax = max_f32(amax, x[c] < 0.f ? -x[c] : x[c]);
-      nan |= x[c] != x[c];
-    }
-    const float scale = scale_for(amax, nan, kInt8Max);
-    const i64 at = (batch * a.heads + head) * a.seqlen_q + row;
-    if (row < a.seqlen_q) {
-      a.q_scale[at] = scale * a.scale_log2;
-      store_int8_row(a.q8 + at * kWordsPerRow, x, scale);
-    }
-  }
-  if (head >= a.kv_heads || row0 >= a.k_rows) return;  // uniform: the workgroup leaves together
-
-  const i64 kv = batch * a.kv_heads + head;
+  const i64 kv = batch * a.kv_heads + kv_head;
   const float* k_mean = a.k_mean + kv * D_PAD;
   const float* v_mean = a.v_mean + kv * D_PAD;
   const float* v_scale = a.v_scale + kv * D_PAD;
   // K - mean: one scale per 16 rows, their largest |value| shared through LDS.
   float* const block_amax = reinterpret_cast<float*>(lds + Shape::kAmaxOffset);
-  load_row(dt, a.k + head_offset(batch, head, a.k_stride_b, a.k_stride_h), a.k_stride_s, row, a.seqlen_k, a.head_dim,
+  load_row(dt, a.k + head_offset(batch, kv_head, a.k_stride_b, a.k_stride_h), a.k_stride_s, row, a.seqlen_k, a.head_dim,
            x);
   float amax = 0.f;
   bool nan = false;
   #pragma unroll
   for (int c = 0; c < D_PAD; ++c) {
     x[c] = row < a.seqlen_k ? x[c] - k_mean[c] : 0.f;
-    amax = max_f32(amax, x[c] < 0.f ? -x[c] : x[c]);
+    amax = max_f32(amax, abs_f32(x[c]));
     nan |= x[c] != x[c];
   }
   block_amax[tid] = nan ? __builtin_nanf("") : amax;  // a NaN row makes its block's scale NaN
@@ -221,7 +200,7 @@ RDNA_DEV void quant8_codes_body(const Quant8Args& a, u32* lds) {
   store_int8_row(a.k8 + (kv * a.k_rows + row) * kWordsPerRow, x, scale);
 
   // V - mean as e4m3, transposed: this thread's key becomes byte `tid` of every channel's LDS row.
-  load_row(dt, a.v + head_offset(batch, head, a.v_stride_b, a.v_stride_h), a.v_stride_s, row, a.seqlen_k, a.head_dim,
+  load_row(dt, a.v + head_offset(batch, kv_head, a.v_stride_b, a.v_stride_h), a.v_stride_s, row, a.seqlen_k, a.head_dim,
            x);
   u32* const vt_lds = lds;
   #pragma unroll

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -27,52 +28,71 @@ import quantized_attention_accuracy as model  # noqa: E402
 from .conftest import FAKE_ARTIFACT, _math_attention  # noqa: E402
 
 
-def reference_quantize(q, k, v, softmax_scale: float, variant) -> quantized.QuantizedInputs:
-    """What kernels/quant8.h writes, in torch: (B, H, S, D) q, (B, Hk, S, D) k and v."""
-    batch, heads, seq_q, dim = q.shape
-    kv_heads, seq_k = k.shape[1], k.shape[2]
+class QCodes(NamedTuple):
+    """What kernels/fa_fwd8.h makes of Q before its key loop (in LDS and registers)."""
+
+    q8: torch.Tensor  # (B, H, Sq, d_pad) int8
+    q_scale: torch.Tensor  # (B, H, Sq) float32: dequantisation x softmax scale x log2(e)
+
+
+def _scale_for(amax, limit):
+    return torch.where(amax > 0, amax / limit, torch.ones_like(amax))
+
+
+def _int8(x, scale):
+    return torch.round(x / scale).clamp(-127, 127).to(torch.int8)
+
+
+def reference_q_codes(q, softmax_scale: float, variant) -> QCodes:
+    """Q's int8 codes and row scales, as kernels/fa_fwd8.h computes them, in torch: (B, H, S, D) q."""
+    qf = q.float()
+    q_scale = _scale_for(qf.abs().amax(-1), 127.0)
+    codes = torch.nn.functional.pad(_int8(qf, q_scale.unsqueeze(-1)), (0, variant.d_pad - q.shape[-1]))
+    return QCodes(codes, q_scale * softmax_scale * math.log2(math.e))
+
+
+def reference_quantize(k, v, variant) -> quantized.QuantizedInputs:
+    """What kernels/quant8.h writes, in torch: (B, Hk, S, D) k and v."""
+    batch, kv_heads, seq_k, dim = k.shape
     k_rows = -(-seq_k // variant.block_n) * variant.block_n
 
-    def scale_for(amax, limit):
-        return torch.where(amax > 0, amax / limit, torch.ones_like(amax))
+    def padded(x, rows):  # head dim to d_pad, tokens to `rows`
+        return torch.nn.functional.pad(x, (0, variant.d_pad - dim, 0, rows - x.shape[2]))
 
-    def int8(x, scale):
-        return torch.round(x / scale).clamp(-127, 127).to(torch.int8)
-
-    def padded(x, rows, value=0.0):  # head dim to d_pad, tokens to `rows`
-        return torch.nn.functional.pad(x, (0, variant.d_pad - dim, 0, rows - x.shape[2]), value=value)
-
-    qf = q.float()
-    q_scale = scale_for(qf.abs().amax(-1), 127.0)
     kf = k.float() - k.float().mean(2, keepdim=True)
     blocks = padded(kf, k_rows).view(batch, kv_heads, k_rows // 16, 16, variant.d_pad)
-    k_scale = scale_for(blocks.abs().amax((3, 4)), 127.0)
+    k_scale = _scale_for(blocks.abs().amax((3, 4)), 127.0)
     vf = v.float()
     v_mean = vf.mean(2)
     centred = vf - v_mean.unsqueeze(2)
-    v_scale = scale_for(centred.abs().amax(2), quantized.FP8_MAX)
+    v_scale = _scale_for(centred.abs().amax(2), quantized.FP8_MAX)
     e4m3 = (centred / v_scale.unsqueeze(2)).clamp(-quantized.FP8_MAX, quantized.FP8_MAX).to(torch.float8_e4m3fn)
     pad = (0, variant.d_pad - dim)
     return quantized.QuantizedInputs(
-        padded(int8(qf, q_scale.unsqueeze(-1)), seq_q), q_scale * softmax_scale * math.log2(math.e),
-        int8(blocks, k_scale[..., None, None]).view(batch, kv_heads, k_rows, variant.d_pad), k_scale,
+        _int8(blocks, k_scale[..., None, None]).view(batch, kv_heads, k_rows, variant.d_pad), k_scale,
         padded(e4m3.view(torch.uint8), k_rows).transpose(2, 3).contiguous(),
         torch.nn.functional.pad(v_scale, pad, value=1.0), torch.nn.functional.pad(v_mean, pad))
 
 
-def dequantized_attention(inputs: quantized.QuantizedInputs, seq_k: int, dim: int) -> torch.Tensor:
-    """What the 8-bit kernel computes from its inputs, in float64 with the row's final maximum (the
-    kernel rounds P against the running one): (B, H, Sq, dim)."""
-    group = inputs.q8.shape[1] // inputs.k8.shape[1]
-    k8, k_scale, vt8, v_scale, v_mean = (t.repeat_interleave(group, 1) for t in inputs[2:])
+def dequantized_attention(q_codes: QCodes, inputs: quantized.QuantizedInputs, seq_k: int, dim: int) -> torch.Tensor:
+    """What the 8-bit kernel computes from Q's codes and the pass's output, in float64 with the row's final
+    maximum (the kernel rounds P against the running one): (B, H, Sq, dim)."""
+    group = q_codes.q8.shape[1] // inputs.k8.shape[1]
+    k8, k_scale, vt8, v_scale, v_mean = (t.repeat_interleave(group, 1) for t in inputs)
     keys = torch.arange(k8.shape[2], device=k8.device)
-    scores = (inputs.q8.double() @ k8.double().transpose(-1, -2)) * inputs.q_scale.double()[..., None]
+    scores = (q_codes.q8.double() @ k8.double().transpose(-1, -2)) * q_codes.q_scale.double()[..., None]
     scores = scores * k_scale.double().repeat_interleave(variants.FWD8_SCALE_KEYS, -1)[..., None, :]
     scores = scores.masked_fill(keys >= seq_k, float("-inf"))
     p = torch.exp2(scores - scores.amax(-1, keepdim=True)) * quantized.FP8_MAX
     p8 = p.float().to(torch.float8_e4m3fn).double()
     out = (p8 @ vt8.view(torch.float8_e4m3fn).double().transpose(-1, -2)) / p.sum(-1, keepdim=True)
     return (out * v_scale.double()[..., None, :] + v_mean.double()[..., None, :])[..., :dim]
+
+
+def modelled_attention(q, k, v, softmax_scale: float, variant) -> torch.Tensor:
+    """The 8-bit kernel's arithmetic on the reference's codes, in float64: (B, H, Sq, dim)."""
+    return dequantized_attention(reference_q_codes(q, softmax_scale, variant), reference_quantize(k, v, variant),
+                                 k.shape[2], q.shape[-1])
 
 
 def flux_like(rows: int, keys: int, dtype=torch.float16, seed: int = 1):
@@ -84,8 +104,8 @@ def flux_like(rows: int, keys: int, dtype=torch.float16, seed: int = 1):
 def test_reference_pass_and_arithmetic_are_the_accuracy_models_scheme():
     q, k, v = flux_like(200, 1000)
     scale = 1 / math.sqrt(q.shape[-1])
-    inputs = reference_quantize(*(t.unsqueeze(0) for t in (q, k, v)), scale, variants.fwd8_variant("f16", q.shape[-1]))
-    ours = dequantized_attention(inputs, k.shape[1], q.shape[-1])[0].to(q.dtype)
+    variant = variants.fwd8_variant("f16", q.shape[-1])
+    ours = modelled_attention(*(t.unsqueeze(0) for t in (q, k, v)), scale, variant)[0].to(q.dtype)
     scheme = model.scheme_output("qkpv-int8-fp8-vsmooth", q, k, v, scale, (1, variants.FWD8_SCALE_KEYS))
     reference, _ = model.reference(q, k, v, scale)
     assert model.errors(ours, reference)["rel_l1"] == pytest.approx(model.errors(scheme, reference)["rel_l1"], rel=1e-3)
@@ -107,7 +127,7 @@ class RecordingLibrary:
 
 @pytest.mark.parametrize("dtype,dim,layout", [(torch.float16, 40, "bhsd"), (torch.bfloat16, 128, "bshd")])
 def test_launches(monkeypatch, dtype, dim, layout):
-    """The pass's two launches and the attention's: kernels, grids, pointers, strides and sizes."""
+    """K and V's pass (two launches) and the attention's: kernels, grids, pointers, strides and sizes."""
     library = RecordingLibrary()
     monkeypatch.setattr(ops, "KERNEL_DEVICE_TYPE", "cpu")
     monkeypatch.setattr(runtime, "library_for", lambda device: library)
@@ -122,21 +142,20 @@ def test_launches(monkeypatch, dtype, dim, layout):
     (stats, stats_grid, pass_args), (codes, codes_grid, codes_args), (attention, grid, args) = library.launches
     d_pad, name = variants.padded_head_dim(dim), {torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
     assert (stats, stats_grid) == (f"rdna_fa_quant8_stats_{name}_d{d_pad}", (1, 2, 2))
-    assert (codes, codes_grid) == (f"rdna_fa_quant8_codes_{name}_d{d_pad}", (3, 4, 2))  # 192 key rows: 3 blocks
+    assert (codes, codes_grid) == (f"rdna_fa_quant8_codes_{name}_d{d_pad}", (3, 2, 2))  # 192 key rows: 3 blocks
     assert (attention, grid) == (f"rdna_fa_fwd8_{name}_d{d_pad}", (2, 4, 2))
     assert bytes(pass_args) == bytes(codes_args)
-    assert (pass_args.q, pass_args.k, pass_args.v) == (q.data_ptr(), k.data_ptr(), v.data_ptr())
-    assert [getattr(pass_args, f"{t}_stride_{d}") for t in "qkv" for d in "bhs"] == [
-        s for t in (q, k, v) for s in t.stride()[:3]]
-    assert (pass_args.heads, pass_args.kv_heads, pass_args.seqlen_q, pass_args.seqlen_k, pass_args.k_rows,
-            pass_args.head_dim) == (4, 2, 100, 130, 192, dim)
-    assert pass_args.scale_log2 == pytest.approx(0.25 * math.log2(math.e))
-    assert (args.q8, args.q_scale, args.k8, args.k_scale, args.vt8, args.v_scale, args.v_mean) == (
-        pass_args.q8, pass_args.q_scale, pass_args.k8, pass_args.k_scale, pass_args.vt8, pass_args.v_scale,
-        pass_args.v_mean)
+    assert (pass_args.k, pass_args.v) == (k.data_ptr(), v.data_ptr())
+    assert [getattr(pass_args, f"{t}_stride_{d}") for t in "kv" for d in "bhs"] == [
+        s for t in (k, v) for s in t.stride()[:3]]
+    assert (pass_args.kv_heads, pass_args.seqlen_k, pass_args.k_rows, pass_args.head_dim) == (2, 130, 192, dim)
+    assert (args.q, args.q_stride_b, args.q_stride_h, args.q_stride_s) == (q.data_ptr(), *q.stride()[:3])
+    assert (args.k8, args.k_scale, args.vt8, args.v_scale, args.v_mean) == (
+        pass_args.k8, pass_args.k_scale, pass_args.vt8, pass_args.v_scale, pass_args.v_mean)
     assert (args.o, args.o_stride_b, args.o_stride_h, args.o_stride_s) == (out.data_ptr(), *out.stride()[:3])
     assert (args.heads, args.kv_heads, args.seqlen_q, args.seqlen_k, args.k_rows, args.head_dim) == (
         4, 2, 100, 130, 192, dim)
+    assert args.scale_log2 == pytest.approx(0.25 * math.log2(math.e))
 
 
 def test_bad_input_is_named(monkeypatch):
@@ -189,8 +208,9 @@ def test_variants_only_on_gfx12():
     assert variants.fwd8_variant("f16", 40).d_pad == 48 and variants.FWD8_HEAD_DIMS[-1] == 160
     assert set(variants.QUANT8_BY_SYMBOL) <= set(variants.target_symbols("gfx1200"))
     assert not set(variants.QUANT8_BY_SYMBOL) & set(variants.target_symbols("gfx1151"))
-    assert ctypes_fields(Fwd8Args)[:8] == ["q8", "q_scale", "k8", "k_scale", "vt8", "v_scale", "v_mean", "o"]
-    assert ctypes_fields(Quant8Args)[12:20] == ["q8", "q_scale", "k8", "k_scale", "vt8", "k_mean", "v_mean", "v_scale"]
+    assert ctypes_fields(Fwd8Args)[:10] == ["q", "q_stride_b", "q_stride_h", "q_stride_s", "k8", "k_scale", "vt8",
+                                            "v_scale", "v_mean", "o"]
+    assert ctypes_fields(Quant8Args)[8:14] == ["k8", "k_scale", "vt8", "k_mean", "v_mean", "v_scale"]
 
 
 def ctypes_fields(structure) -> list[str]:
@@ -275,8 +295,7 @@ def test_the_8bit_selftest_bar_has_room_for_the_arithmetic_itself(monkeypatch):
 
     def modelled(q, k, v, scale=None):
         variant = variants.fwd8_variant({torch.float16: "f16", torch.bfloat16: "bf16"}[q.dtype], q.shape[-1])
-        inputs = reference_quantize(q, k, v, 1 / math.sqrt(q.shape[-1]), variant)
-        return dequantized_attention(inputs, k.shape[2], q.shape[-1]).to(q.dtype)
+        return modelled_attention(q, k, v, 1 / math.sqrt(q.shape[-1]), variant).to(q.dtype)
 
     monkeypatch.setattr(quantized, "quantized_attention_forward", modelled)
     checks = selftest.eight_bit_checks(torch.device("cpu"))

@@ -63,6 +63,7 @@ RDNA_DEV float log2_approx(float x) { return __builtin_amdgcn_logf(x); }
 RDNA_DEV float max_f32(float a, float b) { return __builtin_fmaxf(a, b); }
 RDNA_DEV float min_f32(float a, float b) { return __builtin_fminf(a, b); }
 RDNA_DEV float fma_f32(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+RDNA_DEV float abs_f32(float x) { return __builtin_fabsf(x); }
 RDNA_DEV float round_even(float x) { return __builtin_rintf(x); }  // to the nearest integer, ties to even
 RDNA_DEV float as_f32(u32 x) { return __builtin_bit_cast(float, x); }
 RDNA_DEV u32 as_u32(float x) { return __builtin_bit_cast(u32, x); }

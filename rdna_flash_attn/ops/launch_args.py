@@ -66,22 +66,25 @@ MASK_NONE, MASK_BOOL, MASK_F16, MASK_BF16, MASK_F32 = 0, 1, 2, 3, 4
 
 
 class Fwd8Args(ctypes.Structure):
-    """The 8-bit forward's block (kernels/fa_fwd8.h): quantized inputs in the kernel's own layout."""
+    """The 8-bit forward's block (kernels/fa_fwd8.h): 16-bit Q, which the kernel quantizes, and K and V
+    quantized by the pass in the kernel's own layout."""
 
     _fields_ = [
-        *((name, ctypes.c_void_p) for name in ("q8", "q_scale", "k8", "k_scale", "vt8", "v_scale", "v_mean", "o")),
+        ("q", ctypes.c_void_p),
+        *((f"q_stride_{d}", ctypes.c_int64) for d in "bhs"),
+        *((name, ctypes.c_void_p) for name in ("k8", "k_scale", "vt8", "v_scale", "v_mean", "o")),
         *((f"o_stride_{d}", ctypes.c_int64) for d in "bhs"),
         *((name, ctypes.c_int32) for name in ("heads", "kv_heads", "seqlen_q", "seqlen_k", "k_rows", "head_dim")),
+        ("scale_log2", ctypes.c_float),
     ]
 
 
 class Quant8Args(ctypes.Structure):
-    """The 8-bit forward's quantizing pass (kernels/quant8.h): 16-bit inputs in, Fwd8Args' buffers out."""
+    """The 8-bit forward's quantizing pass (kernels/quant8.h): 16-bit K and V in, Fwd8Args' buffers out."""
 
     _fields_ = [
-        *((name, ctypes.c_void_p) for name in ("q", "k", "v")),
-        *((f"{t}_stride_{d}", ctypes.c_int64) for t in "qkv" for d in "bhs"),
-        *((name, ctypes.c_void_p) for name in ("q8", "q_scale", "k8", "k_scale", "vt8", "k_mean", "v_mean", "v_scale")),
-        *((name, ctypes.c_int32) for name in ("heads", "kv_heads", "seqlen_q", "seqlen_k", "k_rows", "head_dim")),
-        ("scale_log2", ctypes.c_float),
+        *((name, ctypes.c_void_p) for name in ("k", "v")),
+        *((f"{t}_stride_{d}", ctypes.c_int64) for t in "kv" for d in "bhs"),
+        *((name, ctypes.c_void_p) for name in ("k8", "k_scale", "vt8", "k_mean", "v_mean", "v_scale")),
+        *((name, ctypes.c_int32) for name in ("kv_heads", "seqlen_k", "k_rows", "head_dim")),
     ]

@@ -225,8 +225,9 @@ BWD_BY_SYMBOL = {v.symbol: v for v in BWD_VARIANTS}
 
 
 # The opt-in 8-bit forward (kernels/fa_fwd8.h, "8-bit QK+PV"): gfx12 only, whose WMMA runs 8-bit
-# operands at twice the 16-bit rate (gfx11's at the same rate). Inputs come quantized into buffers of
-# the kernel's layout (rdna_flash_attn/ops/quantized.py): keys padded to whole tiles, head dim to d_pad.
+# operands at twice the 16-bit rate (gfx11's at the same rate). K and V come quantized into buffers of
+# the kernel's layout (rdna_flash_attn/ops/quantized.py): keys padded to whole tiles, head dim to d_pad;
+# the kernel quantizes Q itself.
 FWD8_PADDED_HEAD_DIMS = tuple(range(48, 161, 16))
 FWD8_WAVES = 4
 FWD8_BLOCK_N = 64
@@ -270,8 +271,9 @@ def fwd8_variant(dtype: str, head_dim: int) -> Fwd8Variant:
     return FWD8_BY_SYMBOL[f"rdna_fa_fwd8_{dtype}_d{padded_head_dim(head_dim)}"]
 
 
-# Its quantizing pass (kernels/quant8.h): "stats" (one workgroup per key/value head: channel means and V's
-# scales), then "codes" (one per 64 tokens of a head: the 8-bit codes in the kernel's layout).
+# K and V's quantizing pass (kernels/quant8.h): "stats" (one workgroup per key/value head: channel means
+# and V's scales), then "codes" (one per 64 keys of a key/value head: the 8-bit codes in the kernel's
+# layout; a whole number of them per key tile).
 QUANT8_STATS_THREADS = 256
 QUANT8_ROWS = 64
 

@@ -1,6 +1,7 @@
 """The 8-bit forward (kernels/quant8.h, fa_fwd8.h; issue 24) through the emulation of gfx12's 8-bit WMMA:
-its quantizing pass against the torch reference, and its output against float64 attention and against the
-same arithmetic done in float64 from the pass's output.
+K and V's quantizing pass against the torch reference, and the output against float64 attention and
+against the same arithmetic done in float64 from the pass's output and the reference's Q codes (the
+kernel quantizes Q itself, in registers and LDS).
 
 The kernel rounds P to fp8 against the running row maximum, the float64 model against the final one,
 so the two differ by some fp8 roundings: each case's error against float64 must be within 10 % of the
@@ -22,7 +23,7 @@ from rdna_flash_attn.dispatch import router as dispatch
 from rdna_flash_attn.ops import quantized
 from rdna_flash_attn.runtime import artifacts, loader as runtime, variants
 
-from ..test_quantized import dequantized_attention, flux_like, model, reference_quantize
+from ..test_quantized import dequantized_attention, flux_like, model, reference_q_codes, reference_quantize
 from .conftest import GPU
 from .reference import attention_fp64
 
@@ -79,8 +80,9 @@ def test_quantized_forward_matches_its_float64_model(case, gfx12):
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride() == q.stride()
     reference, _ = attention_fp64(q, k, v)
     scale = 1 / math.sqrt(case["dim"])
-    inputs = quantized.quantize_inputs(q, k, v, scale, variants.fwd8_variant(quantized._DTYPES[q.dtype], case["dim"]))
-    modelled = dequantized_attention(inputs, case["seq_k"], case["dim"])
+    variant = variants.fwd8_variant(quantized._DTYPES[q.dtype], case["dim"])
+    modelled = dequantized_attention(reference_q_codes(q, scale, variant), quantized.quantize_inputs(k, v, variant),
+                                     case["seq_k"], case["dim"])
     kernel, ideal = _errors(out, reference), _errors(modelled.to(q.dtype), reference)
     _results.append(dict(case, kernel=kernel, model=ideal))
     assert torch.isfinite(out).all()
@@ -96,8 +98,8 @@ def test_quantizing_pass_matches_the_torch_reference(case, gfx12):
     generator = torch.Generator(device="cuda").manual_seed(7000 + case["index"])
     q, k, v = _inputs(case, generator)
     variant = variants.fwd8_variant(quantized._DTYPES[q.dtype], case["dim"])
-    ours = quantized.quantize_inputs(q, k, v, 0.3, variant)
-    theirs = reference_quantize(q, k, v, 0.3, variant)
+    ours = quantized.quantize_inputs(k, v, variant)
+    theirs = reference_quantize(k, v, variant)
     for name, a, b in zip(quantized.QuantizedInputs._fields, ours, theirs):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         if a.dtype == torch.float32:
