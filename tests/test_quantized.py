@@ -173,20 +173,22 @@ def test_refusals():
     q = torch.zeros(1, 2, 8, 64, dtype=torch.float16)
     assert quantized.target_refusal("gfx1201") is None and quantized.target_refusal("emulated-gfx12") is None
     assert "RDNA4" in quantized.target_refusal("gfx1100") and "RDNA4" in quantized.target_refusal("emulated-gfx11")
-    assert quantized.quantized_refusal(q, q, q, False, None) is None
-    assert "attn_mask" in quantized.quantized_refusal(q, q, q, False, torch.ones(8, 8, dtype=torch.bool))
-    assert "causal" in quantized.quantized_refusal(q, q, q, True, None)
+    assert quantized.quantized_refusal(q, q, q, False, None, None) is None
+    assert "attn_mask" in quantized.quantized_refusal(q, q, q, False, torch.ones(8, 8, dtype=torch.bool), None)
+    assert "causal" in quantized.quantized_refusal(q, q, q, True, None, None)
+    assert quantized.quantized_refusal(q, q, q, False, None, 0.0) is None
+    assert quantized.quantized_refusal(q, q, q, False, None, -0.125) == "8-bit attention takes no negative scale"
     for dim in (40, 104, 112, 136, 144, 160):
         t = torch.zeros(1, 2, 8, dim, dtype=torch.float16)
-        assert quantized.quantized_refusal(t, t, t, False, None) is None, dim
+        assert quantized.quantized_refusal(t, t, t, False, None, None) is None, dim
     for dim in (32, 168, 256):
         t = torch.zeros(1, 2, 8, dim, dtype=torch.float16)
-        assert f"head dims 40-160, not {dim}" in quantized.quantized_refusal(t, t, t, False, None)
+        assert f"head dims 40-160, not {dim}" in quantized.quantized_refusal(t, t, t, False, None, None)
     q128 = torch.zeros(1, 2, 8, 128, dtype=torch.float16)
     long_keys = torch.zeros(1, 1, 2**31 // 128, 128, dtype=torch.float16, device="meta")
-    assert "keys x head dim below 2^31" in quantized.quantized_refusal(q128, long_keys, long_keys, False, None)
+    assert "keys x head dim below 2^31" in quantized.quantized_refusal(q128, long_keys, long_keys, False, None, None)
     fits = long_keys[:, :, : 2**31 // 128 - 2 * variants.FWD8_BLOCK_N]
-    assert quantized.quantized_refusal(q128, fits, fits, False, None) is None
+    assert quantized.quantized_refusal(q128, fits, fits, False, None, None) is None
 
 
 def test_precision_setting():
@@ -264,6 +266,15 @@ def test_rdna4_runs_8bit_after_its_selftest(fake_rdna4):
     assert fake_rdna4.eight_bit.calls == selftest_calls + 1
     assert rfa.stats()["kernel_8bit"] == 1 and rfa.stats()["exact_not_8bit_reasons"] == {
         "8-bit attention is not causal": 1, "gradients needed (8-bit attention is for inference)": 1}
+
+
+def test_a_negative_scale_stays_exact(fake_rdna4):
+    q, k, v = _qkv()
+    rfa.scaled_dot_product_attention(q, k, v)  # self-test and one 8-bit call
+    out = rfa.scaled_dot_product_attention(q, k, v, scale=-0.125)
+    assert torch.allclose(out, _math_attention(q, k, v, scale=-0.125)[0], atol=2e-3)
+    assert rfa.stats()["kernel_8bit"] == 1 and rfa.stats()["exact_not_8bit_reasons"] == {
+        "8-bit attention takes no negative scale": 1}
 
 
 def test_a_failed_8bit_selftest_keeps_the_exact_kernels(fake_rdna4, log_records):

@@ -1,4 +1,5 @@
-"""Kernel argument blocks, field for field as the kernels declare them (kernels/fa_fwd.h, fa_bwd.h).
+"""Kernel argument blocks, field for field as the kernels declare them (kernels/fa_fwd.h, fa_bwd.h, fa_fwd8.h,
+quant8.h).
 
 A change here or there is an ABI change: bump variants.ABI_VERSION with it. The codes for `causal` and
 `mask_kind` are kernels/sequence.h's.

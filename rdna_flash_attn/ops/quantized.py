@@ -41,12 +41,14 @@ def target_refusal(target: str) -> str | None:
     return None
 
 
-def quantized_refusal(q, k, v, is_causal: bool, attn_mask) -> str | None:
+def quantized_refusal(q, k, v, is_causal: bool, attn_mask, scale: float | None) -> str | None:
     """Why the 8-bit forward cannot take a call the 16-bit kernels take (forward_refusal passed), or None."""
     if attn_mask is not None:
         return "8-bit attention takes no attn_mask"
     if is_causal:
         return "8-bit attention is not causal"
+    if scale is not None and scale < 0:  # fa_fwd8.h scales each key fragment's maximum: the scale must keep order
+        return "8-bit attention takes no negative scale"
     if q.shape[3] not in variants.FWD8_HEAD_DIMS:
         return f"8-bit attention takes head dims {variants.FWD8_HEAD_DIMS[0]}-{variants.FWD8_HEAD_DIMS[-1]}, not {q.shape[3]}"
     if (k.shape[2] + variants.FWD8_BLOCK_N) * variants.padded_head_dim(q.shape[3]) >= _MAX_TILE_OFFSET:
@@ -96,7 +98,7 @@ def quantized_attention_forward(q, k, v, scale: float | None = None) -> torch.Te
     """SDPA's output for (B, H, S, D) q and (B, Hk, S, D) k, v (Hk dividing H), computed in 8 bits (see
     the module's docstring); like q, in q's memory order. Raises ValueError for input the 8-bit path
     refuses (forward_refusal, then quantized_refusal)."""
-    reason = forward_refusal(q, k, v, False, scale) or quantized_refusal(q, k, v, False, None)
+    reason = forward_refusal(q, k, v, False, scale) or quantized_refusal(q, k, v, False, None, scale)
     if reason is None:
         reason = target_refusal(loader.library_for(q.device).artifact.target)
     if reason is not None:
