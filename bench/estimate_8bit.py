@@ -54,9 +54,8 @@ def eight_bit_row(functions, co, kernels, dtype: str, d: int) -> dict:
     body = functions[variant.symbol]
     main = estimator.main_loop(body)
     loops = estimator.inner_loops(body, main, variant, peeled_steps=1)  # fa_fwd8.h: S's first step
-    skips_rescale = bool(estimator.skipped_blocks(body, main, loops))
-    counts = estimator.count_tile(body, main, loops, estimator.rescaled_tile_share(variant.block_n) if skips_rescale
-                                  else None)
+    counts = estimator.count_tile(body, main, loops, estimator.rescaled_tile_share(variant.block_n))
+    skips_rescale = estimator.RESCALE_REGION in counts.valu_by_region
     expected = 2 * variant.d_pad // 16 * (variant.block_n // 16)  # S^T and O^T, both over d_pad
     if counts.wmma != expected or counts.wmma_8bit != expected:
         raise RuntimeError(f"{variant.symbol}: {counts.wmma} WMMA ({counts.wmma_8bit} 8-bit) per tile, "
@@ -117,7 +116,7 @@ def markdown(rows: list[dict]) -> str:
               "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c, cyc = r["counts_per_wave_tile"], r["model"]["cycles"]
-        lines.append(f"| {r['dtype']} | {r['d']} | {c['wmma']} ({c['wmma_8bit']}) | {c['valu']} | {c['trans']} | "
+        lines.append(f"| {r['dtype']} | {r['d']} | {c['wmma']:g} ({c['wmma_8bit']:g}) | {c['valu']:.4g} | {c['trans']:.4g} | "
                      f"{c['lds_read_bytes']} | {c['global_load_bytes']} | {cyc['simd_pess']:g} | {cyc['latency_bound']:g} |")
     return "\n".join(lines) + "\n"
 

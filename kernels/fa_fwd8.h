@@ -34,6 +34,11 @@ struct Fwd8Args {
 };
 
 constexpr float kLog2Fp8Max = 8.807354922057604f;  // log2(448)
+// S's accumulators start from these bits instead of zero: the int32 sum s (|s| < 2^22) then lands in
+// the mantissa of the float32 1.5 x 2^23 + s, exactly, and one subtraction of 1.5 x 2^23 gives s as a
+// float32, exactly: an add the dual-issue (VOPD) pairs, where the conversion v_cvt_f32_i32 has no pair.
+constexpr int kSumBiasBits = 0x4b400000;
+constexpr float kSumBias = 12582912.f;  // 1.5 x 2^23, the float32 those bits encode
 
 // LDS in 32-bit words; rdna_flash_attn/runtime/variants.py (Fwd8Variant) computes the same size.
 template <int D_PAD, int WAVES, int BLOCK_N>
@@ -49,6 +54,7 @@ struct Fwd8Shape {
   static constexpr int kLdsWords = kVtOffset + D_PAD * kVtRowWords;
   static_assert(4 * kLdsWords <= 65536, "LDS over 64 KiB");
   static_assert(D_PAD % kFrag == 0 && BLOCK_N % kFrag == 0, "tile shape");
+  static_assert(127 * 127 * D_PAD < (1 << 22), "S's int32 sums must stay below 2^22 (kSumBias)");
 };
 
 // One 8-bit operand fragment from an LDS tile of byte rows: lane row (l % 16), its run of 8 k values.
@@ -59,8 +65,10 @@ RDNA_DEV Isa::Operand8 load_operand8(const u32* tile, int col0, int lane) {
 
 // The wave's 16 query rows as int8 codes in LDS rows ROW_WORDS words apart (a row's 16-bit values
 // split between lanes r and r + 16, half the head dim each; zeros past head_dim and past seqlen_q) and
-// the lane's row scale times softmax scale x log2(e), returned. The scale maps the row's largest |value|
-// to 127: 1 for a row of zeros, NaN for a row with a NaN (quant8.h's scale_for).
+// the lane's row scale times |softmax scale x log2(e)|, returned. The scale maps the row's largest
+// |value| to 127: 1 for a row of zeros, NaN for a row with a NaN (quant8.h's scale_for). A negative
+// softmax scale negates the codes (symmetric, so exactly): every key fragment's step stays >= 0, which
+// taking a fragment's maximum over its raw sums needs (fwd8_body).
 template <class DT, int D_PAD, int ROW_WORDS>
 RDNA_DEV float quantize_q_rows(const Fwd8Args& a, const u16* q_row, bool real_row, u32* wave_q, int lane) {
   constexpr int kHalf = D_PAD / 2;
@@ -74,29 +82,26 @@ RDNA_DEV float quantize_q_rows(const Fwd8Args& a, const u16* q_row, bool real_ro
   }
   float x[kHalf];
   #pragma unroll
-  for (int c = 0; c < kHalf; ++c) x[c] = from_bits(dt, element_of(raw[c / 8], c % 8));
-  float amax = 0.f;
-  bool nan = false;
-  #pragma unroll
-  for (int c = 0; c < kHalf; ++c) {
-    amax = max_f32(amax, abs_f32(x[c]));
-    nan |= x[c] != x[c];
-  }
-  amax = max_f32(amax, other_half(amax));
-  nan |= other_half(nan ? 1.f : 0.f) != 0.f;
-  const float scale = scale_for(amax, nan, kInt8Max);
+  for (int p = 0; p < kHalf / 8; ++p) convert8(dt, raw[p], &x[8 * p]);
+  Magnitude m = largest_magnitude<kHalf>(x);
+  m.amax = max_f32(m.amax, other_half(m.amax));
+  m.nan |= other_half(m.nan ? 1.f : 0.f) != 0.f;
+  const float scale = scale_for(m.amax, m.nan, kInt8Max);
+  const float signed_scale = a.scale_log2 < 0.f ? -scale : scale;
   u32* const codes = wave_q + (lane & 15) * ROW_WORDS + col0 / 4;
   #pragma unroll
-  for (int w = 0; w < kHalf / 4; ++w) codes[w] = int8_codes(&x[4 * w], scale);
-  return scale * a.scale_log2;
+  for (int w = 0; w < kHalf / 4; ++w) codes[w] = int8_codes(&x[4 * w], signed_scale);
+  return signed_scale * a.scale_log2;
 }
 
-// Copies ROWS rows of BYTES bytes (a whole number of 16-byte pieces) from global rows `stride` words
-// apart into LDS rows LDS_ROW words apart. Every load is issued before the first store: one memory
-// round trip. Loads take the uniform `src` plus a 32-bit byte offset per lane (load16_at): the
-// dispatch keeps ROWS x stride below 2^29 words.
+// Copies ROWS rows of BYTES bytes (a whole number of 16-byte pieces), starting `tile_bytes` past `src`,
+// from global rows `stride` words apart into LDS rows LDS_ROW words apart. Every load is issued before
+// the first store: one memory round trip. Loads take the head's uniform `src` plus a 32-bit byte offset
+// per lane (load16_at) that includes the tile's: computed inside the key loop, the offset keeps the
+// loads in their scalar-base form there (one hoisted out of the loop cost two 64-bit adds per load).
+// The dispatch keeps a head's codes below 2^31 bytes.
 template <int ROWS, int BYTES, int LDS_ROW, int THREADS>
-RDNA_DEV void copy_byte_rows(u32* dst, const u32* src, int stride, int tid) {
+RDNA_DEV void copy_byte_rows(u32* dst, const u32* src, u32 tile_bytes, int stride, int tid) {
   constexpr int kPieces = BYTES / 16;
   constexpr int kTotal = ROWS * kPieces;
   constexpr int kLoads = (kTotal + THREADS - 1) / THREADS;
@@ -106,7 +111,7 @@ RDNA_DEV void copy_byte_rows(u32* dst, const u32* src, int stride, int tid) {
     const int i = tid + n * THREADS, r = i / kPieces;
     val[n] = zero_u32x4();
     if (kTotal % THREADS == 0 || i < kTotal)
-      val[n] = load16_at(reinterpret_cast<const u16*>(src), u32(r * stride + i % kPieces * 4) * 4u);
+      val[n] = load16_at(reinterpret_cast<const u16*>(src), tile_bytes + u32(r * stride + i % kPieces * 4) * 4u);
   }
   #pragma unroll
   for (int n = 0; n < kLoads; ++n) {
@@ -152,23 +157,26 @@ RDNA_DEV void fwd8_body(const Fwd8Args& a, u32* lds) {
   #pragma unroll
   for (int f = 0; f < kDimFrags; ++f) o_acc[f] = zero_v8f();
   float row_max = kNegInf, row_sum = 0.f;
+  v8i biased_zero = zero_v8i();
+  #pragma unroll
+  for (int e = 0; e < 8; ++e) biased_zero[e] = kSumBiasBits;
 
   // One key tile; MASKED (the last tile, when it reaches past seqlen_k): scores are masked per key.
   auto tile_step = [&](auto masked_flag, int key0) {
     constexpr bool MASKED = decltype(masked_flag)::value;
     block_barrier();  // every wave is done with the previous tile
-    copy_byte_rows<BLOCK_N, D_PAD, Shape::kRowWords, Shape::kThreads>(k_lds, k8 + i64(key0) * kWordsPerRow,
-                                                                       kWordsPerRow, tid);
-    copy_byte_rows<D_PAD, BLOCK_N, Shape::kVtRowWords, Shape::kThreads>(vt_lds, vt8 + key0 / 4, a.k_rows / 4, tid);
+    copy_byte_rows<BLOCK_N, D_PAD, Shape::kRowWords, Shape::kThreads>(k_lds, k8, u32(key0) * D_PAD, kWordsPerRow, tid);
+    copy_byte_rows<D_PAD, BLOCK_N, Shape::kVtRowWords, Shape::kThreads>(vt_lds, vt8, u32(key0), a.k_rows / 4, tid);
     block_barrier();
 
-    // The first head-dim step's products start from the WMMA's inline zero: no accumulator zeroing.
+    // The first head-dim step's products start from the biased zero (kSumBias), which every fragment
+    // shares: no accumulator initialisation per tile.
     v8i s_acc[kKeyFrags];
     {
       const Isa::Operand8 q_op = load_operand8<Shape::kRowWords>(wave_q, 0, lane);
       #pragma unroll
       for (int j = 0; j < kKeyFrags; ++j) {
-        s_acc[j] = zero_v8i();
+        s_acc[j] = biased_zero;
         Isa::mma_i8(s_acc[j], load_operand8<Shape::kRowWords>(k_lds + j * kFrag * Shape::kRowWords, 0, lane), q_op);
       }
     }
@@ -181,9 +189,9 @@ RDNA_DEV void fwd8_body(const Fwd8Args& a, u32* lds) {
                     q_op);
     }
 
-    // Scores in log2 units are the int32 sums (below 2^24, exact in float32) times both scales, one
-    // positive step per key fragment: a fragment's maximum is taken over its sums, then scaled (rounding
-    // keeps the order, so this is the maximum of the scaled scores).
+    // Scores in log2 units are the int32 sums (exact in float32) times both scales, one step (>= 0) per
+    // key fragment: a fragment's maximum is taken over its sums, then scaled (rounding keeps the order,
+    // so this is the maximum of the scaled scores).
     float sums[kKeyFrags][8], step[kKeyFrags];
     float tile_max = kNegInf;
     #pragma unroll
@@ -192,7 +200,7 @@ RDNA_DEV void fwd8_body(const Fwd8Args& a, u32* lds) {
       float top = kNegInf;
       #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        sums[j][e] = float(s_acc[j][e]);
+        sums[j][e] = as_f32(u32(s_acc[j][e])) - kSumBias;
         if (MASKED && key0 + j * kFrag + Isa::acc_key(lane, e) >= a.seqlen_k) sums[j][e] = kNegInf;
         top = max_f32(top, sums[j][e]);
       }
@@ -221,7 +229,7 @@ RDNA_DEV void fwd8_body(const Fwd8Args& a, u32* lds) {
     if (top - bias > kLog2Fp8Max) bias = as_f32(as_u32(bias) + (bias >= 0.f ? 1u : 0xffffffffu));
 
     Isa::Operand8 p_op[kKeyFrags];
-    float tile_sum = 0.f;
+    float half_sums[2] = {0.f, 0.f};  // two chains, which the dual-issue (VOPD) adds can pair
     #pragma unroll
     for (int j = 0; j < kKeyFrags; ++j) {
       float p[8];
@@ -229,11 +237,11 @@ RDNA_DEV void fwd8_body(const Fwd8Args& a, u32* lds) {
       for (int e = 0; e < 8; ++e) {
         p[e] = exp2_approx(fma_f32(sums[j][e], step[j], -bias));
         if (MASKED && sums[j][e] == kNegInf) p[e] = 0.f;  // not exp2(-inf x 0) = NaN where a step underflows
-        tile_sum += p[e];
+        half_sums[e & 1] += p[e];
       }
       p_op[j] = Isa::keys_to_operand8(pack_fp8x4(p[0], p[1], p[2], p[3]), pack_fp8x4(p[4], p[5], p[6], p[7]));
     }
-    row_sum = row_sum * rescale + tile_sum;
+    row_sum = row_sum * rescale + (half_sums[0] + half_sums[1]);
     if constexpr (!kSkipsRescale) scale_output(rescale);
 
     #pragma unroll

@@ -57,12 +57,33 @@ RDNA_DEV float scale_for(float amax, bool nan, float limit) {
 
 RDNA_DEV i64 head_offset(i64 batch, i64 head, i64 stride_b, i64 stride_h) { return batch * stride_b + head * stride_h; }
 
+// The 8 16-bit values of one 16-byte piece, as floats.
+template <class DT>
+RDNA_DEV void convert8(DT dt, const u32x4& raw, float* x) {
+  #pragma unroll
+  for (int e = 0; e < 8; ++e) x[e] = from_bits(dt, element_of(raw, e));
+}
+
 // 8 values of a row from one 16-byte load, as floats.
 template <class DT>
 RDNA_DEV void load8(DT dt, const u16* p, float (&x)[8]) {
-  const u32x4 raw = load16(p);
+  convert8(dt, load16(p), x);
+}
+
+// The largest |value| of a run (max_f32 skips NaN) and whether it holds a NaN: scale_for's inputs.
+struct Magnitude {
+  float amax;
+  bool nan;
+};
+template <int N>
+RDNA_DEV Magnitude largest_magnitude(const float* x) {
+  Magnitude m{0.f, false};
   #pragma unroll
-  for (int e = 0; e < 8; ++e) x[e] = from_bits(dt, element_of(raw, e));
+  for (int c = 0; c < N; ++c) {
+    m.amax = max_f32(m.amax, abs_f32(x[c]));
+    m.nan |= x[c] != x[c];
+  }
+  return m;
 }
 
 template <class DT, int D_PAD>
@@ -179,23 +200,18 @@ RDNA_DEV void quant8_codes_body(const Quant8Args& a, u32* lds) {
   float* const block_amax = reinterpret_cast<float*>(lds + Shape::kAmaxOffset);
   load_row(dt, a.k + head_offset(batch, kv_head, a.k_stride_b, a.k_stride_h), a.k_stride_s, row, a.seqlen_k, a.head_dim,
            x);
-  float amax = 0.f;
-  bool nan = false;
   #pragma unroll
-  for (int c = 0; c < D_PAD; ++c) {
-    x[c] = row < a.seqlen_k ? x[c] - k_mean[c] : 0.f;
-    amax = max_f32(amax, abs_f32(x[c]));
-    nan |= x[c] != x[c];
-  }
-  block_amax[tid] = nan ? __builtin_nanf("") : amax;  // a NaN row makes its block's scale NaN
+  for (int c = 0; c < D_PAD; ++c) x[c] = row < a.seqlen_k ? x[c] - k_mean[c] : 0.f;
+  Magnitude m = largest_magnitude<D_PAD>(x);
+  block_amax[tid] = m.nan ? __builtin_nanf("") : m.amax;  // a NaN row makes its block's scale NaN
   block_barrier();
   #pragma unroll
   for (int r = 0; r < kFrag; ++r) {
     const float other = block_amax[(tid & ~(kFrag - 1)) + r];
-    amax = max_f32(amax, other);
-    nan |= other != other;
+    m.amax = max_f32(m.amax, other);
+    m.nan |= other != other;
   }
-  const float scale = scale_for(amax, nan, kInt8Max);
+  const float scale = scale_for(m.amax, m.nan, kInt8Max);
   if (tid % kFrag == 0) a.k_scale[kv * (a.k_rows / kFrag) + row / kFrag] = scale;
   store_int8_row(a.k8 + (kv * a.k_rows + row) * kWordsPerRow, x, scale);
 

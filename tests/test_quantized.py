@@ -44,11 +44,12 @@ def _int8(x, scale):
 
 
 def reference_q_codes(q, softmax_scale: float, variant) -> QCodes:
-    """Q's int8 codes and row scales, as kernels/fa_fwd8.h computes them, in torch: (B, H, S, D) q."""
-    qf = q.float()
+    """Q's int8 codes and row scales, as kernels/fa_fwd8.h computes them, in torch: (B, H, S, D) q. A
+    negative softmax scale negates the codes and leaves the row scales positive."""
+    qf = q.float() if softmax_scale >= 0 else -q.float()
     q_scale = _scale_for(qf.abs().amax(-1), 127.0)
     codes = torch.nn.functional.pad(_int8(qf, q_scale.unsqueeze(-1)), (0, variant.d_pad - q.shape[-1]))
-    return QCodes(codes, q_scale * softmax_scale * math.log2(math.e))
+    return QCodes(codes, q_scale * abs(softmax_scale) * math.log2(math.e))
 
 
 def reference_quantize(k, v, variant) -> quantized.QuantizedInputs:
@@ -177,7 +178,7 @@ def test_refusals():
     assert "attn_mask" in quantized.quantized_refusal(q, q, q, False, torch.ones(8, 8, dtype=torch.bool), None)
     assert "causal" in quantized.quantized_refusal(q, q, q, True, None, None)
     assert quantized.quantized_refusal(q, q, q, False, None, 0.0) is None
-    assert quantized.quantized_refusal(q, q, q, False, None, -0.125) == "8-bit attention takes no negative scale"
+    assert quantized.quantized_refusal(q, q, q, False, None, -0.125) is None
     for dim in (40, 104, 112, 136, 144, 160):
         t = torch.zeros(1, 2, 8, dim, dtype=torch.float16)
         assert quantized.quantized_refusal(t, t, t, False, None, None) is None, dim
@@ -268,13 +269,26 @@ def test_rdna4_runs_8bit_after_its_selftest(fake_rdna4):
         "8-bit attention is not causal": 1, "gradients needed (8-bit attention is for inference)": 1}
 
 
-def test_a_negative_scale_stays_exact(fake_rdna4):
+def test_a_negative_scale_runs_8bit(fake_rdna4):
     q, k, v = _qkv()
     rfa.scaled_dot_product_attention(q, k, v)  # self-test and one 8-bit call
     out = rfa.scaled_dot_product_attention(q, k, v, scale=-0.125)
     assert torch.allclose(out, _math_attention(q, k, v, scale=-0.125)[0], atol=2e-3)
-    assert rfa.stats()["kernel_8bit"] == 1 and rfa.stats()["exact_not_8bit_reasons"] == {
-        "8-bit attention takes no negative scale": 1}
+    assert rfa.stats()["kernel_8bit"] == 2 and rfa.stats()["exact_not_8bit_reasons"] == {}
+
+
+def test_the_reference_folds_a_negative_scale_into_q():
+    """The kernel's Q codes for scale -s are those of -Q for s: the float64 model of its arithmetic stays
+    as close to float64 attention as with the positive scale."""
+    q, k, v = (t.unsqueeze(0) for t in flux_like(64, 300))
+    variant = variants.fwd8_variant("f16", q.shape[-1])
+    scale = 1 / math.sqrt(q.shape[-1])
+    codes, flipped = reference_q_codes(q, scale, variant), reference_q_codes(q, -scale, variant)
+    assert torch.equal(flipped.q8, -codes.q8) and torch.equal(flipped.q_scale, codes.q_scale)
+    for s in (scale, -scale):
+        ours = modelled_attention(q, k, v, s, variant)
+        exact = _math_attention(q.double(), k.double(), v.double(), scale=s)[0]
+        assert model.errors(ours, exact)["rel_l1"] < 0.03, s
 
 
 def test_a_failed_8bit_selftest_keeps_the_exact_kernels(fake_rdna4, log_records):

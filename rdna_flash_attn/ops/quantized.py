@@ -30,7 +30,7 @@ __all__ = ["QuantizedInputs", "target_refusal", "quantized_refusal", "quantize_i
            "launch_quantized"]
 
 FP8_MAX = 448.0  # OCP e4m3's largest finite value (gfx12's fp8, torch.float8_e4m3fn): P's scale
-# fa_fwd8.h addresses a V^T tile's bytes with 32-bit offsets from the tile's base: d_pad rows of k_rows.
+# fa_fwd8.h addresses a head's K and V^T codes with 32-bit byte offsets from the head's base: k_rows x d_pad.
 _MAX_TILE_OFFSET = 2**31
 
 
@@ -47,8 +47,6 @@ def quantized_refusal(q, k, v, is_causal: bool, attn_mask, scale: float | None) 
         return "8-bit attention takes no attn_mask"
     if is_causal:
         return "8-bit attention is not causal"
-    if scale is not None and scale < 0:  # fa_fwd8.h scales each key fragment's maximum: the scale must keep order
-        return "8-bit attention takes no negative scale"
     if q.shape[3] not in variants.FWD8_HEAD_DIMS:
         return f"8-bit attention takes head dims {variants.FWD8_HEAD_DIMS[0]}-{variants.FWD8_HEAD_DIMS[-1]}, not {q.shape[3]}"
     if (k.shape[2] + variants.FWD8_BLOCK_N) * variants.padded_head_dim(q.shape[3]) >= _MAX_TILE_OFFSET:

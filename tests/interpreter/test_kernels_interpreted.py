@@ -300,14 +300,15 @@ def test_varlen_code_objects_match_fp64_per_entry(target):
             assert error <= backward_bound(max_error(base, ref))
 
 
-@pytest.mark.parametrize("dtype_name,head_dim,seq_q,seq_k", [("f16", 40, 33, 70), ("bf16", 128, 17, 64),
-                                                         ("f16", 128, 20, 250)])
-def test_8bit_code_objects_match_their_reference(dtype_name, head_dim, seq_q, seq_k):
+@pytest.mark.parametrize("dtype_name,head_dim,seq_q,seq_k,sign", [("f16", 40, 33, 70, 1), ("bf16", 128, 17, 64, -1),
+                                                              ("f16", 128, 20, 250, 1)])
+def test_8bit_code_objects_match_their_reference(dtype_name, head_dim, seq_q, seq_k, sign):
     """gfx1201's 8-bit path (K and V's quantizing pass, kernels/quant8.h, and the forward, fa_fwd8.h, which
     quantizes Q) as shipped: the pass writes the torch reference's codes and scales (a code may sit one
     step away where the kernel's float32 channel mean rounds differently), and the output's error against
     fp64 is within 10 % of the same arithmetic's in float64 from the reference's codes (P's roundings
-    against the running maximum differ from the model's)."""
+    against the running maximum differ from the model's). A negative scale (sign -1) is folded into Q's
+    codes."""
     dtype = DTYPES[dtype_name]
     generator = torch.Generator().manual_seed(head_dim * 1000 + seq_k)
     q = 2 * torch.randn(1, 4, seq_q, head_dim, generator=generator).to(dtype)
@@ -315,17 +316,17 @@ def test_8bit_code_objects_match_their_reference(dtype_name, head_dim, seq_q, se
     k[:, :, 64:192] *= 0.1  # quieter keys: of 250 keys' four tiles the middle two meet no new row maximum,
     # and from d128 up the kernel skips O's rescale on them
     variant = variants.fwd8_variant(dtype_name, head_dim)
-    scale = 1 / math.sqrt(head_dim)
+    scale = sign / math.sqrt(head_dim)
     with runtime.explicit_library(library("gfx1201")):
         inputs = quantized.quantize_inputs(k, v, variant)
-        out = quantized.quantized_attention_forward(q, k, v)
+        out = quantized.quantized_attention_forward(q, k, v, scale=scale)
     for name, ours, theirs in zip(quantized.QuantizedInputs._fields, inputs, reference_quantize(k, v, variant)):
         if ours.dtype == torch.float32:
             assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6), name
         else:
             differ = int((ours != theirs).sum())
             assert differ <= max(1, ours.numel() // 1000), (name, differ)
-    reference, _ = attention_fp64(q, k, v)
+    reference, _ = attention_fp64(q, k, v, scale=scale)
     kernel_error = float((out.double() - reference).abs().sum() / reference.abs().sum())
     model = dequantized_attention(reference_q_codes(q, scale, variant), inputs, seq_k, head_dim).to(dtype)
     model_error = float((model.double() - reference).abs().sum() / reference.abs().sum())
