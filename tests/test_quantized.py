@@ -174,22 +174,20 @@ def test_refusals():
     q = torch.zeros(1, 2, 8, 64, dtype=torch.float16)
     assert quantized.target_refusal("gfx1201") is None and quantized.target_refusal("emulated-gfx12") is None
     assert "RDNA4" in quantized.target_refusal("gfx1100") and "RDNA4" in quantized.target_refusal("emulated-gfx11")
-    assert quantized.quantized_refusal(q, q, q, False, None, None) is None
-    assert "attn_mask" in quantized.quantized_refusal(q, q, q, False, torch.ones(8, 8, dtype=torch.bool), None)
-    assert "causal" in quantized.quantized_refusal(q, q, q, True, None, None)
-    assert quantized.quantized_refusal(q, q, q, False, None, 0.0) is None
-    assert quantized.quantized_refusal(q, q, q, False, None, -0.125) is None
+    assert quantized.quantized_refusal(q, q, q, False, None) is None
+    assert "attn_mask" in quantized.quantized_refusal(q, q, q, False, torch.ones(8, 8, dtype=torch.bool))
+    assert "causal" in quantized.quantized_refusal(q, q, q, True, None)
     for dim in (40, 104, 112, 136, 144, 160):
         t = torch.zeros(1, 2, 8, dim, dtype=torch.float16)
-        assert quantized.quantized_refusal(t, t, t, False, None, None) is None, dim
+        assert quantized.quantized_refusal(t, t, t, False, None) is None, dim
     for dim in (32, 168, 256):
         t = torch.zeros(1, 2, 8, dim, dtype=torch.float16)
-        assert f"head dims 40-160, not {dim}" in quantized.quantized_refusal(t, t, t, False, None, None)
+        assert f"head dims 40-160, not {dim}" in quantized.quantized_refusal(t, t, t, False, None)
     q128 = torch.zeros(1, 2, 8, 128, dtype=torch.float16)
     long_keys = torch.zeros(1, 1, 2**31 // 128, 128, dtype=torch.float16, device="meta")
-    assert "keys x head dim below 2^31" in quantized.quantized_refusal(q128, long_keys, long_keys, False, None, None)
+    assert "keys x head dim below 2^31" in quantized.quantized_refusal(q128, long_keys, long_keys, False, None)
     fits = long_keys[:, :, : 2**31 // 128 - 2 * variants.FWD8_BLOCK_N]
-    assert quantized.quantized_refusal(q128, fits, fits, False, None, None) is None
+    assert quantized.quantized_refusal(q128, fits, fits, False, None) is None
 
 
 def test_precision_setting():

@@ -312,16 +312,15 @@ def _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
     # cannot trace the precision's context variable either.
     if tracing or _precision() == "exact":
         return route
-    refusal = _eight_bit_refusal(query, key, value, is_causal, attn_mask, scale, backward)
+    refusal = _eight_bit_refusal(query, key, value, is_causal, attn_mask, backward)
     return route._replace(exact_reason=refusal) if refusal else route._replace(eight_bit=True)
 
 
-def _eight_bit_refusal(query, key, value, is_causal, attn_mask, scale, backward: bool) -> str | None:
+def _eight_bit_refusal(query, key, value, is_causal, attn_mask, backward: bool) -> str | None:
     """Why an eager call the exact kernels take cannot run in 8-bit attention, or None."""
     if backward:
         return "gradients needed (8-bit attention is for inference)"
-    return (eight_bit_refusal(query.device)
-            or quantized.quantized_refusal(query, key, value, is_causal, attn_mask, scale))
+    return eight_bit_refusal(query.device) or quantized.quantized_refusal(query, key, value, is_causal, attn_mask)
 
 
 def eight_bit_refusal(device: torch.device) -> str | None:

@@ -41,7 +41,7 @@ def target_refusal(target: str) -> str | None:
     return None
 
 
-def quantized_refusal(q, k, v, is_causal: bool, attn_mask, scale: float | None) -> str | None:
+def quantized_refusal(q, k, v, is_causal: bool, attn_mask) -> str | None:
     """Why the 8-bit forward cannot take a call the 16-bit kernels take (forward_refusal passed), or None."""
     if attn_mask is not None:
         return "8-bit attention takes no attn_mask"
@@ -96,7 +96,7 @@ def quantized_attention_forward(q, k, v, scale: float | None = None) -> torch.Te
     """SDPA's output for (B, H, S, D) q and (B, Hk, S, D) k, v (Hk dividing H), computed in 8 bits (see
     the module's docstring); like q, in q's memory order. Raises ValueError for input the 8-bit path
     refuses (forward_refusal, then quantized_refusal)."""
-    reason = forward_refusal(q, k, v, False, scale) or quantized_refusal(q, k, v, False, None, scale)
+    reason = forward_refusal(q, k, v, False, scale) or quantized_refusal(q, k, v, False, None)
     if reason is None:
         reason = target_refusal(loader.library_for(q.device).artifact.target)
     if reason is not None:
