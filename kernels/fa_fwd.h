@@ -104,26 +104,29 @@ struct TileCopy {
   static RDNA_DEV void batch(int b, u16* k_lds, u16* vt_lds, const u16* k, i64 k_stride, const u16* v, i64 v_stride,
                              int key0, int seqlen, int col0, int head_dim, int tid) {
     // The tile's first rows: uniform, so every load is this base plus a 32-bit byte offset per lane
-    // (load16_at; the dispatch keeps sequence strides below 2^23 elements, so 64 rows fit).
+    // (load16_at; the dispatch keeps sequence strides below 2^23 elements, so 64 rows fit). The offsets
+    // are the same on every tile: loop_variant keeps them next to their loads (see amdgcn.h).
     const u16* k_tile = k + i64(key0) * k_stride;
     const u16* v_tile = v + i64(key0) * v_stride;
     u32x4 k_val[kKPerBatch];
     u32x4 v_val[kVPerBatch][2];
     // With a whole number of threads per K row, a thread keeps its column and steps by whole rows:
-    // one offset per thread, with the row steps in the uniform base, instead of one per load.
+    // one offset per thread plus a row step per load (one 32-bit add, not a 64-bit one).
     constexpr int kRowStep = THREADS % kKChunks == 0 ? THREADS / kKChunks : 0;
     const int k_col = min_int(tid % kKChunks * 8, head_dim - 8);
-    const u32 k_thread = u32(tid / kKChunks * int(k_stride) + k_col) * 2u;
+    const u32 k_thread = kRowStep && !MASKED ? loop_variant(u32(tid / kKChunks * int(k_stride) + k_col) * 2u) : 0u;
     #pragma unroll
     for (int n = 0; n < kKPerBatch; ++n) {
       const int i = tid + (b * kKPerBatch + n) * THREADS;
       const int r = i / kKChunks, c = i % kKChunks * 8;
       if (b * kKPerBatch + n < kKLoads && exists<kKTotal>(i)) {
-        if (MASKED || kRowStep == 0)
-          k_val[n] = load16_at(k_tile, u32((MASKED ? min_int(r, seqlen - 1 - key0) : r) * int(k_stride) +
-                                           min_int(c, head_dim - 8)) * 2u);
-        else
-          k_val[n] = load16_at(k_tile + i64((b * kKPerBatch + n) * kRowStep) * k_stride, k_thread);
+        if (MASKED || kRowStep == 0) {
+          const int row = MASKED ? min_int(r, seqlen - 1 - key0) : r;
+          const u32 offset = u32(row * int(k_stride) + min_int(c, head_dim - 8)) * 2u;
+          k_val[n] = load16_at(k_tile, MASKED ? offset : loop_variant(offset));
+        } else {
+          k_val[n] = load16_at(k_tile, k_thread + u32((b * kKPerBatch + n) * kRowStep * int(k_stride)) * 2u);
+        }
       }
     }
     #pragma unroll
@@ -134,7 +137,7 @@ struct TileCopy {
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = MASKED ? min_int(r + h, seqlen - 1 - key0) : r + h;
-          v_val[n][h] = load16_at(v_tile, u32(row * int(v_stride) + col) * 2u);
+          v_val[n][h] = load16_at(v_tile, loop_variant(u32(row * int(v_stride) + col) * 2u));
           if (MASKED && key0 + r + h >= seqlen) v_val[n][h] = zero_u32x4();
         }
       }
@@ -229,11 +232,13 @@ struct FwdLoop {
     compiler_fence();
   }
 
+  // Odd accumulators take the factor from a second register, so that the products can pair as dual issues.
   RDNA_DEV void scale_output(float factor) {
+    const float twin = unmerged_copy(factor);
     #pragma unroll
     for (int f = 0; f < kOutFrags; ++f)
       #pragma unroll
-      for (int s = 0; s < 8; ++s) o_acc[f][s] *= factor;
+      for (int s = 0; s < 8; ++s) o_acc[f][s] *= s & 1 ? twin : factor;
   }
 
   // Every key tile: first those every query of the workgroup sees whole, then the rest, masked per key.

@@ -170,7 +170,7 @@ RDNA_DEV void fwd8_body(const Fwd8Args& a, u32* lds) {
     block_barrier();
 
     // The first head-dim step's products start from the biased zero (kSumBias), which every fragment
-    // shares: no accumulator initialisation per tile.
+    // shares as its C operand (clang re-creates it from SGPRs with a few moves per tile).
     v8i s_acc[kKeyFrags];
     {
       const Isa::Operand8 q_op = load_operand8<Shape::kRowWords>(wave_q, 0, lane);
@@ -207,11 +207,12 @@ RDNA_DEV void fwd8_body(const Fwd8Args& a, u32* lds) {
       tile_max = max_f32(tile_max, top * step[j]);
     }
     tile_max = max_f32(tile_max, other_half(tile_max));
-    auto scale_output = [&](float rescale) {
+    auto scale_output = [&](float rescale) {  // as fa_fwd.h's: odd accumulators from a second register
+      const float twin = unmerged_copy(rescale);
       #pragma unroll
       for (int f = 0; f < kDimFrags; ++f)
         #pragma unroll
-        for (int e = 0; e < 8; ++e) o_acc[f][e] *= rescale;
+        for (int e = 0; e < 8; ++e) o_acc[f][e] *= e & 1 ? twin : rescale;
     };
     float rescale = 1.f;
     if (!kSkipsRescale || any_lane(tile_max > row_max)) {  // wave-uniform

@@ -39,8 +39,8 @@ RDNA_DEV int key_order_row(int r) { return (r & ~15) + Isa::key_slot(r & 15); }
 // UNIFORM_BASE: every load is the tile's uniform base plus a 32-bit byte offset per lane (load16_at;
 // the dispatch keeps sequence strides below 2^23 elements, so a tile of up to 128 rows fits), not a
 // 64-bit address per lane (about six VALU per load). Where the threads cover a whole number of rows, a
-// thread keeps its column and steps by whole rows, the steps in the uniform base: one offset and one LDS
-// address per thread instead of one per load, as fa_fwd.h's K loads do. Those per-thread values stay
+// thread keeps its column and steps by whole rows: one offset (loop_variant, amdgcn.h) and one LDS address
+// per thread plus a 32-bit row step per load, as fa_fwd.h's K loads do. Those per-thread values stay
 // live across a caller's loop, so kernels without registers to spare take the 64-bit form, and so
 // does the forward's one Q load per workgroup (its kernels keep their register allocation).
 constexpr int kCopyBatch = 2;
@@ -57,7 +57,7 @@ RDNA_DEV void load_rows(u16* dst, const u16* src, i64 stride, int row0, int seql
   const u16* tile = src + i64(row0) * stride;
   const int rows_left = seqlen - row0;
   const int thread_row = tid / kChunks, thread_col = tid % kChunks * 8;
-  const u32 thread_offset = u32(thread_row * int(stride) + thread_col) * 2u;
+  const u32 thread_offset = kRowStep ? loop_variant(u32(thread_row * int(stride) + thread_col) * 2u) : 0u;
   const int thread_slot = KEY_ORDER ? key_order_row(thread_row) : thread_row;
   #pragma unroll 1
   for (int b = 0; b < kLoads; b += kBatch) {
@@ -71,7 +71,7 @@ RDNA_DEV void load_rows(u16* dst, const u16* src, i64 stride, int row0, int seql
       const bool in_rows = UNIFORM_BASE ? r < rows_left : row0 + r < seqlen;
       if (b + n < kLoads && (kTotal % THREADS == 0 || i < kTotal) && in_rows && c < head_dim)
         val[n] = !UNIFORM_BASE ? load16(src + (row0 + r) * stride + c)
-                 : kRowStep    ? load16_at(tile + i64((b + n) * kRowStep) * stride, thread_offset)
+                 : kRowStep    ? load16_at(tile, thread_offset + u32((b + n) * kRowStep * int(stride)) * 2u)
                                : load16_at(tile, u32(r * int(stride) + c) * 2u);
     }
     #pragma unroll

@@ -40,6 +40,14 @@ RDNA_DEV void wave_barrier() { __builtin_amdgcn_wave_barrier(); }
 // Memory operations are not moved across it by the compiler; no instruction is emitted.
 RDNA_DEV void compiler_fence() { __asm__ volatile("" ::: "memory"); }
 
+// v unchanged, as a value that clang must take to change here (no instruction is emitted). A per-lane
+// load offset that is the same on every key tile would otherwise have its zero extension hoisted out of
+// the loop, and each load inside become a 64-bit add (two VALU) instead of the load's scalar-base form.
+RDNA_DEV u32 loop_variant(u32 v) {
+  __asm__("" : "+v"(v));
+  return v;
+}
+
 // Whether `p` holds in any lane of the wave; every lane must call it.
 RDNA_DEV bool any_lane(bool p) { return __builtin_amdgcn_ballot_w32(p) != 0u; }
 
@@ -109,6 +117,15 @@ RDNA_DEV u32 pack_probabilities(f16, float lo, float hi) {
   float one;
   __asm__("s_mov_b32 %0, 1.0" : "=s"(one));
   return __builtin_bit_cast(u32, v2h{(_Float16)(lo * one), (_Float16)(hi * one)});
+}
+
+// x in a register of its own, bit for bit: x * 1.0, with the 1.0 from an asm that clang cannot fold away
+// (f32 denormals are preserved). Two multiplications pair as one dual issue (VOPD) only if their multipliers
+// lie in different register banks: O's rescale by one factor in one register took one issue per product.
+RDNA_DEV float unmerged_copy(float x) {
+  float one;
+  __asm__("s_mov_b32 %0, 1.0" : "=s"(one));
+  return x * one;
 }
 
 // acc + both 16-bit values of a packed word, in one v_dot2 against (1, 1): the products are exact.

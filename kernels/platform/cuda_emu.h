@@ -62,6 +62,10 @@ RDNA_DEV v8f zero_v8f() { return v8f{{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}}; 
 // The same zeros: register allocation is the RDNA compiler's concern (amdgcn.h).
 RDNA_DEV v8f held_zero_v8f() { return zero_v8f(); }
 
+// Register allocation and instruction selection are the RDNA compiler's concern (amdgcn.h).
+RDNA_DEV u32 loop_variant(u32 v) { return v; }
+RDNA_DEV float unmerged_copy(float x) { return x; }
+
 RDNA_DEV float exp2_approx(float x) { return exp2f(x); }
 RDNA_DEV float log2_approx(float x) { return log2f(x); }
 RDNA_DEV float max_f32(float a, float b) { return fmaxf(a, b); }

@@ -268,6 +268,41 @@ def test_f16_probabilities_are_rounded_by_one_mix_each(target):
     assert _probability_roundings([i for b in sorted(fragments[0]) for i in cfg.blocks[b]]) == (8, 0)
 
 
+def _forward_key_loop(target: str, symbol: str) -> list:
+    """The key-tile loop of a shipped forward kernel, as the estimator finds it."""
+    if find_objdump() is None:
+        pytest.skip("llvm-objdump (>= 19) not installed")
+    body = _shipped_listing(target)[symbol]
+    start, end = estimator.main_loop(body)
+    return [i for i in body if start <= i.addr <= end]
+
+
+@pytest.mark.parametrize("target, symbol", [
+    ("gfx1100", variants.fwd_variant("f16", 64).symbol), ("gfx1100", variants.fwd_variant("bf16", 128).symbol),
+    ("gfx1100", variants.fwd_variant("f16", 80).symbol), ("gfx1201", variants.fwd_variant("f16", 128).symbol),
+    ("gfx1201", variants.fwd_variant("bf16", 40).symbol), ("gfx1201", variants.fwd8_variant("f16", 128).symbol)])
+def test_forward_key_tile_loads_take_their_scalar_base_form(target, symbol):
+    """Every K and V load of the forward's key-tile loop is the tile's uniform base plus a 32-bit lane offset
+    (load16_at), and no 64-bit address add is left in the loop: loop_variant (kernels/platform/amdgcn.h) keeps
+    the offsets that are the same on every tile next to their loads (stop 46's exact kernels took two VALU
+    per load for a 64-bit address)."""
+    loop = _forward_key_loop(target, symbol)
+    loads = [i for i in loop if i.op.startswith("global_load")]
+    assert loads and not [i for i in loads if i.args.endswith(", off")]
+    assert not [i for i in loop if i.op.startswith("v_add_co")]
+
+
+@pytest.mark.parametrize("symbol", [variants.fwd_variant("f16", 128).symbol, variants.fwd_variant("bf16", 128).symbol,
+                                    variants.fwd8_variant("f16", 128).symbol])
+def test_gfx1201_o_rescale_multiplications_pair_as_dual_issues(symbol):
+    """O's rescale takes its odd accumulators' factor from a second register (unmerged_copy,
+    kernels/platform/amdgcn.h): on gfx1201 at d128 at least half of its 64 multiplications pair with each
+    other as dual issues, where with one register (stop 46) none did."""
+    loop = _forward_key_loop("gfx1201", symbol)
+    paired = [i for i in loop if i.op == "v_dual_mul_f32" and ":: v_dual_mul_f32" in i.args]
+    assert len(paired) >= 16
+
+
 @pytest.mark.parametrize("target", ["gfx1100", "gfx1201"])
 @pytest.mark.parametrize("kind", ["dq", "dkdv"])
 def test_the_backward_transposed_tile_copies_pack_each_pair_with_one_perm(target, kind):

@@ -301,7 +301,7 @@ def test_varlen_code_objects_match_fp64_per_entry(target):
 
 
 @pytest.mark.parametrize("dtype_name,head_dim,seq_q,seq_k,sign", [("f16", 40, 33, 70, 1), ("bf16", 128, 17, 64, -1),
-                                                              ("f16", 128, 20, 250, 1)])
+                                                              ("f16", 128, 20, 250, 1), ("bf16", 128, 20, 250, -1)])
 def test_8bit_code_objects_match_their_reference(dtype_name, head_dim, seq_q, seq_k, sign):
     """gfx1201's 8-bit path (K and V's quantizing pass, kernels/quant8.h, and the forward, fa_fwd8.h, which
     quantizes Q) as shipped: the pass writes the torch reference's codes and scales (a code may sit one
@@ -331,6 +331,21 @@ def test_8bit_code_objects_match_their_reference(dtype_name, head_dim, seq_q, se
     model = dequantized_attention(reference_q_codes(q, scale, variant), inputs, seq_k, head_dim).to(dtype)
     model_error = float((model.double() - reference).abs().sum() / reference.abs().sum())
     assert kernel_error <= 1.1 * model_error + 1e-4, (kernel_error, model_error)
+
+
+def test_8bit_negative_scale_equals_negated_queries_bit_for_bit():
+    """A negative scale is folded into Q's codes (quantize_q_rows, fa_fwd8.h), and int8 codes are symmetric:
+    gfx1201's shipped 8-bit forward gives (q, -s) exactly what it gives (-q, s). Three key tiles, the last
+    masked."""
+    generator = torch.Generator().manual_seed(5)
+    q = (2 * torch.randn(1, 2, 16, 64, generator=generator)).half()
+    k, v = (torch.randn(1, 2, 150, 64, generator=generator).half() for _ in range(2))
+    scale = 1 / math.sqrt(64)
+    with runtime.explicit_library(library("gfx1201")):
+        negative_scale = quantized.quantized_attention_forward(q, k, v, scale=-scale)
+        negated_queries = quantized.quantized_attention_forward(-q, k, v, scale=scale)
+    assert torch.isfinite(negative_scale).all()
+    assert torch.equal(negative_scale, negated_queries)
 
 
 def test_8bit_code_object_keeps_huge_scores_finite():
