@@ -35,7 +35,7 @@ log = logging.getLogger(LOGGER_NAME)
 
 # Bumped when the checks change, so cached verdicts are redone (2: a first call under inference mode no
 # longer fails them).
-REVISION = 2
+REVISION = 3
 CACHE_FILE_NAME = "selftest.json"
 
 # (batch, heads, query tokens, key tokens, head dim, causal): SD head dims, lengths that are not
@@ -48,8 +48,9 @@ CASES = (
     (1, 1, 64, 64, 512, False),
 )
 DTYPES = (torch.float16, torch.bfloat16)
-# (batch, heads, key/value heads, query tokens, key tokens, head dim): ragged tiles, grouped heads.
-EIGHT_BIT_CASES = ((1, 2, 2, 100, 130, 64), (2, 4, 2, 77, 200, 128), (1, 2, 1, 33, 64, 40))
+# (batch, heads, key/value heads, query tokens, key tokens, head dim, softmax scale's sign): ragged tiles,
+# grouped heads, a negative scale (folded into Q's codes).
+EIGHT_BIT_CASES = ((1, 2, 2, 100, 130, 64, 1), (2, 4, 2, 77, 200, 128, 1), (1, 2, 1, 33, 64, 40, -1))
 EIGHT_BIT_BAR = {"relative L1": 0.03, "1 - cosine": 0.001}  # issue 24's bar for "8-bit QK+PV"
 
 
@@ -116,12 +117,12 @@ def cached(library: KernelLibrary, test: str = "exact") -> dict | None:
 # --- the checks ---------------------------------------------------------------------------------
 
 
-def _reference(q, k, v, causal: bool, dtype: torch.dtype):
-    """Attention as SDPA's math backend defines it, computed in `dtype` on fresh leaves:
-    (out, logsumexp in float32, the leaves)."""
+def _reference(q, k, v, causal: bool, dtype: torch.dtype, scale: float | None = None):
+    """Attention as SDPA's math backend defines it (scale None: 1 / sqrt(head dim)), computed in `dtype` on
+    fresh leaves: (out, logsumexp in float32, the leaves)."""
     leaves = tuple(t.detach().to(dtype).requires_grad_() for t in (q, k, v))
     q, k, v = leaves
-    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
     if causal:
         allowed = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~allowed, float("-inf"))
@@ -192,19 +193,20 @@ def eight_bit_checks(device: torch.device) -> list[Check]:
 
 
 def _eight_bit_case_checks(device, dtype, case, generator) -> list[Check]:
-    batch, heads, kv_heads, sq, sk, dim = case
+    batch, heads, kv_heads, sq, sk, dim, sign = case
+    scale = sign * dim**-0.5
     q = torch.randn(batch, heads, sq, dim, generator=generator, device=device, dtype=dtype)
     k, v = (torch.randn(batch, kv_heads, sk, dim, generator=generator, device=device, dtype=dtype) for _ in range(2))
     # V with a mean per channel, as models' values have: without one the outputs average out near zero,
     # and the mode's relative L1 on them (about 3.5 %) says nothing about a kernel.
     v = v + torch.randn(1, 1, 1, dim, generator=generator, device=device, dtype=dtype)
-    out = quantized.quantized_attention_forward(q, k, v).float().flatten()
+    out = quantized.quantized_attention_forward(q, k, v, scale=scale).float().flatten()
     group = heads // kv_heads
     ref = _reference(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), False,
-                     torch.float32)[0].detach().flatten()
+                     torch.float32, scale)[0].detach().flatten()
     errors = {"relative L1": float((out - ref).abs().sum() / ref.abs().sum()),
               "1 - cosine": 1 - float(out @ ref / (out.norm() * ref.norm()))}
-    name = f"8-bit {str(dtype).removeprefix('torch.')} b{batch} h{heads}/{kv_heads} q{sq} k{sk} d{dim}"
+    name = f"8-bit {str(dtype).removeprefix('torch.')} b{batch} h{heads}/{kv_heads} q{sq} k{sk} d{dim} scale {scale:.3g}"
     return [Check(f"{name} {metric}", errors[metric], bar) for metric, bar in EIGHT_BIT_BAR.items()]
 
 
