@@ -294,7 +294,8 @@ def test_a_failed_8bit_selftest_keeps_the_exact_kernels(fake_rdna4, log_records)
     q, k, v = _qkv()
     rfa.scaled_dot_product_attention(q, k, v)
     (reason,) = rfa.stats()["exact_not_8bit_reasons"]
-    assert reason.startswith("8-bit attention's self-test failed: 8-bit float16 b1 h2/2 q100 k130 d64 scale 0.125 relative L1")
+    assert reason.startswith(
+        "8-bit attention's self-test failed: 8-bit float16 b1 h2/2 q100 k130 d64 scale 0.125 relative L1")
     assert rfa.stats()["kernel"] == 1 and rfa.stats()["kernel_8bit"] == 0 and len(fake_rdna4.launches) == 1
     assert any("its calls run the exact kernels" in r.getMessage() for r in log_records.records)
 

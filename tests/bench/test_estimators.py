@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
+from collections import Counter
 
 import pytest
 
@@ -288,7 +289,7 @@ def test_forward_key_tile_loads_take_their_scalar_base_form(target, symbol):
     per load for a 64-bit address)."""
     loop = _forward_key_loop(target, symbol)
     loads = [i for i in loop if i.op.startswith("global_load")]
-    assert loads and not [i for i in loads if i.args.endswith(", off")]
+    assert loads and not [i for i in loads if re.search(r", off\b", i.args)]
     assert not [i for i in loop if i.op.startswith("v_add_co")]
 
 
@@ -296,11 +297,24 @@ def test_forward_key_tile_loads_take_their_scalar_base_form(target, symbol):
                                     variants.fwd8_variant("f16", 128).symbol])
 def test_gfx1201_o_rescale_multiplications_pair_as_dual_issues(symbol):
     """O's rescale takes its odd accumulators' factor from a second register (unmerged_copy,
-    kernels/platform/amdgcn.h): on gfx1201 at d128 at least half of its 64 multiplications pair with each
-    other as dual issues, where with one register (stop 46) none did."""
+    kernels/platform/amdgcn.h): on gfx1201 at d128 at least half of its 64 multiplications (acc *= factor,
+    each factor register multiplying at least 16 accumulators) pair with each other as dual issues, where
+    with one register (stop 46) none did."""
     loop = _forward_key_loop("gfx1201", symbol)
-    paired = [i for i in loop if i.op == "v_dual_mul_f32" and ":: v_dual_mul_f32" in i.args]
-    assert len(paired) >= 16
+
+    def in_place_factor(op: str, args: str) -> str | None:  # the factor of "vA = vF * vA", else None
+        m = re.fullmatch(r"(v\d+), (v\d+), (v\d+)", args.strip())
+        if not op.startswith(("v_mul_f32", "v_dual_mul_f32")) or not m or m[1] not in (m[2], m[3]):
+            return None
+        return m[3] if m[1] == m[2] else m[2]
+
+    halves = [[(op, args) for op, args in (part.split(" ", 1) for part in f"{i.op} {i.args}".split(" :: "))]
+              for i in loop if i.op.startswith("v_")]
+    factors = Counter(f for line in halves for op, args in line if (f := in_place_factor(op, args)))
+    rescale = {f for f, n in factors.items() if n >= 16}
+    pairs = [line for line in halves if len(line) == 2
+             and len({in_place_factor(*half) for half in line} & rescale) == 2]
+    assert len(pairs) >= 16
 
 
 @pytest.mark.parametrize("target", ["gfx1100", "gfx1201"])
