@@ -256,11 +256,7 @@ def test_f16_probabilities_are_rounded_by_one_mix_each(target):
     """pack_probabilities (kernels/platform/amdgcn.h) has clang round each f16 probability with one
     v_fma_mix{lo,hi}_f16, not two conversions and a pack per pair: the forward's 32 per lane and 64-key tile,
     d64 dK/dV's 8 (P for dV) per query fragment, and no f32 -> f16 conversion left in either loop."""
-    if find_objdump() is None:
-        pytest.skip("llvm-objdump (>= 19) not installed")
-    forward = _shipped_listing(target)[variants.fwd_variant("f16", 64).symbol]
-    start, end = estimator.main_loop(forward)
-    assert _probability_roundings([i for i in forward if start <= i.addr <= end]) == (32, 0)
+    assert _probability_roundings(_forward_key_loop(target, variants.fwd_variant("f16", 64).symbol)) == (32, 0)
     cfg, _ = _backward_cfg(target, "dkdv", 64)
     main = estimate_gfx1100_backward.main_loop(cfg)
     fragments = [blocks for h, blocks in cfg.loops.items() if h != main and blocks < cfg.loops[main]
@@ -302,18 +298,17 @@ def test_gfx1201_o_rescale_multiplications_pair_as_dual_issues(symbol):
     with one register (stop 46) none did."""
     loop = _forward_key_loop("gfx1201", symbol)
 
-    def in_place_factor(op: str, args: str) -> str | None:  # the factor of "vA = vF * vA", else None
-        m = re.fullmatch(r"(v\d+), (v\d+), (v\d+)", args.strip())
-        if not op.startswith(("v_mul_f32", "v_dual_mul_f32")) or not m or m[1] not in (m[2], m[3]):
+    def in_place_factor(half: str) -> str | None:  # the factor of "vA = vF * vA", else None
+        m = re.fullmatch(r"v_(?:dual_)?mul_f32(?:_e32)? (v\d+), (v\d+), (v\d+)", " ".join(half.split()))
+        if not m or m[1] not in (m[2], m[3]):
             return None
         return m[3] if m[1] == m[2] else m[2]
 
-    halves = [[(op, args) for op, args in (part.split(" ", 1) for part in f"{i.op} {i.args}".split(" :: "))]
-              for i in loop if i.op.startswith("v_")]
-    factors = Counter(f for line in halves for op, args in line if (f := in_place_factor(op, args)))
+    issues = [_halves(i) for i in loop if i.op.startswith("v_")]
+    factors = Counter(f for halves in issues for half in halves if (f := in_place_factor(half)))
     rescale = {f for f, n in factors.items() if n >= 16}
-    pairs = [line for line in halves if len(line) == 2
-             and len({in_place_factor(*half) for half in line} & rescale) == 2]
+    pairs = [halves for halves in issues
+             if len(halves) == 2 and len({in_place_factor(h) for h in halves} & rescale) == 2]
     assert len(pairs) >= 16
 
 
