@@ -69,7 +69,9 @@ struct FwdShape {
 // rows past it are read from the last row; their scores are masked, and their V^T values set to
 // zero so that a zero probability cannot meet an infinity.
 // LOADS: global loads in flight per thread and batch (variants.py's copy_loads, 4 VGPRs each).
-template <int ROWS, int D_PAD, int COLS, int K_ROW, int VT_ROW, int THREADS, int LOADS>
+// SIXTEEN_BIT_VT: V^T goes to LDS by 16-bit stores (store_transposed_pair), else as pairs of keys packed
+// into 32-bit words by one v_perm_b32 each.
+template <int ROWS, int D_PAD, int COLS, int K_ROW, int VT_ROW, int THREADS, int LOADS, bool SIXTEEN_BIT_VT>
 struct TileCopy {
   static constexpr int kKChunks = D_PAD / 8;
   static constexpr int kKTotal = ROWS * kKChunks;
@@ -137,7 +139,8 @@ struct TileCopy {
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = MASKED ? min_int(r + h, seqlen - 1 - key0) : r + h;
-          v_val[n][h] = load16_at(v_tile, loop_variant(u32(row * int(v_stride) + col) * 2u));
+          const u32 offset = u32(row * int(v_stride) + col) * 2u;  // masked: not the same on every tile
+          v_val[n][h] = load16_at(v_tile, MASKED ? offset : loop_variant(offset));
           if (MASKED && key0 + r + h >= seqlen) v_val[n][h] = zero_u32x4();
         }
       }
@@ -154,11 +157,15 @@ struct TileCopy {
       const int i = tid + (b * kVPerBatch + n) * THREADS;
       const int r = 2 * (i % kVPairs), c = i / kVPairs * 8;
       if (b * kVPerBatch + n < kVUnits && exists<kVTotal>(i)) {
-        #pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          u32* dst = reinterpret_cast<u32*>(vt_lds + (c + 2 * w) * VT_ROW + r);
-          dst[0] = pack_low_halves(v_val[n][0][w], v_val[n][1][w]);
-          dst[VT_ROW / 2] = pack_high_halves(v_val[n][0][w], v_val[n][1][w]);
+        if constexpr (SIXTEEN_BIT_VT) {
+          store_transposed_pair<VT_ROW>(vt_lds + c * VT_ROW + r, v_val[n][0], v_val[n][1]);
+        } else {
+          #pragma unroll
+          for (int w = 0; w < 4; ++w) {
+            u32* dst = reinterpret_cast<u32*>(vt_lds + (c + 2 * w) * VT_ROW + r);
+            dst[0] = pack_low_halves(v_val[n][0][w], v_val[n][1][w]);
+            dst[VT_ROW / 2] = pack_high_halves(v_val[n][0][w], v_val[n][1][w]);
+          }
         }
       }
     }
@@ -186,10 +193,15 @@ enum BiasMode : int { kNoBias, kScoreBias, kKeyBias };
 template <class DT, int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK, int COPY_LOADS, bool HAS_MASK>
 struct FwdLoop {
   using Shape = FwdShape<D_PAD, WAVES, BLOCK_N, D_CHUNK, HAS_MASK>;
-  using Copy = TileCopy<BLOCK_N, D_PAD, D_CHUNK, Shape::kRow, Shape::kVtRow, Shape::kThreads, COPY_LOADS>;
   static constexpr int kKeyFrags = BLOCK_N / kFrag;
   static constexpr int kOutFrags = D_CHUNK / kFrag;
   static constexpr int kDimFrags = D_PAD / kFrag;
+  // V^T by 16-bit stores (no v_perm_b32 per key pair), but in gfx11's masked f16 d64 kernel, at 256 VGPRs:
+  // with them it spilled, and room made by not peeling S's steps in its key-padding loop cost that loop
+  // 1.7 % (stop 48).
+  static constexpr bool kSixteenBitVt = !(HAS_MASK && !Isa::kInlineZeroAccumulator && kDimFrags == 4 && kIsF16<DT>);
+  using Copy =
+      TileCopy<BLOCK_N, D_PAD, D_CHUNK, Shape::kRow, Shape::kVtRow, Shape::kThreads, COPY_LOADS, kSixteenBitVt>;
   // A tile where no row of the wave meets a new maximum skips rescaling O, a multiplication by exactly 1
   // (about half the tiles of a long row; the first ones always rescale). Below 8 output fragments the
   // branch costs the scheduler more than the multiplications it skips (bench/results, stop 36); past

@@ -85,6 +85,20 @@ RDNA_DEV void load_rows(u16* dst, const u16* src, i64 stride, int row0, int seql
   }
 }
 
+// Stores 8 consecutive elements of two adjacent rows (first, second) transposed: element e of both to
+// dst[e * LDS_ROW] and dst[e * LDS_ROW + 1]. One 16-bit store per element (the d16_hi form for odd ones):
+// packing the pairs into 32-bit stores took a v_perm_b32 each, VALU issues in every key loop, where the
+// LDS has cycles to spare. The fence keeps clang from merging each pair back into one 32-bit store (and
+// its v_perm_b32); no memory operation crosses it, so a caller issues its loads before the first pair.
+template <int LDS_ROW>
+RDNA_DEV void store_transposed_pair(u16* dst, const u32x4& first, const u32x4& second) {
+  #pragma unroll
+  for (int e = 0; e < 8; ++e) dst[e * LDS_ROW] = u16(first[e / 2] >> (e % 2 * 16));
+  compiler_fence();
+  #pragma unroll
+  for (int e = 0; e < 8; ++e) dst[e * LDS_ROW + 1] = u16(second[e / 2] >> (e % 2 * 16));
+}
+
 // Copies V rows [row0, row0 + ROWS), columns [col0, col0 + COLS) into LDS transposed (one LDS row
 // per output column), two keys per 32-bit store. Consecutive threads take consecutive key pairs so
 // the transposed stores fall in consecutive banks. UNIFORM_BASE as in load_rows.

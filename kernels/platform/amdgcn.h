@@ -43,6 +43,8 @@ RDNA_DEV void compiler_fence() { __asm__ volatile("" ::: "memory"); }
 // v unchanged, as a value that clang must take to change here (no instruction is emitted). A per-lane
 // load offset that is the same on every key tile would otherwise have its zero extension hoisted out of
 // the loop, and each load inside become a 64-bit add (two VALU) instead of the load's scalar-base form.
+// It stays where it is written because HIP's inline asm is convergent (no pass hoists it out of a loop);
+// for per-lane values only ("v": a uniform value would be moved into a VGPR).
 RDNA_DEV u32 loop_variant(u32 v) {
   __asm__("" : "+v"(v));
   return v;
@@ -106,27 +108,32 @@ RDNA_DEV u32 pack_high_halves(u32 lo, u32 hi) { return __builtin_amdgcn_perm(hi,
 typedef _Float16 v2h __attribute__((ext_vector_type(2)));
 typedef __bf16 v2bf __attribute__((ext_vector_type(2)));
 
+// 1.0 in an SGPR that clang cannot fold away. The move is written in the asm: with clang writing it
+// (`float one = 1.f; asm("" : "+s"(one))`) the forward key loops came out slower, gfx1201 f16 d80 by 1.5 %
+// (stop 48). Newer LLVM inserts waits for gfx12's SGPR read hazards in a pass that does not look into asm
+// text (AMDGPUWaitSGPRHazards); clang 19, which builds every shipped object, has no such pass.
+RDNA_DEV float unfoldable_one() {
+  float one;
+  __asm__("s_mov_b32 %0, 1.0" : "=s"(one));
+  return one;
+}
+
 // Two values rounded to f16 (nearest even) as one packed word: two v_cvt_f16_f32 and a v_pack_b32_f16.
 RDNA_DEV u32 pack_rounded(f16, float lo, float hi) { return __builtin_bit_cast(u32, v2h{(_Float16)lo, (_Float16)hi}); }
 // Two probabilities rounded to f16, packed (lo first), each as p * 1 rounded once: clang selects one
 // v_fma_mix{lo,hi}_f16 for that (its + 0 turns -0 into +0: not for signed values), where a plain conversion
-// takes two v_cvt_f16_f32 and a v_pack_b32_f16 per pair. The 1 comes from an asm that clang cannot fold
-// away. The mix itself is not inline asm: LLVM's hazard recognizer does not look into asm (gfx110x must wait
-// before a VALU reads a v_exp_f32 result), and it does look at what it selects.
+// takes two v_cvt_f16_f32 and a v_pack_b32_f16 per pair. The 1 is unfoldable_one(). The mix itself is not
+// inline asm: LLVM's hazard recognizer does not look into asm (gfx110x must wait before a VALU reads a
+// v_exp_f32 result), and it does look at what it selects.
 RDNA_DEV u32 pack_probabilities(f16, float lo, float hi) {
-  float one;
-  __asm__("s_mov_b32 %0, 1.0" : "=s"(one));
+  const float one = unfoldable_one();
   return __builtin_bit_cast(u32, v2h{(_Float16)(lo * one), (_Float16)(hi * one)});
 }
 
-// x in a register of its own, bit for bit: x * 1.0, with the 1.0 from an asm that clang cannot fold away
-// (f32 denormals are preserved). Two multiplications pair as one dual issue (VOPD) only if their multipliers
-// lie in different register banks: O's rescale by one factor in one register took one issue per product.
-RDNA_DEV float unmerged_copy(float x) {
-  float one;
-  __asm__("s_mov_b32 %0, 1.0" : "=s"(one));
-  return x * one;
-}
+// x in a register of its own, bit for bit: x * unfoldable_one() (f32 denormals are preserved). Two
+// multiplications pair as one dual issue (VOPD) only if their multipliers lie in different register banks:
+// O's rescale by one factor in one register took one issue per product.
+RDNA_DEV float unmerged_copy(float x) { return x * unfoldable_one(); }
 
 // acc + both 16-bit values of a packed word, in one v_dot2 against (1, 1): the products are exact.
 RDNA_DEV float add_pair(f16, u32 pair, float acc) {

@@ -289,6 +289,21 @@ def test_forward_key_tile_loads_take_their_scalar_base_form(target, symbol):
     assert not [i for i in loop if i.op.startswith("v_add_co")]
 
 
+@pytest.mark.parametrize("target", ["gfx1100", "gfx1201"])
+@pytest.mark.parametrize("dtype, d", [("f16", 40), ("f16", 64), ("bf16", 80), ("f16", 128), ("bf16", 160)])
+def test_forward_v_tiles_go_to_lds_transposed_by_16_bit_stores(target, dtype, d):
+    """The forward's key-tile loop stores V^T one element per 16-bit store (store_transposed_pair,
+    kernels/tiles.h: half of them in the d16_hi form), not as pairs packed by a v_perm_b32 each into
+    32-bit stores (stop 47's objects). An f16 kernel's loop then holds no v_perm_b32 at all (bf16 still
+    packs its probabilities with one)."""
+    loop = _forward_key_loop(target, variants.fwd_variant(dtype, d).symbol)
+    ops = Counter(i.op for i in loop)
+    assert ops["ds_store_b16"] > 0 and ops["ds_store_b16"] == ops["ds_store_b16_d16_hi"]
+    assert not [op for op in ops if op.startswith(("ds_store_b32", "ds_store_2addr_b32"))]
+    if dtype == "f16":
+        assert ops["v_perm_b32"] == 0
+
+
 @pytest.mark.parametrize("symbol", [variants.fwd_variant("f16", 128).symbol, variants.fwd_variant("bf16", 128).symbol,
                                     variants.fwd8_variant("f16", 128).symbol])
 def test_gfx1201_o_rescale_multiplications_pair_as_dual_issues(symbol):
