@@ -159,7 +159,7 @@ struct TileCopy {
       if (b * kVPerBatch + n < kVUnits && exists<kVTotal>(i)) {
         if constexpr (SIXTEEN_BIT_VT) {
           store_transposed_pair<VT_ROW>(vt_lds + c * VT_ROW + r, v_val[n][0], v_val[n][1]);
-        } else {
+        } else {  // load_transposed's packing (tiles.h); one helper for both spilled gfx11's dK/dV kernels
           #pragma unroll
           for (int w = 0; w < 4; ++w) {
             u32* dst = reinterpret_cast<u32*>(vt_lds + (c + 2 * w) * VT_ROW + r);
@@ -196,8 +196,8 @@ struct FwdLoop {
   static constexpr int kKeyFrags = BLOCK_N / kFrag;
   static constexpr int kOutFrags = D_CHUNK / kFrag;
   static constexpr int kDimFrags = D_PAD / kFrag;
-  // V^T by 16-bit stores (no v_perm_b32 per key pair), but in gfx11's masked f16 d64 kernel, at 256 VGPRs:
-  // with them it spilled, and room made by not peeling S's steps in its key-padding loop cost that loop
+  // V^T by 16-bit stores (no v_perm_b32 per key pair), except in gfx11's masked f16 d64 kernel: at 256 VGPRs
+  // it spilled with them, and room made by not peeling S's steps in its key-padding loop cost that loop
   // 1.7 % (stop 48).
   static constexpr bool kSixteenBitVt = !(HAS_MASK && !Isa::kInlineZeroAccumulator && kDimFrags == 4 && kIsF16<DT>);
   using Copy =

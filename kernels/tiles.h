@@ -93,10 +93,10 @@ RDNA_DEV void load_rows(u16* dst, const u16* src, i64 stride, int row0, int seql
 template <int LDS_ROW>
 RDNA_DEV void store_transposed_pair(u16* dst, const u32x4& first, const u32x4& second) {
   #pragma unroll
-  for (int e = 0; e < 8; ++e) dst[e * LDS_ROW] = u16(first[e / 2] >> (e % 2 * 16));
+  for (int e = 0; e < 8; ++e) dst[e * LDS_ROW] = element_of(first, e);
   compiler_fence();
   #pragma unroll
-  for (int e = 0; e < 8; ++e) dst[e * LDS_ROW + 1] = u16(second[e / 2] >> (e % 2 * 16));
+  for (int e = 0; e < 8; ++e) dst[e * LDS_ROW + 1] = element_of(second, e);
 }
 
 // Copies V rows [row0, row0 + ROWS), columns [col0, col0 + COLS) into LDS transposed (one LDS row

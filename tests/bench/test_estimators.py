@@ -309,8 +309,7 @@ def test_forward_v_tiles_go_to_lds_transposed_by_16_bit_stores(target, dtype, d,
     packed = ("ds_store_2addr_b32",) if masked else ("ds_store_b32", "ds_store_2addr_b32")
     assert not [op for op in ops if op.startswith(packed)]
     if not masked and estimator.copy_batches(variant) <= 2:  # unrolled copy: each key pair's 16 stores once
-        pairs = -(-(variant.block_n // 2) * (variant.d_chunk // 8) // variant.threads)
-        assert ops["ds_store_b16"] + ops["ds_store_b16_d16_hi"] == 16 * pairs
+        assert ops["ds_store_b16"] + ops["ds_store_b16_d16_hi"] == 16 * estimator.vt_pairs_per_thread(variant)
     if dtype == "f16" and not masked:  # gfx11 kernels hold v_perm_b32 after the key loop (O staged to LDS)
         assert ops["v_perm_b32"] == 0
 
