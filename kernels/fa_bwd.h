@@ -158,10 +158,18 @@ RDNA_DEV void accumulate(DT dt, v8f (&acc)[FRAGS], const u16* tile, int col0, co
 }
 
 // gfx11's bf16 d64 fused dK/dV kernel holds 255 VGPRs (bf16 rounding takes more than f16's): it spills
-// with either register-costing choice of dK/dV below (fetch-inactive exchanges, held zeros), which the
-// other dK/dV kernels take wherever it applies.
+// with any register-costing choice of dK/dV below (fetch-inactive exchanges, held zeros, 16-bit
+// transposed stores), which the other dK/dV kernels take wherever it applies.
 template <class DT, int D_PAD>
 constexpr bool kDkdvNoSpareVgprs = Isa::kOperandElems == 16 && !kIsF16<DT> && D_PAD == 64;
+
+// dK/dV's Q^T and dO^T go to LDS by 16-bit stores (load_transposed's SIXTEEN_BIT; dQ's K^T always
+// does), except where trial builds of every instance lost by them: at d80 to d112 the dK/dV loops wait
+// longer for the copy's loads held together (gfx11's d96 spills), as on gfx12 at d48
+// (bench/results/backward_estimate_gfx1100.md, update 18).
+template <class DT, int D_PAD>
+constexpr bool kSixteenBitTransposeDkdv = !((D_PAD >= 80 && D_PAD <= 112) ||
+                                            (Isa::kOperandElems == 8 ? D_PAD == 48 : kDkdvNoSpareVgprs<DT, D_PAD>));
 
 // x, an accumulator tile whose rows are keys (or queries) in Isa::acc_key order, as the B operand of a
 // product over them, each value rounded once to 16 bits. FETCH_INACTIVE (other_half's) saves a move per
@@ -212,6 +220,7 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
   constexpr int kChunks = (D_PAD + D_CHUNK - 1) / D_CHUNK;
   constexpr int kDimUnroll = kDimFrags % 2 == 0 && D_PAD <= 128 ? 2 : 1;  // more costs registers
   constexpr bool kUniformBase = kUniformBaseDkdv<D_PAD, HAS_MASK>;
+  constexpr bool kSixteenBit = kSixteenBitTransposeDkdv<DT, D_PAD>;
   const DT dt{};
   const float kInf = __builtin_inff();
 
@@ -287,14 +296,12 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
       if (make_dk) {
         load_rows<BLOCK_M, D_PAD, Shape::kRow, Shape::kThreads, true, kUniformBase>(do_lds, dout, a.do_stride_s, q0,
                                                                                     seq.seqlen_q, a.head_dim, tid);
-        load_transposed<BLOCK_M, D_CHUNK, Shape::kTRow, Shape::kThreads, kUniformBase>(qt_lds, q, a.q_stride_s, q0,
-                                                                                       seq.seqlen_q, col0, a.head_dim,
-                                                                                       tid);
+        load_transposed<BLOCK_M, D_CHUNK, Shape::kTRow, Shape::kThreads, kUniformBase, kSixteenBit>(
+            qt_lds, q, a.q_stride_s, q0, seq.seqlen_q, col0, a.head_dim, tid);
       }
       if (!make_dk || kBoth) {
-        load_transposed<BLOCK_M, D_CHUNK, Shape::kTRow, Shape::kThreads, kUniformBase>(dot_lds, dout, a.do_stride_s, q0,
-                                                                                       seq.seqlen_q, col0, a.head_dim,
-                                                                                       tid);
+        load_transposed<BLOCK_M, D_CHUNK, Shape::kTRow, Shape::kThreads, kUniformBase, kSixteenBit>(
+            dot_lds, dout, a.do_stride_s, q0, seq.seqlen_q, col0, a.head_dim, tid);
       }
       for (int i = tid; i < BLOCK_M; i += Shape::kThreads) {
         const bool valid = q0 + i < seq.seqlen_q;
@@ -491,9 +498,8 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
       load_rows<BLOCK_N, D_PAD, Shape::kRow, Shape::kThreads, true, kUniformBase>(v_lds, v, a.v_stride_s, key0,
                                                                                   seq.seqlen_k, a.head_dim, tid);
       if (sweep == 1)
-        load_transposed<BLOCK_N, D_CHUNK, Shape::kTRow, Shape::kThreads, kUniformBase>(kt_lds, k, a.k_stride_s, key0,
-                                                                                       seq.seqlen_k, col0, a.head_dim,
-                                                                                       tid);
+        load_transposed<BLOCK_N, D_CHUNK, Shape::kTRow, Shape::kThreads, kUniformBase, true>(
+            kt_lds, k, a.k_stride_s, key0, seq.seqlen_k, col0, a.head_dim, tid);
       block_barrier();
 
       v8f s_acc[kKeyFrags], dp_acc[kKeyFrags];

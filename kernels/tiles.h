@@ -99,34 +99,64 @@ RDNA_DEV void store_transposed_pair(u16* dst, const u32x4& first, const u32x4& s
   for (int e = 0; e < 8; ++e) dst[e * LDS_ROW + 1] = element_of(second, e);
 }
 
-// Copies V rows [row0, row0 + ROWS), columns [col0, col0 + COLS) into LDS transposed (one LDS row
-// per output column), two keys per 32-bit store. Consecutive threads take consecutive key pairs so
-// the transposed stores fall in consecutive banks. UNIFORM_BASE as in load_rows.
-template <int ROWS, int COLS, int LDS_ROW, int THREADS, bool UNIFORM_BASE = true>
+// Rows row0 + r and row0 + r + 1, 8 columns from col, into first and second, which come in zeroed:
+// past seqlen or head_dim they stay zero. UNIFORM_BASE as in load_rows.
+template <bool UNIFORM_BASE>
+RDNA_DEV void load_row_pair(u32x4& first, u32x4& second, const u16* src, i64 stride, int row0, int seqlen, int r,
+                            int col, int head_dim) {
+  if (col >= head_dim) return;
+  if constexpr (UNIFORM_BASE) {
+    const u16* tile = src + i64(row0) * stride;
+    const int rows_left = seqlen - row0;
+    const u32 offset = u32(r * int(stride) + col) * 2u;
+    if (r < rows_left) first = load16_at(tile, offset);
+    if (r + 1 < rows_left) second = load16_at(tile, offset + u32(stride) * 2u);
+  } else {
+    const int row = row0 + r;
+    if (row < seqlen) first = load16(src + row * stride + col);
+    if (row + 1 < seqlen) second = load16(src + (row + 1) * stride + col);
+  }
+}
+
+// Copies rows [row0, row0 + ROWS), columns [col0, col0 + COLS) into LDS transposed (one LDS row
+// per output column). Consecutive threads take consecutive row pairs so the transposed stores fall in
+// consecutive banks. SIXTEEN_BIT: every load first, then store_transposed_pair (no VALU; the loads'
+// registers live together); else two rows per 32-bit store, one v_perm_b32 per element pair, each
+// pair stored as soon as it is loaded.
+template <int ROWS, int COLS, int LDS_ROW, int THREADS, bool UNIFORM_BASE, bool SIXTEEN_BIT>
 RDNA_DEV void load_transposed(u16* dst, const u16* src, i64 stride, int row0, int seqlen, int col0,
                               int head_dim, int tid) {
   constexpr int kPairs = ROWS / 2;
-  const u16* tile = src + i64(row0) * stride;
-  const int rows_left = seqlen - row0;
-  for (int i = tid; i < kPairs * (COLS / 8); i += THREADS) {
-    const int r = 2 * (i % kPairs);
-    const int c = (i / kPairs) * 8;
-    u32x4 first = zero_u32x4(), second = zero_u32x4();
-    if (col0 + c < head_dim) {
-      if constexpr (UNIFORM_BASE) {
-        const u32 offset = u32(r * int(stride) + col0 + c) * 2u;
-        if (r < rows_left) first = load16_at(tile, offset);
-        if (r + 1 < rows_left) second = load16_at(tile, offset + u32(stride) * 2u);
-      } else {
-        const int row = row0 + r;
-        if (row < seqlen) first = load16(src + row * stride + col0 + c);
-        if (row + 1 < seqlen) second = load16(src + (row + 1) * stride + col0 + c);
-      }
+  constexpr int kItems = kPairs * (COLS / 8);
+  if constexpr (SIXTEEN_BIT) {
+    constexpr int kPerThread = (kItems + THREADS - 1) / THREADS;
+    u32x4 first[kPerThread], second[kPerThread];
+    #pragma unroll
+    for (int n = 0; n < kPerThread; ++n) {
+      const int i = tid + n * THREADS;
+      first[n] = zero_u32x4();
+      second[n] = zero_u32x4();
+      if (kItems % THREADS == 0 || i < kItems)
+        load_row_pair<UNIFORM_BASE>(first[n], second[n], src, stride, row0, seqlen, 2 * (i % kPairs),
+                                    col0 + (i / kPairs) * 8, head_dim);
     }
     #pragma unroll
-    for (int e = 0; e < 8; ++e) {  // element e of both rows: one v_perm_b32
-      const u32 pair = e % 2 ? pack_high_halves(first[e / 2], second[e / 2]) : pack_low_halves(first[e / 2], second[e / 2]);
-      *reinterpret_cast<u32*>(dst + (c + e) * LDS_ROW + r) = pair;
+    for (int n = 0; n < kPerThread; ++n) {
+      const int i = tid + n * THREADS;
+      if (kItems % THREADS == 0 || i < kItems)
+        store_transposed_pair<LDS_ROW>(dst + (i / kPairs) * 8 * LDS_ROW + 2 * (i % kPairs), first[n], second[n]);
+    }
+  } else {
+    for (int i = tid; i < kItems; i += THREADS) {
+      const int r = 2 * (i % kPairs);
+      const int c = (i / kPairs) * 8;
+      u32x4 first = zero_u32x4(), second = zero_u32x4();
+      load_row_pair<UNIFORM_BASE>(first, second, src, stride, row0, seqlen, r, col0 + c, head_dim);
+      #pragma unroll
+      for (int e = 0; e < 8; ++e) {  // element e of both rows: one v_perm_b32
+        const u32 pair = e % 2 ? pack_high_halves(first[e / 2], second[e / 2]) : pack_low_halves(first[e / 2], second[e / 2]);
+        *reinterpret_cast<u32*>(dst + (c + e) * LDS_ROW + r) = pair;
+      }
     }
   }
 }

@@ -108,13 +108,19 @@ RDNA_DEV u32 pack_high_halves(u32 lo, u32 hi) { return __builtin_amdgcn_perm(hi,
 typedef _Float16 v2h __attribute__((ext_vector_type(2)));
 typedef __bf16 v2bf __attribute__((ext_vector_type(2)));
 
-// 1.0 in an SGPR that clang cannot fold away. The move is written in the asm: with clang writing it
-// (`float one = 1.f; asm("" : "+s"(one))`) the forward key loops came out slower, gfx1201 f16 d80 by 1.5 %
-// (stop 48). Newer LLVM inserts waits for gfx12's SGPR read hazards in a pass that does not look into asm
-// text (AMDGPUWaitSGPRHazards); clang 19, which builds every shipped object, has no such pass.
+// 1.0 in an SGPR that clang cannot fold away. With clang 19, which builds every shipped object, the move
+// is written in the asm: with clang writing it (`float one = 1.f; asm("" : "+s"(one))`) the forward key
+// loops came out slower, gfx1201 f16 d80 by 1.5 % (stop 48). Newer LLVM inserts waits for gfx12's SGPR
+// read hazards in a pass that does not look into asm text (AMDGPUWaitSGPRHazards), so a rebuild with a
+// newer clang lets clang write the move, where that pass sees it.
 RDNA_DEV float unfoldable_one() {
+#if __clang_major__ <= 19
   float one;
   __asm__("s_mov_b32 %0, 1.0" : "=s"(one));
+#else
+  float one = 1.f;
+  __asm__("" : "+s"(one));
+#endif
   return one;
 }
 

@@ -144,11 +144,11 @@ def _shipped_listing(target: str) -> dict:
     return estimator.disassemble(find_objdump(), REPO / "prebuilt" / f"rdna_fa_{target}.hsaco", target)
 
 
-def _backward_cfg(target: str, kind: str, d: int):
-    """A shipped f16 backward kernel's control-flow graph and variant."""
+def _backward_cfg(target: str, kind: str, d: int, dtype: str = "f16"):
+    """A shipped backward kernel's control-flow graph and variant."""
     if find_objdump() is None:
         pytest.skip("llvm-objdump (>= 19) not installed")
-    variant = variants.bwd_variant(kind, "f16", d)
+    variant = variants.bwd_variant(kind, dtype, d)
     return estimate_gfx1100_backward.Cfg(_shipped_listing(target)[variant.symbol]), variant
 
 
@@ -346,20 +346,31 @@ def test_gfx1201_o_rescale_multiplications_pair_as_dual_issues(symbol):
     assert len(pairs) >= 16
 
 
-@pytest.mark.parametrize("target", ["gfx1100", "gfx1201"])
-@pytest.mark.parametrize("kind", ["dq", "dkdv"])
-def test_the_backward_transposed_tile_copies_pack_each_pair_with_one_perm(target, kind):
-    """load_transposed (kernels/tiles.h) stores two rows' elements as one 32-bit word each: one v_perm_b32
-    per word, not the shifts, masks and ors of a pack from two 16-bit halves (two VALU a word)."""
-    cfg, _ = _backward_cfg(target, kind, 64)
-    main = estimate_gfx1100_backward.main_loop(cfg)
-    copies = [h for h, blocks in cfg.loops.items() if h != main and blocks < cfg.loops[main]
-              and {"ds_store_2addr_b32", "ds_store_b32"} & set(cfg.ops(blocks))]
-    assert len(copies) == (2 if kind == "dkdv" else 1)  # Q^T and dO^T; K^T
-    for header in copies:
-        ops = cfg.ops(cfg.loops[header])
-        words = 2 * ops.count("ds_store_2addr_b32") + ops.count("ds_store_b32")
-        assert words == 8 and ops.count("v_perm_b32") == words
+@pytest.mark.parametrize("target, kind, dtype, d", [
+    ("gfx1100", "dkdv", "f16", 64), ("gfx1100", "dkdv", "f16", 128), ("gfx1100", "dkdv", "bf16", 160),
+    ("gfx1201", "dkdv", "bf16", 64), ("gfx1201", "dkdv", "f16", 128), ("gfx1100", "dq", "f16", 64),
+    ("gfx1100", "dq", "bf16", 128), ("gfx1201", "dq", "f16", 80)])
+def test_the_backward_transposed_tiles_go_to_lds_by_16_bit_stores(target, kind, dtype, d):
+    """dQ's K^T, and dK/dV's Q^T and dO^T where kSixteenBitTransposeDkdv (kernels/fa_bwd.h) takes them, go to
+    LDS one element per 16-bit store, half of them in the d16_hi form (load_transposed's SIXTEEN_BIT): no
+    store in the main loop is a word of two rows packed by v_perm_b32 (stop 48's objects packed them all)."""
+    cfg, _ = _backward_cfg(target, kind, d, dtype)
+    ops = Counter(cfg.ops(cfg.loops[estimate_gfx1100_backward.main_loop(cfg)]))
+    assert ops["ds_store_b16_d16_hi"] > 0 and ops["ds_store_b16"] == ops["ds_store_b16_d16_hi"]
+    assert ops["ds_store_2addr_b32"] <= 1  # the row statistics' floats, not transposed words
+    if dtype == "f16":
+        assert ops["v_perm_b32"] == 0
+
+
+@pytest.mark.parametrize("target, dtype, d", [("gfx1100", "f16", 80), ("gfx1100", "bf16", 64), ("gfx1100", "f16", 112),
+                                              ("gfx1201", "f16", 48), ("gfx1201", "bf16", 96)])
+def test_the_dkdv_kernels_that_lost_by_16_bit_stores_pack_each_pair_with_one_perm(target, dtype, d):
+    """The dK/dV kernels kSixteenBitTransposeDkdv leaves packed store two rows' elements as one 32-bit word
+    each, packed by one v_perm_b32 (at least 8 per main-loop pass: a row pair of 8 columns), and no element
+    by a 16-bit store."""
+    cfg, _ = _backward_cfg(target, "dkdv", d, dtype)
+    ops = Counter(cfg.ops(cfg.loops[estimate_gfx1100_backward.main_loop(cfg)]))
+    assert ops["v_perm_b32"] >= 8 and ops["ds_store_b16"] == ops["ds_store_b16_d16_hi"] == 0
 
 
 @pytest.mark.parametrize("target", ["gfx1100", "gfx1201"])
