@@ -228,6 +228,11 @@ def main_loop(body: list[Insn]) -> tuple[int, int]:
     return main
 
 
+def k_chunks_per_thread(variant) -> int:
+    """16-byte chunks of a K tile the slowest thread copies: TileCopy's K loads in kernels/fa_fwd.h."""
+    return -(-variant.block_n * variant.d_pad // 8 // variant.threads)
+
+
 def vt_pairs_per_thread(variant) -> int:
     """Key pairs of a V^T tile (8 columns each) the slowest thread copies: TileCopy's kVUnits in kernels/fa_fwd.h."""
     return -(-(variant.block_n // 2) * (variant.d_chunk // 8) // variant.threads)
@@ -235,8 +240,7 @@ def vt_pairs_per_thread(variant) -> int:
 
 def copy_batches(variant) -> int:
     """Trips of the forward's K/V copy-batch loop: mirrors TileCopy in kernels/fa_fwd.h."""
-    k_loads = -(-variant.block_n * variant.d_pad // 8 // variant.threads)
-    return -(-(k_loads + 2 * vt_pairs_per_thread(variant)) // variant.copy_loads)
+    return -(-(k_chunks_per_thread(variant) + 2 * vt_pairs_per_thread(variant)) // variant.copy_loads)
 
 
 def peeled_score_steps(target: str, variant) -> int:
@@ -268,8 +272,7 @@ def inner_loops(body: list[Insn], main: tuple[int, int], variant, peeled_steps: 
             merged.append([s, e])
     key_frags, dim_frags = variant.block_n // 16, variant.d_pad // 16
     # Trips of the slowest wave (it sets the barrier's pace) where the work does not divide evenly.
-    old_trips = {"K": -(-variant.block_n * variant.d_pad // 8 // variant.threads),  # 16-byte chunks
-                 "V^T": vt_pairs_per_thread(variant)}
+    old_trips = {"K": k_chunks_per_thread(variant), "V^T": vt_pairs_per_thread(variant)}
     loops = []
     for s, e in merged:
         ops = [i.op for i in body if s <= i.addr <= e]
