@@ -101,7 +101,7 @@ class Cfg:
 
     def _reaching(self, tail: int, header: int) -> set[int]:
         pred = {b: [p for p, s in self.succ.items() if b in s] for b in self.blocks}
-        seen, stack = {header, tail}, [tail]
+        seen, stack = {header, tail}, [tail] if tail != header else []  # a one-block loop is itself
         while stack:
             for p in pred[stack.pop()]:
                 if p not in seen:
@@ -280,7 +280,8 @@ def trace(cfg: Cfg, main: int, trips: dict[int, int], flags: dict[str, bool]) ->
         if inside != [True, True] and loop == main:  # the main loop's exit: stay
             pc = succ[inside.index(True)]
         elif inside != [True, True]:  # an inner loop's exit test
-            done = visits[loop] - entered[loop] > trips[loop] - (pc != loop)
+            tested_at_bottom = pc != loop or loop in succ  # a one-block loop tests at its bottom too
+            done = visits[loop] - entered[loop] > trips[loop] - tested_at_bottom
             pc = succ[inside.index(not done)]
         elif last.op in ("s_cbranch_execz", "s_cbranch_execnz"):  # divergent unless exec came from a flag
             reg = flag_of(block)

@@ -144,6 +144,11 @@ constexpr bool kUniformBaseDkdv = !(HAS_MASK && Isa::kOperandElems == 16 && D_PA
 template <int D_PAD, bool HAS_MASK>
 constexpr bool kUniformBaseDq = !(HAS_MASK && Isa::kOperandElems == 16 && D_PAD == 32);
 
+// dQ reads Q and dO by RepeatingRows (tiles.h), without the zero fill, except where it spills VGPRs
+// (trial builds of every dQ instance): gfx11's d32 kernels and masked d128 kernel, gfx12's d64 kernels.
+template <int D_PAD, bool HAS_MASK>
+constexpr bool kRepeatingQdo = Isa::kOperandElems == 16 ? !(D_PAD == 32 || (HAS_MASK && D_PAD == 128)) : D_PAD != 64;
+
 // dQ's key tiles that every query of the workgroup sees whole run in a loop of their own, without the
 // per-score test (three VALU per score). The second copy of the loop body costs registers: gfx12's d64
 // would spill, and the masked kernels, which test and bias each score anyway, keep one loop.
@@ -454,6 +459,10 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
   const i64 stats = batch * a.lse_stride_b + head * a.lse_stride_h + seq.q_row0 + query;
   const float neg_offset = valid_query ? -(a.lse[stats] * a.lse_to_log2) : -__builtin_inff();
 
+  // S^T = K Q^T and dP^T = V dO^T: K and V are zero past head_dim in LDS, and P^T is zero for the
+  // queries past seqlen (their offset is -inf), so Q and dO may repeat their edges (RepeatingRows).
+  const RepeatingRows q_rows = RepeatingRows::of(q, a.q_stride_s, q0, wave_q0, seq.seqlen_q, lane);
+  const RepeatingRows do_rows = RepeatingRows::of(dout, a.do_stride_s, q0, wave_q0, seq.seqlen_q, lane);
   const int key_end = seq.visible_keys(a.causal, q0 + Shape::kBlockM - 1);
   const int key_limit = seq.visible_keys(a.causal, query);
   const int open_end = seq.visible_keys(a.causal, q0);  // keys every query of the workgroup sees: its first's
@@ -504,10 +513,14 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
 
       v8f s_acc[kKeyFrags], dp_acc[kKeyFrags];
       const auto product_step = [&](int d) {
-        const Isa::Operand q_op = load_operand_global(q, a.q_stride_s, wave_q0, seq.seqlen_q, d * kFrag, a.head_dim,
-                                                      lane);
-        const Isa::Operand do_op = load_operand_global(dout, a.do_stride_s, wave_q0, seq.seqlen_q, d * kFrag,
-                                                       a.head_dim, lane);
+        const Isa::Operand q_op =
+            kRepeatingQdo<D_PAD, HAS_MASK>
+                ? q_rows.load(d * kFrag, a.head_dim)
+                : load_operand_global(q, a.q_stride_s, wave_q0, seq.seqlen_q, d * kFrag, a.head_dim, lane);
+        const Isa::Operand do_op =
+            kRepeatingQdo<D_PAD, HAS_MASK>
+                ? do_rows.load(d * kFrag, a.head_dim)
+                : load_operand_global(dout, a.do_stride_s, wave_q0, seq.seqlen_q, d * kFrag, a.head_dim, lane);
         #pragma unroll
         for (int j = 0; j < kKeyFrags; ++j) {
           Isa::mma(dt, s_acc[j], load_operand<Shape::kRow>(k_lds + j * kFrag * Shape::kRow, d * kFrag, lane), q_op);

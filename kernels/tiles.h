@@ -192,6 +192,41 @@ RDNA_DEV Isa::Operand load_operand_global(const u16* src, i64 stride, int row0, 
   return op;
 }
 
+// A wave's 16 operand rows read straight from global memory again and again (dQ's Q and dO, once per
+// key tile), without zero fill: rows past seqlen repeat the last row and columns past head_dim the last
+// 8 real ones. Only for a product whose other factor is zero past head_dim and whose results for rows
+// past seqlen are dropped or multiplied by zero. Each lane's offset is computed once and a load adds
+// its column (clamped by a uniform min): no exec mask, zeroed registers or lane address per load, as
+// load_operand_global takes.
+struct RepeatingRows {
+  const u16* tile;  // row `first`: uniform, below seqlen and at most row0
+  u32 row_offset;   // bytes to the lane's row
+  u32 k_offset;     // and to its run of k values (Isa::operand_k0)
+
+  // Lane row row0 + (l % 16) of src; first as above (the workgroup's first row), so offsets stay small.
+  static RDNA_DEV RepeatingRows of(const u16* src, i64 stride, int first, int row0, int seqlen, int lane) {
+    const int row = min_int(row0 + (lane & 15), seqlen - 1);
+    const u32 row_offset = u32((row - first) * int(stride)) * 2u;
+    return {src + i64(first) * stride, row_offset, row_offset + u32(Isa::operand_k0(lane)) * 2u};
+  }
+
+  // The operand fragment at columns [col0, col0 + 16).
+  RDNA_DEV Isa::Operand load(int col0, int head_dim) const {
+    Isa::Operand op;
+    #pragma unroll
+    for (int c = 0; c < Isa::kOperandElems / 8; ++c) {
+      const int col = col0 + 8 * c;
+      // Every lane's 8 columns are real: each lane reads its own; otherwise all lanes read the same 8
+      // columns, clamped to the last real ones (the lanes past head_dim repeat them).
+      const bool whole = col + (16 - Isa::kOperandElems) + 8 <= head_dim;
+      const u32x4 t = load16_at(tile + min_int(col, head_dim - 8), whole ? k_offset : row_offset);
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) op.w[4 * c + i] = t[i];
+    }
+    return op;
+  }
+};
+
 // Writes one accumulator fragment f of a transposed tile (rows = columns of the output, one output
 // row per lane) into LDS as plain rows, scaled, in the output dtype.
 template <class DT, int LDS_ROW>

@@ -374,6 +374,23 @@ def test_the_dkdv_kernels_kept_packed_store_each_pair_as_one_permuted_word(targe
     assert ops["ds_store_b16"] == ops["ds_store_b16_d16_hi"] == 0
 
 
+@pytest.mark.parametrize("target, dtype, d", [("gfx1100", "f16", 64), ("gfx1100", "bf16", 128),
+                                              ("gfx1201", "f16", 128), ("gfx1201", "bf16", 80)])
+def test_dq_reads_q_and_do_per_key_tile_without_zero_fill(target, dtype, d):
+    """dQ's head-dim loop loads Q and dO by RepeatingRows (kernels/tiles.h) where kRepeatingQdo
+    (kernels/fa_bwd.h) takes it: no exec mask saved for a row or column test and no register zeroed for
+    it. Stop 49's objects did both around every one of these loads."""
+    cfg, variant = _backward_cfg(target, "dq", d, dtype)
+    main = estimate_gfx1100_backward.main_loop(cfg)
+    trips = estimate_gfx1100_backward.loop_trips(cfg, main, variant, target)
+    head_dim_loops = [h for h in trips if any(op.startswith("v_wmma") for op in cfg.ops(cfg.loops[h]))]
+    assert len(head_dim_loops) == 1
+    insns = [i for b in cfg.loops[head_dim_loops[0]] for i in cfg.blocks[b]]
+    assert any(i.op == "global_load_b128" for i in insns)
+    assert not any(i.op == "s_and_saveexec_b32" for i in insns)
+    assert not any(i.op.startswith(("v_mov_b32", "v_dual_mov_b32")) and re.search(r", 0(\s|$)", i.args) for i in insns)
+
+
 @pytest.mark.parametrize("target", ["gfx1100", "gfx1201"])
 def test_shape_pricing_reproduces_the_model_at_its_own_launch(target):
     """estimate_masked.shape_rows priced at the model's launch (SEQ tokens, BATCH_HEADS entries x heads,

@@ -36,7 +36,8 @@ DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 
 # (head dim, seq_q, seq_k, causal, layout): head dims reach every forward class (4x64, 4x32, 2x32,
 # two chunks, 512) and every dQ / dK-dV class (64, 128, 144, 160, 320, 384, 512; and SD1.5's 80: K and V
-# held in registers, 16-query tiles).
+# held in registers, 16-query tiles; and 40, short of its padded 48, where dQ's Q and dO repeat their
+# last columns and rows: RepeatingRows in kernels/tiles.h).
 FORWARD_SHAPES = (
     (40, 77, 130, False, "bshd"),
     (64, 64, 64, False, "bhsd"),
@@ -56,6 +57,7 @@ BACKWARD_SHAPES = (
     (384, 9, 20, False, "bhsd"),
     (512, 20, 9, True, "bhsd"),
     (80, 33, 40, True, "bshd"),
+    (40, 33, 50, False, "strided"),
 )
 
 
