@@ -463,6 +463,12 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
   // queries past seqlen (their offset is -inf), so Q and dO may repeat their edges (RepeatingRows).
   const RepeatingRows q_rows = RepeatingRows::of(q, a.q_stride_s, q0, wave_q0, seq.seqlen_q, lane);
   const RepeatingRows do_rows = RepeatingRows::of(dout, a.do_stride_s, q0, wave_q0, seq.seqlen_q, lane);
+  // This wave's Q or dO operand at head-dim step d, by kRepeatingQdo's choice.
+  const auto wave_operand = [&](const RepeatingRows& rows, const u16* src, i64 stride, int d) {
+    return kRepeatingQdo<D_PAD, HAS_MASK>
+               ? rows.load(d * kFrag, a.head_dim)
+               : load_operand_global(src, stride, wave_q0, seq.seqlen_q, d * kFrag, a.head_dim, lane);
+  };
   const int key_end = seq.visible_keys(a.causal, q0 + Shape::kBlockM - 1);
   const int key_limit = seq.visible_keys(a.causal, query);
   const int open_end = seq.visible_keys(a.causal, q0);  // keys every query of the workgroup sees: its first's
@@ -513,14 +519,8 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
 
       v8f s_acc[kKeyFrags], dp_acc[kKeyFrags];
       const auto product_step = [&](int d) {
-        const Isa::Operand q_op =
-            kRepeatingQdo<D_PAD, HAS_MASK>
-                ? q_rows.load(d * kFrag, a.head_dim)
-                : load_operand_global(q, a.q_stride_s, wave_q0, seq.seqlen_q, d * kFrag, a.head_dim, lane);
-        const Isa::Operand do_op =
-            kRepeatingQdo<D_PAD, HAS_MASK>
-                ? do_rows.load(d * kFrag, a.head_dim)
-                : load_operand_global(dout, a.do_stride_s, wave_q0, seq.seqlen_q, d * kFrag, a.head_dim, lane);
+        const Isa::Operand q_op = wave_operand(q_rows, q, a.q_stride_s, d);
+        const Isa::Operand do_op = wave_operand(do_rows, dout, a.do_stride_s, d);
         #pragma unroll
         for (int j = 0; j < kKeyFrags; ++j) {
           Isa::mma(dt, s_acc[j], load_operand<Shape::kRow>(k_lds + j * kFrag * Shape::kRow, d * kFrag, lane), q_op);
