@@ -175,10 +175,12 @@ def dim_unroll(v, target: str) -> int:
 
 
 def row_loads(v, dim_frags: int) -> int:
-    """load_rows' 16-byte loads per thread (kLoads in kernels/tiles.h, rounded up to whole batches: a
-    partial last batch's guarded load is counted as issued, as the trace takes every lane branch)."""
+    """load_rows' 16-byte loads per thread (kLoads in kernels/tiles.h). The zero-filling copies (dQ's,
+    split dK/dV's) batch them, rounded up to whole batches here: a partial last batch's guarded load is
+    counted as issued, as the trace takes every lane branch. Fused dK/dV's (REPEAT_EDGES) issue all of
+    them in one batch."""
     loads = -(-v.block_tile * dim_frags * 2 // v.threads)
-    batch = min(loads, COPY_BATCH)
+    batch = loads if v.kind == "dkdv" and v.fused else min(loads, COPY_BATCH)
     return -(-loads // batch) * batch
 
 

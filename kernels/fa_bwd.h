@@ -103,16 +103,33 @@ RDNA_DEV float output_delta(DT dt, const BwdArgs& a, const u16* dout, const u16*
 // (sequence.h) only within a factor 2^7: float32 cannot hold log2(keys) beside a log-sum-exp near
 // 2^30. So both kernels take exponents relative to the forward's own row offset and divide by its
 // probability sum (its log2 in row_log2_sum) where the forward saved them; otherwise the dQ kernel
-// sums each row's recomputed P in its first sweep and both divide by that. Exponents are capped at
-// kMaxExponent so that such a row's sum stays finite before it is divided out.
+// sums each row's recomputed P in its first sweep (dividing by 1) and both divide by that. Exponents
+// are capped at kMaxExponent, so that P and any row's sum stay finite even where the offset does not
+// bound the scores (a foreign lse): a legitimate row's exponents stay below 7.
 constexpr float kMaxExponent = 64.f;
 
-// A score's base-2 exponent relative to its row offset, capped, from the negated offset. A masked
-// score is biased first, rounded as the forward rounds it (at a huge bias the offset is a maximum of
-// such values); an unmasked one takes one fma for its multiply and subtraction.
+// A row's terms of its scores' base-2 exponents. FOLD (unmasked kernels): the log2 of the probability
+// sum is folded into the negated offset, so that dividing by the sum takes no op per score; that sum
+// rounds at the offset's magnitude, as the scores' own fp32 values do. A masked row at a huge bias
+// (offset near 2^30) would lose the log2 sum in it, so masked scores subtract it one by one.
+template <bool FOLD>
+struct RowExponent {
+  float offset;
+  float log2_sum;  // 0 where folded
+  static RDNA_DEV RowExponent of(float neg_offset, float log2_sum) {
+    return FOLD ? RowExponent{neg_offset - log2_sum, 0.f} : RowExponent{neg_offset, log2_sum};
+  }
+};
+// dK/dV folds where unmasked, but at d112, where gfx11's kernels spill SGPRs by it (all but gfx1100's).
+template <int D_PAD, bool HAS_MASK>
+constexpr bool kFoldedLog2SumDkdv = !HAS_MASK && D_PAD != 112;
+
+// A score's base-2 exponent relative to its row's offset (RowExponent), capped. A masked score is biased
+// first, rounded as the forward rounds it (at a huge bias the offset is a maximum of such values); an
+// unmasked one takes one fma for its multiply and subtraction.
 template <bool HAS_MASK>
-RDNA_DEV float capped_exponent(float s, float scale_log2, float bias, float neg_offset) {
-  const float x = HAS_MASK ? fma_f32(s, scale_log2, bias) + neg_offset : fma_f32(s, scale_log2, neg_offset);
+RDNA_DEV float capped_exponent(float s, float scale_log2, float bias, float offset) {
+  const float x = HAS_MASK ? fma_f32(s, scale_log2, bias) + offset : fma_f32(s, scale_log2, offset);
   return min_f32(x, kMaxExponent);
 }
 
@@ -154,6 +171,12 @@ constexpr bool kRepeatingQdo = Isa::kOperandElems == 16 ? !(D_PAD == 32 || (HAS_
 // would spill, and the masked kernels, which test and bias each score anyway, keep one loop.
 template <int D_PAD, bool HAS_MASK>
 constexpr bool kOpenKeyTiles = !HAS_MASK && !(Isa::kOperandElems == 8 && D_PAD == 64);
+
+// dK/dV's tile copies repeat their edges (load_rows' REPEAT_EDGES) in the fused workgroups (up to d64):
+// in trial builds of every instance the split ones lost by it, at d80 and at gfx12's d128 (their copies'
+// partial tiles and loads under lane tests take more memory round trips).
+template <int D_PAD>
+constexpr bool kRepeatingCopiesDkdv = kFusedDkdv<D_PAD>;
 
 // acc[f] += A_f x, A_f the f-th 16-row fragment of an LDS tile.
 template <int FRAGS, int LDS_ROW, class DT>
@@ -209,7 +232,7 @@ struct DkdvShape {
   static constexpr int kDoOffset = BLOCK_M * kRow;
   static constexpr int kQtOffset = kDoOffset + BLOCK_M * kRow;
   static constexpr int kDotOffset = kQtOffset + D_CHUNK * kTRow;
-  // float neg_offset[BLOCK_M], delta[BLOCK_M], row_log2_sum[BLOCK_M]
+  // float offset[BLOCK_M], delta[BLOCK_M], log2_sum[BLOCK_M]
   static constexpr int kStatsOffset = kDotOffset + D_CHUNK * kTRow;
   static constexpr int kLdsElems = kStatsOffset + 6 * BLOCK_M;
   static_assert(2 * kLdsElems <= 65536, "LDS over 64 KiB");
@@ -226,6 +249,8 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
   constexpr int kDimUnroll = kDimFrags % 2 == 0 && D_PAD <= 128 ? 2 : 1;  // more costs registers
   constexpr bool kUniformBase = kUniformBaseDkdv<D_PAD, HAS_MASK>;
   constexpr bool kSixteenBit = kSixteenBitTransposeDkdv<DT, D_PAD>;
+  constexpr bool kRepeat = kRepeatingCopiesDkdv<D_PAD>;
+  constexpr bool kFold = kFoldedLog2SumDkdv<D_PAD, HAS_MASK>;
   const DT dt{};
   const float kInf = __builtin_inff();
 
@@ -251,9 +276,9 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
   u16* do_lds = lds + Shape::kDoOffset;
   u16* qt_lds = lds + Shape::kQtOffset;
   u16* dot_lds = lds + Shape::kDotOffset;
-  float* neg_offset_lds = reinterpret_cast<float*>(lds + Shape::kStatsOffset);
-  float* delta_lds = neg_offset_lds + BLOCK_M;
-  float* norm_lds = delta_lds + BLOCK_M;
+  float* offset_lds = reinterpret_cast<float*>(lds + Shape::kStatsOffset);  // RowExponent's
+  float* delta_lds = offset_lds + BLOCK_M;
+  float* log2_sum_lds = delta_lds + BLOCK_M;
 
   const int wave_key0 = k0 + wave * kFrag;
   const int key = wave_key0 + (lane & 15);
@@ -296,24 +321,29 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
     const v8f first_c = kHeldZeroC<DT, D_PAD> ? held_zero_v8f() : zero_v8f();
     for (int q0 = q_begin; q0 < seq.seqlen_q; q0 += BLOCK_M) {
       block_barrier();
-      load_rows<BLOCK_M, D_PAD, Shape::kRow, Shape::kThreads, true, kUniformBase>(q_lds, q, a.q_stride_s, q0,
-                                                                                  seq.seqlen_q, a.head_dim, tid);
+      // Edges may repeat (kRepeat): S = Q K^T and dP = dO V^T take K and V zero past head_dim; the
+      // queries past seqlen have P = dS = 0 (offset -inf); the rows of Q^T and dO^T past head_dim make
+      // gradient columns that are not stored.
+      load_rows<BLOCK_M, D_PAD, Shape::kRow, Shape::kThreads, true, kUniformBase, kRepeat>(q_lds, q, a.q_stride_s, q0,
+                                                                                        seq.seqlen_q, a.head_dim, tid);
       if (make_dk) {
-        load_rows<BLOCK_M, D_PAD, Shape::kRow, Shape::kThreads, true, kUniformBase>(do_lds, dout, a.do_stride_s, q0,
-                                                                                    seq.seqlen_q, a.head_dim, tid);
-        load_transposed<BLOCK_M, D_CHUNK, Shape::kTRow, Shape::kThreads, kUniformBase, kSixteenBit>(
+        load_rows<BLOCK_M, D_PAD, Shape::kRow, Shape::kThreads, true, kUniformBase, kRepeat>(
+            do_lds, dout, a.do_stride_s, q0, seq.seqlen_q, a.head_dim, tid);
+        load_transposed<BLOCK_M, D_CHUNK, Shape::kTRow, Shape::kThreads, kUniformBase, kSixteenBit, kRepeat>(
             qt_lds, q, a.q_stride_s, q0, seq.seqlen_q, col0, a.head_dim, tid);
       }
       if (!make_dk || kBoth) {
-        load_transposed<BLOCK_M, D_CHUNK, Shape::kTRow, Shape::kThreads, kUniformBase, kSixteenBit>(
+        load_transposed<BLOCK_M, D_CHUNK, Shape::kTRow, Shape::kThreads, kUniformBase, kSixteenBit, kRepeat>(
             dot_lds, dout, a.do_stride_s, q0, seq.seqlen_q, col0, a.head_dim, tid);
       }
       for (int i = tid; i < BLOCK_M; i += Shape::kThreads) {
         const bool valid = q0 + i < seq.seqlen_q;
         // -inf: padding rows get probability 0
-        neg_offset_lds[i] = valid ? -(a.lse[stats + q0 + i] * a.lse_to_log2) : -kInf;
+        offset_lds[i] = valid ? RowExponent<kFold>::of(-(a.lse[stats + q0 + i] * a.lse_to_log2),
+                                                      a.row_log2_sum[stats + q0 + i]).offset
+                              : -kInf;
         delta_lds[i] = valid ? a.delta[stats + q0 + i] : 0.f;
-        norm_lds[i] = valid ? a.row_log2_sum[stats + q0 + i] : 0.f;
+        if constexpr (!kFold) log2_sum_lds[i] = valid ? a.row_log2_sum[stats + q0 + i] : 0.f;
       }
       block_barrier();
 
@@ -341,8 +371,8 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
           const int row = qf * kFrag + Isa::acc_key(lane, s);
           const bool visible = !decltype(tested)::value || s >= first_s;
           const float bias = !HAS_MASK ? 0.f : key_padding ? key_bias : mask.bias_log2(mask.row(q0 + row), key);
-          const float exponent = capped_exponent<HAS_MASK>(s_acc[s], a.scale_log2, bias, neg_offset_lds[row]);
-          return visible ? exp2_approx(exponent - norm_lds[row]) : 0.f;
+          const float exponent = capped_exponent<HAS_MASK>(s_acc[s], a.scale_log2, bias, offset_lds[row]);
+          return visible ? exp2_approx(kFold ? exponent : exponent - log2_sum_lds[row]) : 0.f;
         };
         const auto dS = [&](int s, float p) { return p * (dp_acc[s] - delta_lds[qf * kFrag + Isa::acc_key(lane, s)]); };
         // P, or for dK alone dS. Fragments whose queries all see the wave's keys skip the per-score test
@@ -503,6 +533,7 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
         a.row_log2_sum[stats] = norm;
       }
     }
+    const RowExponent<!HAS_MASK> row = RowExponent<!HAS_MASK>::of(neg_offset, norm);
     // One key tile. MASKED: some key of the tile is past seqlen_k or (causal) past a query of this
     // workgroup, so each score is tested; the other tiles skip the test. Where kOpenKeyTiles is false,
     // every tile is tested.
@@ -541,9 +572,9 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
         if constexpr (HAS_MASK) mask.biases_log2(mask_row, key, bias);
         #pragma unroll
         for (int s = 0; s < 8; ++s) {
-          const float exponent = capped_exponent<HAS_MASK>(s_acc[j][s], a.scale_log2, bias[s], neg_offset);
+          const float exponent = capped_exponent<HAS_MASK>(s_acc[j][s], a.scale_log2, bias[s], row.offset);
           const bool visible = !decltype(masked)::value || s < key_limit - key;
-          s_acc[j][s] = visible ? exp2_approx(exponent - norm) : 0.f;  // P^T
+          s_acc[j][s] = visible ? exp2_approx(HAS_MASK ? exponent - row.log2_sum : exponent) : 0.f;  // P^T
         }
         if (sweep == 0) {
           #pragma unroll

@@ -43,21 +43,32 @@ RDNA_DEV int key_order_row(int r) { return (r & ~15) + Isa::key_slot(r & 15); }
 // per thread plus a 32-bit row step per load, as fa_fwd.h's K loads do. Those per-thread values stay
 // live across a caller's loop, so kernels without registers to spare take the 64-bit form, and so
 // does the forward's one Q load per workgroup (its kernels keep their register allocation).
+// REPEAT_EDGES: rows past seqlen repeat the last row and columns past head_dim the last 8, read without
+// a guard (no exec mask, zeroed registers or compare per load): with whole-row steps each load's offset
+// is clamped by one min to the last row's. Only for a tile whose products stay exact where those values
+// are finite: its other factor is zero past head_dim, and what its rows past seqlen make is dropped or
+// multiplied by 0.
 constexpr int kCopyBatch = 2;
 
-template <int ROWS, int COLS, int LDS_ROW, int THREADS, bool KEY_ORDER = false, bool UNIFORM_BASE = true>
+RDNA_DEV u32 min_u32(u32 a, u32 b) { return a < b ? a : b; }
+
+template <int ROWS, int COLS, int LDS_ROW, int THREADS, bool KEY_ORDER = false, bool UNIFORM_BASE = true,
+          bool REPEAT_EDGES = false>
 RDNA_DEV void load_rows(u16* dst, const u16* src, i64 stride, int row0, int seqlen, int head_dim, int tid) {
   constexpr int kChunks = COLS / 8;
   constexpr int kTotal = ROWS * kChunks;
   constexpr int kLoads = (kTotal + THREADS - 1) / THREADS;
-  constexpr int kBatch = kLoads < kCopyBatch ? kLoads : kCopyBatch;
+  constexpr int kBatch = REPEAT_EDGES || kLoads < kCopyBatch ? kLoads : kCopyBatch;
   constexpr int kRowStep = UNIFORM_BASE && THREADS % kChunks == 0 ? THREADS / kChunks : 0;
   // key_order_row splits over the thread's row and its steps where the steps are whole powers of two.
   constexpr bool kSplitSlots = kRowStep > 0 && (kRowStep & (kRowStep - 1)) == 0;
   const u16* tile = src + i64(row0) * stride;
   const int rows_left = seqlen - row0;
   const int thread_row = tid / kChunks, thread_col = tid % kChunks * 8;
-  const u32 thread_offset = kRowStep ? loop_variant(u32(thread_row * int(stride) + thread_col) * 2u) : 0u;
+  const int read_col = REPEAT_EDGES ? min_int(thread_col, head_dim - 8) : thread_col;  // kRowStep's
+  const u32 thread_offset = kRowStep ? loop_variant(u32(thread_row * int(stride) + read_col) * 2u) : 0u;
+  // REPEAT_EDGES and kRowStep; within the tile, as the 32-bit offsets must be
+  const u32 last_offset = u32((min_int(rows_left, ROWS) - 1) * int(stride) + read_col) * 2u;
   const int thread_slot = KEY_ORDER ? key_order_row(thread_row) : thread_row;
   #pragma unroll 1
   for (int b = 0; b < kLoads; b += kBatch) {
@@ -67,13 +78,25 @@ RDNA_DEV void load_rows(u16* dst, const u16* src, i64 stride, int row0, int seql
       const int i = tid + (b + n) * THREADS;
       const int r = kRowStep ? thread_row + (b + n) * kRowStep : i / kChunks;
       const int c = kRowStep ? thread_col : i % kChunks * 8;
+      const bool in_tile = b + n < kLoads && (kTotal % THREADS == 0 || i < kTotal);
       val[n] = zero_u32x4();
-      const bool in_rows = UNIFORM_BASE ? r < rows_left : row0 + r < seqlen;
-      if (b + n < kLoads && (kTotal % THREADS == 0 || i < kTotal) && in_rows && c < head_dim)
-        val[n] = !UNIFORM_BASE ? load16(src + (row0 + r) * stride + c)
-                 : kRowStep    ? load16_at(tile, thread_offset + u32((b + n) * kRowStep * int(stride)) * 2u)
-                               : load16_at(tile, u32(r * int(stride) + c) * 2u);
+      if constexpr (REPEAT_EDGES) {
+        const int read_row = min_int(r, rows_left - 1);
+        if (in_tile)
+          val[n] = !UNIFORM_BASE ? load16(src + (row0 + read_row) * stride + min_int(c, head_dim - 8))
+                   : kRowStep    ? load16_at(tile, min_u32(thread_offset + u32((b + n) * kRowStep * int(stride)) * 2u,
+                                                           last_offset))
+                                 : load16_at(tile, u32(read_row * int(stride) + min_int(c, head_dim - 8)) * 2u);
+      } else {
+        const bool in_rows = UNIFORM_BASE ? r < rows_left : row0 + r < seqlen;
+        if (in_tile && in_rows && c < head_dim)
+          val[n] = !UNIFORM_BASE ? load16(src + (row0 + r) * stride + c)
+                   : kRowStep    ? load16_at(tile, thread_offset + u32((b + n) * kRowStep * int(stride)) * 2u)
+                                 : load16_at(tile, u32(r * int(stride) + c) * 2u);
+      }
     }
+    // A load under the same test as its store would sink to it, one memory round trip per load.
+    if constexpr (REPEAT_EDGES) compiler_fence();
     #pragma unroll
     for (int n = 0; n < kBatch; ++n) {
       const int i = tid + (b + n) * THREADS;
@@ -100,10 +123,22 @@ RDNA_DEV void store_transposed_pair(u16* dst, const u32x4& first, const u32x4& s
 }
 
 // Rows row0 + r and row0 + r + 1, 8 columns from col, into first and second, which come in zeroed:
-// past seqlen or head_dim they stay zero. UNIFORM_BASE as in load_rows.
-template <bool UNIFORM_BASE>
+// past seqlen or head_dim they stay zero. UNIFORM_BASE and REPEAT_EDGES (which writes both) as in load_rows.
+template <bool UNIFORM_BASE, bool REPEAT_EDGES>
 RDNA_DEV void load_row_pair(u32x4& first, u32x4& second, const u16* src, i64 stride, int row0, int seqlen, int r,
                             int col, int head_dim) {
+  if constexpr (REPEAT_EDGES) {
+    const int last = seqlen - row0 - 1;
+    const u16* tile = src + i64(row0) * stride + min_int(col, head_dim - 8);
+    if constexpr (UNIFORM_BASE) {
+      first = load16_at(tile, u32(min_int(r, last) * int(stride)) * 2u);
+      second = load16_at(tile, u32(min_int(r + 1, last) * int(stride)) * 2u);
+    } else {
+      first = load16(tile + min_int(r, last) * stride);
+      second = load16(tile + min_int(r + 1, last) * stride);
+    }
+    return;
+  }
   if (col >= head_dim) return;
   if constexpr (UNIFORM_BASE) {
     const u16* tile = src + i64(row0) * stride;
@@ -122,23 +157,28 @@ RDNA_DEV void load_row_pair(u32x4& first, u32x4& second, const u16* src, i64 str
 // per output column). Consecutive threads take consecutive row pairs so the transposed stores fall in
 // consecutive banks. SIXTEEN_BIT: every load first, then store_transposed_pair (no VALU; the loads'
 // registers live together); else two rows per 32-bit store, one v_perm_b32 per element pair, each
-// pair stored as soon as it is loaded.
-template <int ROWS, int COLS, int LDS_ROW, int THREADS, bool UNIFORM_BASE, bool SIXTEEN_BIT>
+// pair stored as soon as it is loaded. REPEAT_EDGES as in load_rows.
+template <int ROWS, int COLS, int LDS_ROW, int THREADS, bool UNIFORM_BASE, bool SIXTEEN_BIT, bool REPEAT_EDGES = false>
 RDNA_DEV void load_transposed(u16* dst, const u16* src, i64 stride, int row0, int seqlen, int col0,
                               int head_dim, int tid) {
   constexpr int kPairs = ROWS / 2;
   constexpr int kItems = kPairs * (COLS / 8);
   if constexpr (SIXTEEN_BIT) {
     constexpr int kPerThread = (kItems + THREADS - 1) / THREADS;
+    // Where a wave's 32 lanes take one column's 32 pairs, its column is uniform: with REPEAT_EDGES, which
+    // has no column test, a scalar base.
+    constexpr bool kWaveColumns = REPEAT_EDGES && kPairs % 32 == 0 && THREADS % kPairs == 0;
+    const int first_item_col = kWaveColumns ? wave_uniform(tid / kPairs) : 0;
     u32x4 first[kPerThread], second[kPerThread];
     #pragma unroll
     for (int n = 0; n < kPerThread; ++n) {
       const int i = tid + n * THREADS;
+      const int item_col = kWaveColumns ? first_item_col + n * (THREADS / kPairs) : i / kPairs;
       first[n] = zero_u32x4();
       second[n] = zero_u32x4();
-      if (kItems % THREADS == 0 || i < kItems)
-        load_row_pair<UNIFORM_BASE>(first[n], second[n], src, stride, row0, seqlen, 2 * (i % kPairs),
-                                    col0 + (i / kPairs) * 8, head_dim);
+      if (REPEAT_EDGES || kItems % THREADS == 0 || i < kItems)  // may run past the tile: in bounds, not stored
+        load_row_pair<UNIFORM_BASE, REPEAT_EDGES>(first[n], second[n], src, stride, row0, seqlen, 2 * (i % kPairs),
+                                                  col0 + item_col * 8, head_dim);
     }
     #pragma unroll
     for (int n = 0; n < kPerThread; ++n) {
@@ -151,7 +191,7 @@ RDNA_DEV void load_transposed(u16* dst, const u16* src, i64 stride, int row0, in
       const int r = 2 * (i % kPairs);
       const int c = (i / kPairs) * 8;
       u32x4 first = zero_u32x4(), second = zero_u32x4();
-      load_row_pair<UNIFORM_BASE>(first, second, src, stride, row0, seqlen, r, col0 + c, head_dim);
+      load_row_pair<UNIFORM_BASE, REPEAT_EDGES>(first, second, src, stride, row0, seqlen, r, col0 + c, head_dim);
       #pragma unroll
       for (int e = 0; e < 8; ++e) {  // element e of both rows: one v_perm_b32
         const u32 pair = e % 2 ? pack_high_halves(first[e / 2], second[e / 2]) : pack_low_halves(first[e / 2], second[e / 2]);

@@ -50,6 +50,10 @@ RDNA_DEV u32 loop_variant(u32 v) {
   return v;
 }
 
+// v, the same in every lane of the wave (e.g. thread_id() / 32), as the scalar value clang cannot tell
+// it is: addresses built from it keep the global load's scalar-base form.
+RDNA_DEV int wave_uniform(int v) { return __builtin_amdgcn_readfirstlane(v); }
+
 // Whether `p` holds in any lane of the wave; every lane must call it.
 RDNA_DEV bool any_lane(bool p) { return __builtin_amdgcn_ballot_w32(p) != 0u; }
 

@@ -54,6 +54,9 @@ RDNA_DEV void wave_barrier() { __syncwarp(); }
 // Memory operations are not moved across it by the compiler; no instruction is emitted.
 RDNA_DEV void compiler_fence() { asm volatile("" ::: "memory"); }
 
+// A warp's value is its wave's: nothing to make scalar.
+RDNA_DEV int wave_uniform(int v) { return v; }
+
 // Whether `p` holds in any lane of the wave; every lane must call it.
 RDNA_DEV bool any_lane(bool p) { return __any_sync(0xffffffffu, p); }
 

@@ -146,7 +146,7 @@ def _grad_chunk(d_pad: int) -> int:
 
 
 def lds_elems_dkdv(block_m: int, d_pad: int, d_chunk: int) -> int:
-    """Mirrors DkdvShape in kernels/fa_bwd.h: Q, dO rows; Q^T, dO^T chunks; lse, delta and row-sum floats."""
+    """Mirrors DkdvShape in kernels/fa_bwd.h: Q, dO rows; Q^T, dO^T chunks; row offset, log2 sum and delta floats."""
     return 2 * block_m * (d_pad + LDS_ROW_PAD) + 2 * d_chunk * (block_m + LDS_ROW_PAD) + 6 * block_m
 
 

@@ -148,9 +148,11 @@ def test_the_widest_sequence_stride_admitted_gives_the_compact_inputs_gradients(
     tile's offsets reach about 2^30 bytes. d48's copies take each lane's offset over the whole tile (its
     threads do not cover whole rows); d64 and d128 step rows in the uniform base; the masked kernels
     include gfx11's d128 dK/dV, which keeps 64-bit addresses. The gradients must be those of the same
-    values laid out compactly, bit for bit (the addressing changes no arithmetic)."""
+    values laid out compactly, bit for bit (the addressing changes no arithmetic). 300 rows: the rows
+    left past a tile's start reach past 2^32 bytes, so a clamp of the rows to the sequence (the fused
+    dK/dV copies' repeated edges) must stay within the tile."""
     stride = attention._MAX_SEQ_STRIDE - 8
-    seq = 70  # a full 64-row tile and a tail
+    seq = 300  # whole 64-row tiles and a tail
     generator = torch.Generator(device="cuda").manual_seed(head_dim)
 
     def wide(values):
