@@ -141,9 +141,8 @@ def loop_trips(cfg: Cfg, main: int, v, target: str) -> dict[int, int]:
             # load_transposed (32-bit or 16-bit stores): (rows / 2) key pairs x (cols / 8), a thread's
             # share; the wave of thread 0 takes the most trips, and every wave waits for it at the barrier
             trips[h] = transposed_trips(v, chunk_frags)
-        elif "ds_store_b128" in ops:  # load_rows: rows x d/8 16-byte chunks per thread, COPY_BATCH a trip
-            loads = row_loads(v, dim_frags)
-            trips[h] = loads // min(loads, COPY_BATCH)
+        elif "ds_store_b128" in ops:  # load_rows: rows x d/8 16-byte chunks per thread, a batch a trip
+            trips[h] = row_loads(v, dim_frags) // row_batch(v, dim_frags)
         else:
             raise RuntimeError(f"{v.symbol}: unrecognised loop at {h:#x}: {Counter(ops).most_common(5)}")
         if trips[h] < 1:
@@ -179,9 +178,19 @@ def row_loads(v, dim_frags: int) -> int:
     split dK/dV's) batch them, rounded up to whole batches here: a partial last batch's guarded load is
     counted as issued, as the trace takes every lane branch. Fused dK/dV's (REPEAT_EDGES) issue all of
     them in one batch."""
-    loads = -(-v.block_tile * dim_frags * 2 // v.threads)
-    batch = loads if v.kind == "dkdv" and v.fused else min(loads, COPY_BATCH)
-    return -(-loads // batch) * batch
+    batch = row_batch(v, dim_frags)
+    return -(-_row_loads_exact(v, dim_frags) // batch) * batch
+
+
+def _row_loads_exact(v, dim_frags: int) -> int:
+    return -(-v.block_tile * dim_frags * 2 // v.threads)
+
+
+def row_batch(v, dim_frags: int) -> int:
+    """load_rows' loads per batch (kBatch in kernels/tiles.h): all of them with REPEAT_EDGES (fused dK/dV),
+    else up to COPY_BATCH."""
+    loads = _row_loads_exact(v, dim_frags)
+    return loads if v.kind == "dkdv" and v.fused else min(loads, COPY_BATCH)
 
 
 def transposed_trips(v, chunk_frags: int) -> int:
