@@ -17,7 +17,7 @@
 
 #define RDNA_FA_BWD_DKDV_INSTANCE(symbol, dtype, d_pad, waves, block_m, d_chunk, masked)           \
   RDNA_KERNEL(32 * (waves)) symbol(const rdna::BwdArgs args) {                                      \
-    RDNA_LDS_ARRAY(rdna::u16, lds, (rdna::DkdvShape<d_pad, waves, block_m, d_chunk>::kLdsElems));  \
+    RDNA_LDS_ARRAY(rdna::u16, lds, (rdna::DkdvShape<d_pad, waves, block_m, d_chunk, masked>::kLdsElems)); \
     rdna::dkdv_body<rdna::dtype, d_pad, waves, block_m, d_chunk, masked>(args, lds);               \
   }
 

@@ -14,15 +14,16 @@
 //
 // dK/dV: each wave owns 16 keys, so S = Q K^T and dP = dO V^T come out with one key per lane and P,
 // dS turn into B operands in registers for dV^T += dO^T P and dK^T += Q^T dS. Up to padded head dim
-// 64 a workgroup makes both from one S (1 + 1 + 2 + 2 units); past it both accumulator sets do not
-// fit beside the operands, so a workgroup makes either dV or dK and S is computed twice per key block.
+// 64, and unmasked at d128, a workgroup makes both from one S (1 + 1 + 2 + 2 units); elsewhere both
+// accumulator sets do not fit beside the operands (or did no better), so a workgroup makes either dV or
+// dK and S is computed twice per key block (kFusedDkdv).
 // dQ: each wave owns 16 queries, like the forward pass: S^T, dP^T with one query per lane; one sweep
 // over the keys makes dS^T and dQ^T += K^T dS^T (two where delta is summed first).
 // Grouped-query attention: a dK/dV workgroup sums over its key/value head's query heads in order,
 // so dK and dV stay deterministic without atomics. Masks and packed batches: see sequence.h.
 // K and V (dK/dV) or Q and dO (dQ) are private to a wave and read straight from global memory: K and
-// V once per kernel into registers where they fit (kResidentK, kResidentV), the rest per use; the
-// operands shared by the workgroup go through LDS.
+// V once per kernel into registers where they fit (kResidentK, kResidentV) or into the wave's own LDS
+// rows (kStagedKv), the rest per use; the operands shared by the workgroup go through LDS.
 #pragma once
 #include "sequence.h"
 
@@ -123,6 +124,12 @@ struct RowExponent {
 // dK/dV folds where unmasked, but at d112, where gfx11's kernels spill SGPRs by it (all but gfx1100's).
 template <int D_PAD, bool HAS_MASK>
 constexpr bool kFoldedLog2SumDkdv = !HAS_MASK && D_PAD != 112;
+// dK/dV reads each query tile's row statistics ahead of its copies, in their memory round trip, past d64
+// where the log2 sum is folded. The others read them after the copies, one branch per row: in trial builds
+// the masked kernels and d112 spilled SGPRs by it (gfx11 at d64 to d128, gfx12 past d128), and the fused
+// kernels up to d64 lost up to 1 %.
+template <int D_PAD, bool HAS_MASK>
+constexpr bool kStatsWithCopies = kFoldedLog2SumDkdv<D_PAD, HAS_MASK> && D_PAD > 64;
 
 // A score's base-2 exponent relative to its row's offset (RowExponent), capped. A masked score is biased
 // first, rounded as the forward rounds it (at a huge bias the offset is a maximum of such values); an
@@ -133,21 +140,28 @@ RDNA_DEV float capped_exponent(float s, float scale_log2, float bias, float offs
   return min_f32(x, kMaxExponent);
 }
 
-// dK/dV: a wave's K and V operands are the same for every query tile. Up to these padded head dims
-// they stay in registers beside the accumulators (gfx11 operands hold every value twice, so K and V
-// of d128 would spill); past them they are re-read from global memory (cache hits) per use.
-template <int D_PAD>
-constexpr bool kResidentK = D_PAD <= 128;
-// Up to this padded head dim one dK/dV workgroup makes both gradients (mirrored by
-// variants.BWD_FUSED_MAX_D).
-template <int D_PAD>
-constexpr bool kFusedDkdv = D_PAD <= 64;
-// V, held beside K, fits up to d96 on gfx11 and up to d128 on gfx12, whose operands hold each value
-// once. A masked fused workgroup also holds the mask's reads: its V stays resident only up to d48 (at
-// d64 gfx1100 would spill).
+// One dK/dV workgroup makes both gradients up to padded head dim 64, and unmasked at d128 (mirrored by
+// variants.BwdVariant.fused); elsewhere each makes one, and S is computed twice. Up to d64 a wave's K
+// and V operands, the same for every query tile, stay in registers beside both accumulator sets. At d128
+// the accumulators leave no room for them (gfx11 operands hold every value twice): each wave stages its
+// 16 K and V rows in LDS once (kStagedKv) and reads the operands from there per query fragment. In
+// trial builds of every instance d80 to d112 lost by fusing so (their split kernels keep K and, up to
+// d96 on gfx11 and d128 on gfx12, V in registers), and the masked d128 kernel spilled on gfx11.
+template <int D_PAD, bool HAS_MASK>
+constexpr bool kFusedDkdv = D_PAD <= 64 || (D_PAD == 128 && !HAS_MASK);
+template <int D_PAD, bool HAS_MASK>
+constexpr bool kStagedKv = kFusedDkdv<D_PAD, HAS_MASK> && D_PAD > 64;
+// The split workgroups keep K in registers up to d128 and V up to d96 on gfx11 and d128 on gfx12, whose
+// operands hold each value once; past that they re-read them from global memory (cache hits) per use. A
+// masked fused workgroup also holds the mask's reads: its V stays resident only up to d48 (at d64
+// gfx1100 would spill). Mirrored by variants.BWD_RESIDENT_K_MAX_D and bwd_resident_v_max_d.
+template <int D_PAD, bool HAS_MASK>
+constexpr bool kResidentK = D_PAD <= 128 && !kStagedKv<D_PAD, HAS_MASK>;
 constexpr int kResidentVMaxD = Isa::kOperandElems == 8 ? 128 : 96;
 template <int D_PAD, bool HAS_MASK>
-constexpr bool kResidentV = HAS_MASK && kFusedDkdv<D_PAD> ? D_PAD <= 48 : D_PAD <= kResidentVMaxD;
+constexpr bool kResidentV = HAS_MASK && kFusedDkdv<D_PAD, HAS_MASK>
+                                ? D_PAD <= 48
+                                : D_PAD <= kResidentVMaxD && !kStagedKv<D_PAD, HAS_MASK>;
 // A key-padding mask's bias is read once per dK/dV lane (its key's), where a register is left for it:
 // not in gfx11's masked d64 and d128 workgroups, which would spill.
 template <int D_PAD, bool HAS_MASK>
@@ -172,11 +186,11 @@ constexpr bool kRepeatingQdo = Isa::kOperandElems == 16 ? !(D_PAD == 32 || (HAS_
 template <int D_PAD, bool HAS_MASK>
 constexpr bool kOpenKeyTiles = !HAS_MASK && !(Isa::kOperandElems == 8 && D_PAD == 64);
 
-// dK/dV's tile copies repeat their edges (load_rows' REPEAT_EDGES) in the fused workgroups (up to d64):
-// in trial builds of every instance the split ones lost by it, at d80 and at gfx12's d128 (their copies'
-// partial tiles and loads under lane tests take more memory round trips).
-template <int D_PAD>
-constexpr bool kRepeatingCopiesDkdv = kFusedDkdv<D_PAD>;
+// dK/dV's tile copies repeat their edges (load_rows' REPEAT_EDGES) in the fused workgroups: in trial
+// builds of every instance the split ones lost by it, at d80 and at gfx12's d128 (their copies' partial
+// tiles and loads under lane tests take more memory round trips).
+template <int D_PAD, bool HAS_MASK>
+constexpr bool kRepeatingCopiesDkdv = kFusedDkdv<D_PAD, HAS_MASK>;
 
 // acc[f] += A_f x, A_f the f-th 16-row fragment of an LDS tile.
 template <int FRAGS, int LDS_ROW, class DT>
@@ -217,11 +231,11 @@ RDNA_DEV Isa::Operand rounded_operand(DT dt, const v8f& x, int lane) {
 // it, and clang re-creates the zeros per fragment (8 moves) unless they are held in 8 VGPRs across the
 // query tiles. Only where K is resident: there the head-dim loop unrolls completely and the held zeros
 // feed that product; a rolled loop copies them into its accumulators anyway.
-template <class DT, int D_PAD>
-constexpr bool kHeldZeroC = !Isa::kInlineZeroAccumulator && kResidentK<D_PAD> && !kDkdvNoSpareVgprs<DT, D_PAD>;
+template <class DT, int D_PAD, bool HAS_MASK>
+constexpr bool kHeldZeroC = !Isa::kInlineZeroAccumulator && kResidentK<D_PAD, HAS_MASK> && !kDkdvNoSpareVgprs<DT, D_PAD>;
 
 // LDS of the dK/dV kernel; rdna_flash_attn/runtime/variants.py computes the same size.
-template <int D_PAD, int WAVES, int BLOCK_M, int D_CHUNK>
+template <int D_PAD, int WAVES, int BLOCK_M, int D_CHUNK, bool HAS_MASK>
 struct DkdvShape {
   static constexpr int kBlockN = kFrag * WAVES;
   static constexpr int kThreads = 32 * WAVES;
@@ -232,16 +246,20 @@ struct DkdvShape {
   static constexpr int kDoOffset = BLOCK_M * kRow;
   static constexpr int kQtOffset = kDoOffset + BLOCK_M * kRow;
   static constexpr int kDotOffset = kQtOffset + D_CHUNK * kTRow;
-  // float offset[BLOCK_M], delta[BLOCK_M], log2_sum[BLOCK_M]
+  // float offset[BLOCK_M], delta[BLOCK_M], and where it is not folded into the offset log2_sum[BLOCK_M]
+  static constexpr int kRowStats = kFoldedLog2SumDkdv<D_PAD, HAS_MASK> ? 2 : 3;
   static constexpr int kStatsOffset = kDotOffset + D_CHUNK * kTRow;
-  static constexpr int kLdsElems = kStatsOffset + 6 * BLOCK_M;
+  // kStagedKv: per wave its 16 K rows, then its 16 V rows
+  static constexpr int kKvOffset = kStatsOffset + 2 * kRowStats * BLOCK_M;
+  static constexpr int kWaveKvElems = 2 * kFrag * kRow;
+  static constexpr int kLdsElems = kKvOffset + (kStagedKv<D_PAD, HAS_MASK> ? WAVES * kWaveKvElems : 0);
   static_assert(2 * kLdsElems <= 65536, "LDS over 64 KiB");
   static_assert(kBlockN * kStageRow <= kLdsElems, "gradient staging must fit in the LDS tiles");
 };
 
 template <class DT, int D_PAD, int WAVES, int BLOCK_M, int D_CHUNK, bool HAS_MASK>
 RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
-  using Shape = DkdvShape<D_PAD, WAVES, BLOCK_M, D_CHUNK>;
+  using Shape = DkdvShape<D_PAD, WAVES, BLOCK_M, D_CHUNK, HAS_MASK>;
   constexpr int kQueryFrags = BLOCK_M / kFrag;
   constexpr int kOutFrags = D_CHUNK / kFrag;
   constexpr int kDimFrags = D_PAD / kFrag;
@@ -249,7 +267,7 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
   constexpr int kDimUnroll = kDimFrags % 2 == 0 && D_PAD <= 128 ? 2 : 1;  // more costs registers
   constexpr bool kUniformBase = kUniformBaseDkdv<D_PAD, HAS_MASK>;
   constexpr bool kSixteenBit = kSixteenBitTransposeDkdv<DT, D_PAD>;
-  constexpr bool kRepeat = kRepeatingCopiesDkdv<D_PAD>;
+  constexpr bool kRepeat = kRepeatingCopiesDkdv<D_PAD, HAS_MASK>;
   constexpr bool kFold = kFoldedLog2SumDkdv<D_PAD, HAS_MASK>;
   const DT dt{};
   const float kInf = __builtin_inff();
@@ -259,7 +277,7 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
   const int wave = tid >> 5;
   // A fused workgroup makes dK and dV of one column chunk. Otherwise each makes one of them: one
   // accumulator set in registers, and the dV workgroups skip dP altogether.
-  constexpr bool kBoth = kFusedDkdv<D_PAD>;
+  constexpr bool kBoth = kFusedDkdv<D_PAD, HAS_MASK>;
   constexpr int kJobs = kBoth ? kChunks : 2 * kChunks;
   constexpr bool kFetchInactive = !kDkdvNoSpareVgprs<DT, D_PAD>;
   const int job = block_id_x() % kJobs;
@@ -291,8 +309,11 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
   #pragma unroll
   for (int f = 0; f < (kBoth ? kOutFrags : 1); ++f) dv_acc[f] = zero_v8f();
 
-  // This wave's K (and for dK its V) operands, loaded once where they stay in registers.
-  constexpr bool kHoldK = kResidentK<D_PAD>, kHoldV = kResidentV<D_PAD, HAS_MASK>;
+  // This wave's K (and for dK its V) operands, loaded once where they stay in registers; or its K and V
+  // rows, zero past seqlen and head_dim as load_operand_global reads them, staged in LDS (the first query
+  // tile's barrier orders them before their reads).
+  constexpr bool kHoldK = kResidentK<D_PAD, HAS_MASK>, kHoldV = kResidentV<D_PAD, HAS_MASK>;
+  constexpr bool kStaged = kStagedKv<D_PAD, HAS_MASK>;
   constexpr int kDimSteps = kHoldK ? kDimFrags : kDimUnroll;  // register arrays need constant indices
   Isa::Operand k_ops[kHoldK ? kDimFrags : 1], v_ops[kHoldV ? kDimFrags : 1];
   #pragma unroll
@@ -301,6 +322,12 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
     if constexpr (kHoldV) {
       if (make_dk) v_ops[d] = load_operand_global(v, a.v_stride_s, wave_key0, seq.seqlen_k, d * kFrag, a.head_dim, lane);
     }
+  }
+  u16* k_rows_lds = lds + Shape::kKvOffset + wave * Shape::kWaveKvElems;
+  u16* v_rows_lds = k_rows_lds + kFrag * Shape::kRow;
+  if constexpr (kStaged) {
+    load_rows<kFrag, D_PAD, Shape::kRow, 32>(k_rows_lds, k, a.k_stride_s, wave_key0, seq.seqlen_k, a.head_dim, lane);
+    load_rows<kFrag, D_PAD, Shape::kRow, 32>(v_rows_lds, v, a.v_stride_s, wave_key0, seq.seqlen_k, a.head_dim, lane);
   }
 
   // Causal: query i sees keys 0..i + diagonal, so queries before this key block's first key minus the
@@ -318,9 +345,19 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
     // A key-padding mask (one bias per key) gives this lane's key one bias for every query: read once.
     const bool key_padding = kKeyBiasOnce<D_PAD, HAS_MASK> && a.mask_stride_q == 0;
     const float key_bias = key_padding ? mask.bias_log2(0, key) : 0.f;
-    const v8f first_c = kHeldZeroC<DT, D_PAD> ? held_zero_v8f() : zero_v8f();
+    const v8f first_c = kHeldZeroC<DT, D_PAD, HAS_MASK> ? held_zero_v8f() : zero_v8f();
     for (int q0 = q_begin; q0 < seq.seqlen_q; q0 += BLOCK_M) {
       block_barrier();
+      // kStatsWithCopies: the tile's row statistics, read by every thread at a row clamped into the tile and
+      // the sequence: without a branch their loads join the copies' and share their memory round trip.
+      float row_lse = 0.f, row_log2_sum = 0.f, row_delta = 0.f;
+      if constexpr (kStatsWithCopies<D_PAD, HAS_MASK>) {
+        static_assert(BLOCK_M <= Shape::kThreads, "one thread per row's statistics");
+        const i64 stat_row = stats + min_int(q0 + min_int(tid, BLOCK_M - 1), seq.seqlen_q - 1);
+        row_lse = a.lse[stat_row];
+        row_log2_sum = a.row_log2_sum[stat_row];
+        row_delta = a.delta[stat_row];
+      }
       // Edges may repeat (kRepeat): S = Q K^T and dP = dO V^T take K and V zero past head_dim; the
       // queries past seqlen have P = dS = 0 (offset -inf); the rows of Q^T and dO^T past head_dim make
       // gradient columns that are not stored.
@@ -336,14 +373,22 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
         load_transposed<BLOCK_M, D_CHUNK, Shape::kTRow, Shape::kThreads, kUniformBase, kSixteenBit, kRepeat>(
             dot_lds, dout, a.do_stride_s, q0, seq.seqlen_q, col0, a.head_dim, tid);
       }
-      for (int i = tid; i < BLOCK_M; i += Shape::kThreads) {
-        const bool valid = q0 + i < seq.seqlen_q;
-        // -inf: padding rows get probability 0
-        offset_lds[i] = valid ? RowExponent<kFold>::of(-(a.lse[stats + q0 + i] * a.lse_to_log2),
-                                                      a.row_log2_sum[stats + q0 + i]).offset
-                              : -kInf;
-        delta_lds[i] = valid ? a.delta[stats + q0 + i] : 0.f;
-        if constexpr (!kFold) log2_sum_lds[i] = valid ? a.row_log2_sum[stats + q0 + i] : 0.f;
+      // -inf: padding rows get probability 0
+      if constexpr (kStatsWithCopies<D_PAD, HAS_MASK>) {
+        if (tid < BLOCK_M) {
+          const bool valid = q0 + tid < seq.seqlen_q;
+          offset_lds[tid] = valid ? RowExponent<kFold>::of(-(row_lse * a.lse_to_log2), row_log2_sum).offset : -kInf;
+          delta_lds[tid] = valid ? row_delta : 0.f;
+        }
+      } else {
+        for (int i = tid; i < BLOCK_M; i += Shape::kThreads) {
+          const bool valid = q0 + i < seq.seqlen_q;
+          offset_lds[i] = valid ? RowExponent<kFold>::of(-(a.lse[stats + q0 + i] * a.lse_to_log2),
+                                                        a.row_log2_sum[stats + q0 + i]).offset
+                                : -kInf;
+          delta_lds[i] = valid ? a.delta[stats + q0 + i] : 0.f;
+          if constexpr (!kFold) log2_sum_lds[i] = valid ? a.row_log2_sum[stats + q0 + i] : 0.f;
+        }
       }
       block_barrier();
 
@@ -353,12 +398,14 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
         v8f s_acc = first_c, dp_acc = first_c;
         #pragma unroll kDimSteps
         for (int d = 0; d < kDimFrags; ++d) {
-          const Isa::Operand k_op = kHoldK ? k_ops[kHoldK ? d : 0]
+          const Isa::Operand k_op = kHoldK   ? k_ops[kHoldK ? d : 0]
+                                    : kStaged ? load_operand<Shape::kRow>(k_rows_lds, d * kFrag, lane)
                                               : load_operand_global(k, a.k_stride_s, wave_key0, seq.seqlen_k, d * kFrag,
                                                                     a.head_dim, lane);
           Isa::mma(dt, s_acc, load_operand<Shape::kRow>(q_lds + qf * kFrag * Shape::kRow, d * kFrag, lane), k_op);
           if (make_dk) {
-            const Isa::Operand v_op = kHoldV ? v_ops[kHoldV ? d : 0]
+            const Isa::Operand v_op = kHoldV   ? v_ops[kHoldV ? d : 0]
+                                      : kStaged ? load_operand<Shape::kRow>(v_rows_lds, d * kFrag, lane)
                                                 : load_operand_global(v, a.v_stride_s, wave_key0, seq.seqlen_k, d * kFrag,
                                                                       a.head_dim, lane);
             Isa::mma(dt, dp_acc, load_operand<Shape::kRow>(do_lds + qf * kFrag * Shape::kRow, d * kFrag, lane), v_op);
@@ -376,10 +423,11 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
         };
         const auto dS = [&](int s, float p) { return p * (dp_acc[s] - delta_lds[qf * kFrag + Isa::acc_key(lane, s)]); };
         // P, or for dK alone dS. Fragments whose queries all see the wave's keys skip the per-score test
-        // (one wave-uniform branch): it costs more than its compare, as the compiler sinks each probability
-        // into it, one exec-masked block per score, and so serializes the statistics' LDS reads. Their
-        // choice between P and dS is taken once, not per score, for the same reason (the tested fragments
-        // keep it per score: a fourth copy spills SGPRs in gfx11's d112 and d128 kernels).
+        // (one wave-uniform branch): it costs more than its compare where the compiler sinks each
+        // probability into it, one exec-masked block per score (the split and masked kernels), which
+        // serializes the statistics' LDS reads. Their choice between P and dS is taken once, not per score,
+        // for the same reason (the tested fragments keep it per score: a fourth copy spills SGPRs in gfx11's
+        // d112 and d128 kernels).
         const auto scores = [&](auto tested, bool ds) {
           #pragma unroll
           for (int s = 0; s < 8; ++s) {

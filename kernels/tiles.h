@@ -124,16 +124,20 @@ RDNA_DEV void store_transposed_pair(u16* dst, const u32x4& first, const u32x4& s
 
 // Rows row0 + r and row0 + r + 1, 8 columns from col, into first and second, which come in zeroed:
 // past seqlen or head_dim they stay zero. UNIFORM_BASE and REPEAT_EDGES (which writes both) as in load_rows.
-template <bool UNIFORM_BASE, bool REPEAT_EDGES>
+// UNIFORM_COL: col is wave-uniform and goes into the scalar base; otherwise into each lane's 32-bit offset.
+template <bool UNIFORM_BASE, bool REPEAT_EDGES, bool UNIFORM_COL = false>
 RDNA_DEV void load_row_pair(u32x4& first, u32x4& second, const u16* src, i64 stride, int row0, int seqlen, int r,
                             int col, int head_dim) {
   if constexpr (REPEAT_EDGES) {
     const int last = seqlen - row0 - 1;
-    const u16* tile = src + i64(row0) * stride + min_int(col, head_dim - 8);
+    const int read_col = min_int(col, head_dim - 8);
     if constexpr (UNIFORM_BASE) {
-      first = load16_at(tile, u32(min_int(r, last) * int(stride)) * 2u);
-      second = load16_at(tile, u32(min_int(r + 1, last) * int(stride)) * 2u);
+      const u16* tile = src + i64(row0) * stride + (UNIFORM_COL ? read_col : 0);
+      const int lane_col = UNIFORM_COL ? 0 : read_col;
+      first = load16_at(tile, u32(min_int(r, last) * int(stride) + lane_col) * 2u);
+      second = load16_at(tile, u32(min_int(r + 1, last) * int(stride) + lane_col) * 2u);
     } else {
+      const u16* tile = src + i64(row0) * stride + read_col;
       first = load16(tile + min_int(r, last) * stride);
       second = load16(tile + min_int(r + 1, last) * stride);
     }
@@ -155,14 +159,15 @@ RDNA_DEV void load_row_pair(u32x4& first, u32x4& second, const u16* src, i64 str
 
 // Copies rows [row0, row0 + ROWS), columns [col0, col0 + COLS) into LDS transposed (one LDS row
 // per output column). Consecutive threads take consecutive row pairs so the transposed stores fall in
-// consecutive banks. SIXTEEN_BIT: every load first, then store_transposed_pair (no VALU; the loads'
-// registers live together); else two rows per 32-bit store, one v_perm_b32 per element pair, each
+// consecutive banks. SIXTEEN_BIT: every load first, then store_transposed_pair (no v_perm_b32; the
+// loads' registers live together); else two rows per 32-bit store, one v_perm_b32 per element pair, each
 // pair stored as soon as it is loaded. REPEAT_EDGES as in load_rows.
 template <int ROWS, int COLS, int LDS_ROW, int THREADS, bool UNIFORM_BASE, bool SIXTEEN_BIT, bool REPEAT_EDGES = false>
 RDNA_DEV void load_transposed(u16* dst, const u16* src, i64 stride, int row0, int seqlen, int col0,
                               int head_dim, int tid) {
   constexpr int kPairs = ROWS / 2;
   constexpr int kItems = kPairs * (COLS / 8);
+  const auto in_tile = [](int i) { return kItems % THREADS == 0 || i < kItems; };
   if constexpr (SIXTEEN_BIT) {
     constexpr int kPerThread = (kItems + THREADS - 1) / THREADS;
     // Where a wave's 32 lanes take one column's 32 pairs, its column is uniform: with REPEAT_EDGES, which
@@ -176,14 +181,17 @@ RDNA_DEV void load_transposed(u16* dst, const u16* src, i64 stride, int row0, in
       const int item_col = kWaveColumns ? first_item_col + n * (THREADS / kPairs) : i / kPairs;
       first[n] = zero_u32x4();
       second[n] = zero_u32x4();
-      if (REPEAT_EDGES || kItems % THREADS == 0 || i < kItems)  // may run past the tile: in bounds, not stored
-        load_row_pair<UNIFORM_BASE, REPEAT_EDGES>(first[n], second[n], src, stride, row0, seqlen, 2 * (i % kPairs),
-                                                  col0 + item_col * 8, head_dim);
+      if (REPEAT_EDGES || in_tile(i))  // may run past the tile: in bounds, not stored
+        load_row_pair<UNIFORM_BASE, REPEAT_EDGES, kWaveColumns>(first[n], second[n], src, stride, row0, seqlen,
+                                                                2 * (i % kPairs), col0 + item_col * 8, head_dim);
     }
+    // Without the fence the stores' lane test would draw their loads into its exec-masked block: one
+    // memory round trip per load.
+    if constexpr (REPEAT_EDGES) compiler_fence();
     #pragma unroll
     for (int n = 0; n < kPerThread; ++n) {
       const int i = tid + n * THREADS;
-      if (kItems % THREADS == 0 || i < kItems)
+      if (in_tile(i))
         store_transposed_pair<LDS_ROW>(dst + (i / kPairs) * 8 * LDS_ROW + 2 * (i % kPairs), first[n], second[n]);
     }
   } else {

@@ -19,8 +19,8 @@ LDS_ROW_PAD = 8  # elements added to every LDS row so rows start on different ba
 MAX_O_CHUNK = 256  # output columns one forward workgroup accumulates in registers
 MAX_GRAD_CHUNK = 128  # gradient columns one backward workgroup accumulates in registers
 BWD_WAVES = 4
-# Padded head dims up to which a dK/dV wave holds its K (resp. V) operands in registers for the whole
-# kernel instead of re-reading them per query fragment; mirrors kResidentK / kResidentVMaxD in fa_bwd.h.
+# Padded head dims up to which an unfused dK/dV wave holds its K (resp. V) operands in registers for the
+# whole kernel instead of re-reading them per query fragment; mirrors kResidentK / kResidentVMaxD in fa_bwd.h.
 BWD_RESIDENT_K_MAX_D = 128
 
 
@@ -28,9 +28,18 @@ def bwd_resident_v_max_d(target: str) -> int:
     """V's limit (unfused dK/dV): gfx12's WMMA operands hold each value once, gfx11's twice."""
     return 128 if target.startswith("gfx12") else 96
 
-# Padded head dims up to which one dK/dV workgroup makes both gradients from one S (kFusedDkdv in
-# fa_bwd.h); past it the two accumulator sets do not fit in registers beside the operands.
+
+# One dK/dV workgroup makes both gradients from one S up to this padded head dim, with K and V in
+# registers, and unmasked at BWD_STAGED_KV_D, each wave's K and V rows staged in LDS (kFusedDkdv,
+# kStagedKv in fa_bwd.h); elsewhere the two accumulator sets do not fit beside the operands, or the
+# split kernels were faster.
 BWD_FUSED_MAX_D = 64
+BWD_STAGED_KV_D = 128
+
+
+def dkdv_staged_kv(d_pad: int, masked: bool) -> bool:
+    """Whether a dK/dV kernel is fused with its waves' K and V rows staged in LDS (kStagedKv)."""
+    return d_pad == BWD_STAGED_KV_D and not masked
 
 SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8)) + (320, 384, 512)
 
@@ -145,9 +154,18 @@ def _grad_chunk(d_pad: int) -> int:
     return -(-d_pad // chunks // FRAG) * FRAG
 
 
-def lds_elems_dkdv(block_m: int, d_pad: int, d_chunk: int) -> int:
-    """Mirrors DkdvShape in kernels/fa_bwd.h: Q, dO rows; Q^T, dO^T chunks; row offset, log2 sum and delta floats."""
-    return 2 * block_m * (d_pad + LDS_ROW_PAD) + 2 * d_chunk * (block_m + LDS_ROW_PAD) + 6 * block_m
+# Padded head dims whose unmasked dK/dV kernels keep each row's log2 probability sum apart from its
+# offset (mirrors kFoldedLog2SumDkdv in kernels/fa_bwd.h; masked ones always do).
+_DKDV_UNFOLDED_LOG2_SUM = (112,)
+
+
+def lds_elems_dkdv(block_m: int, d_pad: int, d_chunk: int, masked: bool = False) -> int:
+    """Mirrors DkdvShape in kernels/fa_bwd.h: Q, dO rows; Q^T, dO^T chunks; row offset and delta floats,
+    and the log2 sum's where it is not folded into the offset."""
+    row_stats = 3 if masked or d_pad in _DKDV_UNFOLDED_LOG2_SUM else 2
+    staged_kv = BWD_WAVES * 2 * FRAG * (d_pad + LDS_ROW_PAD) if dkdv_staged_kv(d_pad, masked) else 0
+    return (2 * block_m * (d_pad + LDS_ROW_PAD) + 2 * d_chunk * (block_m + LDS_ROW_PAD) + 2 * row_stats * block_m
+            + staged_kv)
 
 
 def lds_elems_dq(block_n: int, d_pad: int, d_chunk: int) -> int:
@@ -174,7 +192,7 @@ class BwdVariant(_WaveTiled):
     @property
     def fused(self) -> bool:
         """A dK/dV workgroup makes both gradients (else half the workgroups make dV, half dK)."""
-        return self.kind == "dkdv" and self.d_pad <= BWD_FUSED_MAX_D
+        return self.kind == "dkdv" and (self.d_pad <= BWD_FUSED_MAX_D or dkdv_staged_kv(self.d_pad, self.masked))
 
     @property
     def jobs_per_block(self) -> int:
@@ -183,11 +201,12 @@ class BwdVariant(_WaveTiled):
 
     @property
     def lds_bytes(self) -> int:
-        lds = lds_elems_dkdv if self.kind == "dkdv" else lds_elems_dq
-        return 2 * lds(self.block_tile, self.d_pad, self.d_chunk)
+        if self.kind == "dkdv":
+            return 2 * lds_elems_dkdv(self.block_tile, self.d_pad, self.d_chunk, self.masked)
+        return 2 * lds_elems_dq(self.block_tile, self.d_pad, self.d_chunk)
 
 
-# Unfused dK/dV workgroups (past BWD_FUSED_MAX_D) stream 16-query tiles: a dK wave's reads per query
+# Unfused dK/dV workgroups (not BwdVariant.fused) stream 16-query tiles: a dK wave's reads per query
 # fragment (V, past d128 also K, re-read from global memory on gfx11; LDS waits at d80) stall less
 # when the smaller tiles' LDS admits two to four times the waves, and the queries' summation order is
 # the same (bench/results/backward_estimate_gfx1100.md, update 8). In trial builds every masked one
@@ -209,11 +228,10 @@ def _tile_candidates(kind: str, d_pad: int, d_chunk: int, masked: bool) -> tuple
 
 def _bwd_variant(kind: str, dtype: str, d_pad: int, masked: bool = False) -> BwdVariant:
     d_chunk = _grad_chunk(d_pad)
-    lds = lds_elems_dkdv if kind == "dkdv" else lds_elems_dq
     tiles = _tile_candidates(kind, d_pad, d_chunk, masked)
     for tile in tiles:
         staging = BWD_WAVES * FRAG * (d_chunk + LDS_ROW_PAD)
-        elems = lds(tile, d_pad, d_chunk)
+        elems = lds_elems_dkdv(tile, d_pad, d_chunk, masked) if kind == "dkdv" else lds_elems_dq(tile, d_pad, d_chunk)
         if 2 * elems <= LDS_LIMIT and staging <= elems:
             return BwdVariant(kind, dtype, d_pad, BWD_WAVES, tile, d_chunk, masked)
     raise ValueError(f"no backward tile shape fits LDS for head dim {d_pad}")

@@ -222,12 +222,12 @@ def _sets_zero(insn, register: int) -> bool:
                for half in _halves(insn))
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96])
 def test_gfx11_dkdv_fragments_start_their_products_from_held_zeros(d):
     """gfx11's WMMA takes no inline zero C operand. A dK/dV query fragment's first products of S and dP
     read 8 VGPRs set to zero before the query-tile loop and written nowhere in it (kHeldZeroC in
-    kernels/fa_bwd.h), not zeros that 8 moves re-create per fragment; every other product accumulates in
-    place."""
+    kernels/fa_bwd.h, where K is held in registers: d64 fused, d96 split), not zeros that 8 moves re-create
+    per fragment; every other product accumulates in place."""
     cfg, _ = _backward_cfg("gfx1100", "dkdv", d)
     main = estimate_gfx1100_backward.main_loop(cfg)
     loop = [i for b in sorted(cfg.loops[main]) for i in cfg.blocks[b]]
@@ -384,9 +384,8 @@ def test_dq_reads_q_and_do_per_key_tile_without_zero_fill(target, dtype, d):
     cfg, variant = _backward_cfg(target, "dq", d, dtype)
     main = estimate_gfx1100_backward.main_loop(cfg)
     trips = estimate_gfx1100_backward.loop_trips(cfg, main, variant, target)
-    head_dim_loops = [h for h in trips if any(op.startswith("v_wmma") for op in cfg.ops(cfg.loops[h]))]
-    assert len(head_dim_loops) == 1
-    insns = [i for b in cfg.loops[head_dim_loops[0]] for i in cfg.blocks[b]]
+    insns = [i for b in cfg.loops[main] for i in cfg.blocks[b]
+             if estimate_gfx1100_backward.region(cfg, trips, i) == "head-dim loop"]
     assert any(i.op == "global_load_b128" for i in insns)
     assert not any(i.op == "s_and_saveexec_b32" for i in insns)
     assert not any(i.op.startswith(("v_mov_b32", "v_dual_mov_b32")) and re.search(r", 0(\s|$)", i.args) for i in insns)
@@ -401,18 +400,38 @@ def test_fused_dkdv_copies_read_their_tiles_without_guards(target, dtype, d):
     column."""
     if find_objdump() is None:
         pytest.skip("llvm-objdump (>= 19) not installed")
-    plain = variants.bwd_variant("dkdv", dtype, d).symbol
-    for symbol in (plain, plain + "_masked"):
+    for masked in (False, True):
+        variant = variants.bwd_variant("dkdv", dtype, d, masked)
+        symbol = variant.symbol
         cfg = estimate_gfx1100_backward.Cfg(_shipped_listing(target)[symbol])
         main = estimate_gfx1100_backward.main_loop(cfg)
-        fragment_loops = [cfg.loops[h] for h in cfg.loops if h != main and h in cfg.loops[main]
-                          and any(op.startswith("v_wmma") for op in cfg.ops(cfg.loops[h]))]
-        inner = set().union(*fragment_loops)
-        copies = [b for b in cfg.loops[main] if b not in inner
-                  and any(i.op == "global_load_b128" for i in cfg.blocks[b])]
+        trips = estimate_gfx1100_backward.loop_trips(cfg, main, variant, target)
+        copies = [b for b in cfg.loops[main] if any(i.op == "global_load_b128" for i in cfg.blocks[b])
+                  and estimate_gfx1100_backward.region(cfg, trips, cfg.blocks[b][0]) == "rest"]
         assert len(copies) == 1, symbol
         assert not [p for p in cfg.loops[main] if copies[0] in cfg.succ[p]
                     and cfg.blocks[p][-1].op.startswith("s_cbranch_exec")], symbol
+
+
+@pytest.mark.parametrize("target", ["gfx1100", "gfx1201"])
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_d128_dkdv_makes_both_gradients_from_staged_k_and_v(target, dtype):
+    """The unmasked d128 dK/dV workgroup makes dK and dV from one S (kFusedDkdv, kStagedKv in
+    kernels/fa_bwd.h): its traced query tile is the fused path, whose K and V operands come from the wave's
+    LDS rows (no global load in the head-dim loop), and the tile's copies and row statistics share one
+    memory round trip (kStatsWithCopies). Stop 51's objects split dV and dK, re-read V from global memory
+    per query fragment on gfx11 and waited three times per tile."""
+    cfg, variant = _backward_cfg(target, "dkdv", 128, dtype)
+    assert variant.fused
+    main = estimate_gfx1100_backward.main_loop(cfg)
+    trips = estimate_gfx1100_backward.loop_trips(cfg, main, variant, target)
+    hw = estimate_gfx1100_backward.HARDWARE[target]
+    (name, expect), = estimate_gfx1100_backward.paths(variant, hw).items()
+    counts, _, insns = estimate_gfx1100_backward.count_path(cfg, main, trips, variant, expect)
+    assert name == "dK+dV" and counts.vmem_rounds == 1
+    head_dim_loop = [i for i, _, where in insns if where == "head-dim loop"]
+    assert any(i.op.startswith("v_wmma") for i in head_dim_loop)
+    assert not any(i.op.startswith("global_load") for i in head_dim_loop)
 
 
 @pytest.mark.parametrize("target, dtype, d", [("gfx1100", "f16", 64), ("gfx1100", "bf16", 128),
