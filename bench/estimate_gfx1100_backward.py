@@ -333,7 +333,7 @@ def paths(v, hw) -> dict[str, tuple[int, int]]:
     frags = tile // FRAG
     stats = 3
     if v.fused:  # S and dP once, then dV and dK: Q, dO rows and both transposed chunks; K and V held
-        # in registers or staged in LDS
+        # in registers or staged in LDS (unmasked: a masked fused kernel past d48 re-reads V)
         return {"dK+dV": (frags * (2 * dim + 2 * out), 2 * rows + 2 * trans + stats)}
     k_loads = 0 if v.d_pad <= variants.BWD_RESIDENT_K_MAX_D else operand
     v_loads = 0 if v.d_pad <= variants.bwd_resident_v_max_d(target_of(hw)) else operand

@@ -19,8 +19,9 @@ LDS_ROW_PAD = 8  # elements added to every LDS row so rows start on different ba
 MAX_O_CHUNK = 256  # output columns one forward workgroup accumulates in registers
 MAX_GRAD_CHUNK = 128  # gradient columns one backward workgroup accumulates in registers
 BWD_WAVES = 4
-# Padded head dims up to which an unfused dK/dV wave holds its K (resp. V) operands in registers for the
-# whole kernel instead of re-reading them per query fragment; mirrors kResidentK / kResidentVMaxD in fa_bwd.h.
+# Padded head dims up to which a dK/dV wave whose K is not staged in LDS (dkdv_staged_kv) holds its K
+# (resp. V) operands in registers for the whole kernel instead of re-reading them per query fragment;
+# mirrors kResidentK / kResidentVMaxD in fa_bwd.h.
 BWD_RESIDENT_K_MAX_D = 128
 
 
@@ -29,17 +30,18 @@ def bwd_resident_v_max_d(target: str) -> int:
     return 128 if target.startswith("gfx12") else 96
 
 
-# One dK/dV workgroup makes both gradients from one S up to this padded head dim, with K and V in
-# registers, and unmasked at BWD_STAGED_KV_D, each wave's K and V rows staged in LDS (kFusedDkdv,
-# kStagedKv in fa_bwd.h); elsewhere the two accumulator sets do not fit beside the operands, or the
-# split kernels were faster.
-BWD_FUSED_MAX_D = 64
+# One dK/dV workgroup makes both gradients from one S up to this padded head dim, with K (and V, in the
+# masked kernels up to d48) in registers, and unmasked at BWD_STAGED_KV_D, each wave's K and V rows staged
+# in LDS (kFusedDkdv, kStagedKv in fa_bwd.h); elsewhere the two accumulator sets do not fit beside the
+# operands, or the split kernels were faster.
+BWD_FUSED_RESIDENT_MAX_D = 64
 BWD_STAGED_KV_D = 128
 
 
 def dkdv_staged_kv(d_pad: int, masked: bool) -> bool:
     """Whether a dK/dV kernel is fused with its waves' K and V rows staged in LDS (kStagedKv)."""
     return d_pad == BWD_STAGED_KV_D and not masked
+
 
 SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8)) + (320, 384, 512)
 
@@ -159,11 +161,12 @@ def _grad_chunk(d_pad: int) -> int:
 _DKDV_UNFOLDED_LOG2_SUM = (112,)
 
 
-def lds_elems_dkdv(block_m: int, d_pad: int, d_chunk: int, masked: bool = False) -> int:
+def lds_elems_dkdv(block_m: int, d_pad: int, d_chunk: int, masked: bool = False, waves: int = BWD_WAVES) -> int:
     """Mirrors DkdvShape in kernels/fa_bwd.h: Q, dO rows; Q^T, dO^T chunks; row offset and delta floats,
-    and the log2 sum's where it is not folded into the offset."""
+    and the log2 sum's where it is not folded into the offset; where dkdv_staged_kv, each wave's 16 K and
+    16 V rows."""
     row_stats = 3 if masked or d_pad in _DKDV_UNFOLDED_LOG2_SUM else 2
-    staged_kv = BWD_WAVES * 2 * FRAG * (d_pad + LDS_ROW_PAD) if dkdv_staged_kv(d_pad, masked) else 0
+    staged_kv = waves * 2 * FRAG * (d_pad + LDS_ROW_PAD) if dkdv_staged_kv(d_pad, masked) else 0
     return (2 * block_m * (d_pad + LDS_ROW_PAD) + 2 * d_chunk * (block_m + LDS_ROW_PAD) + 2 * row_stats * block_m
             + staged_kv)
 
@@ -192,7 +195,8 @@ class BwdVariant(_WaveTiled):
     @property
     def fused(self) -> bool:
         """A dK/dV workgroup makes both gradients (else half the workgroups make dV, half dK)."""
-        return self.kind == "dkdv" and (self.d_pad <= BWD_FUSED_MAX_D or dkdv_staged_kv(self.d_pad, self.masked))
+        return self.kind == "dkdv" and (self.d_pad <= BWD_FUSED_RESIDENT_MAX_D
+                                        or dkdv_staged_kv(self.d_pad, self.masked))
 
     @property
     def jobs_per_block(self) -> int:
@@ -202,7 +206,7 @@ class BwdVariant(_WaveTiled):
     @property
     def lds_bytes(self) -> int:
         if self.kind == "dkdv":
-            return 2 * lds_elems_dkdv(self.block_tile, self.d_pad, self.d_chunk, self.masked)
+            return 2 * lds_elems_dkdv(self.block_tile, self.d_pad, self.d_chunk, self.masked, self.waves)
         return 2 * lds_elems_dq(self.block_tile, self.d_pad, self.d_chunk)
 
 
@@ -221,8 +225,10 @@ def _tile_candidates(kind: str, d_pad: int, d_chunk: int, masked: bool) -> tuple
         # dQ keeps S^T and dP^T of the whole key tile live beside its accumulators: past 64 gradient
         # columns a 64-key tile spills on gfx11.
         return (32, 16) if d_chunk > 64 else (64, 32, 16)
-    if d_pad <= BWD_FUSED_MAX_D:
+    if d_pad <= BWD_FUSED_RESIDENT_MAX_D:
         return (64, 32, 16)
+    if dkdv_staged_kv(d_pad, masked):  # 32 queries beside the staged rows: 72960 bytes of LDS, past 64 KiB
+        return (16,)
     return (32, 16) if masked or d_pad in _DKDV_UNMASKED_SPILL_AT_16_QUERIES else (16,)
 
 
