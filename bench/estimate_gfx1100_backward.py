@@ -130,8 +130,7 @@ def loop_trips(cfg: Cfg, main: int, v, target: str) -> dict[int, int]:
         ops = cfg.ops(blocks)
         inner_wmma = any(g != h and g in blocks and blocks > cfg.loops[g] and
                          any(op.startswith("v_wmma") for op in cfg.ops(cfg.loops[g])) for g in cfg.loops)
-        resident_k = (v.kind == "dkdv" and v.d_pad <= variants.BWD_RESIDENT_K_MAX_D
-                      and not variants.dkdv_staged_kv(v.d_pad, v.masked))
+        resident_k = v.kind == "dkdv" and variants.dkdv_holds_k(v.d_pad, v.masked)
         if inner_wmma or (resident_k and any(op.startswith("v_wmma") for op in ops)):
             # dK/dV: the 16-query fragment loop (#pragma unroll 1); with K held in registers the
             # head-dim loop inside it is unrolled completely
@@ -335,7 +334,7 @@ def paths(v, hw) -> dict[str, tuple[int, int]]:
     if v.fused:  # S and dP once, then dV and dK: Q, dO rows and both transposed chunks; K and V held
         # in registers or staged in LDS (unmasked: a masked fused kernel past d48 re-reads V)
         return {"dK+dV": (frags * (2 * dim + 2 * out), 2 * rows + 2 * trans + stats)}
-    k_loads = 0 if v.d_pad <= variants.BWD_RESIDENT_K_MAX_D else operand
+    k_loads = 0 if variants.dkdv_holds_k(v.d_pad, v.masked) else operand
     v_loads = 0 if v.d_pad <= variants.bwd_resident_v_max_d(target_of(hw)) else operand
     return {"dV": (frags * (dim + out), rows + trans + stats + frags * k_loads),
             "dK": (frags * (2 * dim + out), 2 * rows + trans + stats + frags * (k_loads + v_loads))}

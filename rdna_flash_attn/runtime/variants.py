@@ -43,6 +43,11 @@ def dkdv_staged_kv(d_pad: int, masked: bool) -> bool:
     return d_pad == BWD_STAGED_KV_D and not masked
 
 
+def dkdv_holds_k(d_pad: int, masked: bool) -> bool:
+    """Whether a dK/dV wave holds its K operands in registers for the whole kernel (kResidentK)."""
+    return d_pad <= BWD_RESIDENT_K_MAX_D and not dkdv_staged_kv(d_pad, masked)
+
+
 SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8)) + (320, 384, 512)
 
 
@@ -157,15 +162,20 @@ def _grad_chunk(d_pad: int) -> int:
 
 
 # Padded head dims whose unmasked dK/dV kernels keep each row's log2 probability sum apart from its
-# offset (mirrors kFoldedLog2SumDkdv in kernels/fa_bwd.h; masked ones always do).
+# offset (masked ones always do).
 _DKDV_UNFOLDED_LOG2_SUM = (112,)
+
+
+def dkdv_folded_log2_sum(d_pad: int, masked: bool) -> bool:
+    """Whether a dK/dV kernel folds each row's log2 probability sum into its offset (kFoldedLog2SumDkdv)."""
+    return not masked and d_pad not in _DKDV_UNFOLDED_LOG2_SUM
 
 
 def lds_elems_dkdv(block_m: int, d_pad: int, d_chunk: int, masked: bool = False, waves: int = BWD_WAVES) -> int:
     """Mirrors DkdvShape in kernels/fa_bwd.h: Q, dO rows; Q^T, dO^T chunks; row offset and delta floats,
     and the log2 sum's where it is not folded into the offset; where dkdv_staged_kv, each wave's 16 K and
     16 V rows."""
-    row_stats = 3 if masked or d_pad in _DKDV_UNFOLDED_LOG2_SUM else 2
+    row_stats = 2 if dkdv_folded_log2_sum(d_pad, masked) else 3
     staged_kv = waves * 2 * FRAG * (d_pad + LDS_ROW_PAD) if dkdv_staged_kv(d_pad, masked) else 0
     return (2 * block_m * (d_pad + LDS_ROW_PAD) + 2 * d_chunk * (block_m + LDS_ROW_PAD) + 2 * row_stats * block_m
             + staged_kv)
