@@ -166,9 +166,12 @@ def one_peeled(v, target: str) -> bool:
 def dim_unroll(v, target: str) -> int:
     """The head-dim loop's unroll factor (kDimUnroll, for dQ kLoopUnroll, in kernels/fa_bwd.h): 2 over an
     even number of fragments (dK/dV: up to d128), else 1 (a remainder iteration costs registers); 1 in
-    gfx11's d64 dQ kernel, whose loop runs the three steps after the peeled one."""
+    gfx11's d64 dQ kernel, whose loop runs the three steps after the peeled one; every step where dQ holds
+    Q and dO in registers (no loop is left)."""
     if one_peeled(v, target):
         return 1
+    if v.kind == "dq" and variants.dq_holds_qdo(target, v.d_pad, v.masked):
+        return v.d_pad // FRAG
     even = (v.d_pad // FRAG) % 2 == 0
     return 2 if even and (v.kind == "dq" or v.d_pad <= 128) else 1
 
@@ -323,8 +326,10 @@ def paths(v, hw) -> dict[str, tuple[int, int]]:
     operand = hw.operand_copies * dim  # one operand's loads over the head dim
     rows = row_loads(v, dim)  # load_rows: one 16-byte load each
     trans = 2 * transposed_trips(v, out)  # load_transposed: two loads per trip
-    if v.kind == "dq":  # per key tile: K, V rows; the Q and dO operands
-        base = rows * 2 + 2 * operand
+    if v.kind == "dq":  # per key tile: K, V rows; the Q and dO operands unless held or staged once
+        target = target_of(hw)
+        once = variants.dq_holds_qdo(target, v.d_pad, v.masked) or variants.dq_stages_qdo(target, v.d_pad, v.masked)
+        base = rows * 2 + (0 if once else 2 * operand)
         return {"sweep 0 (delta)": (2 * dim * tile // FRAG, base),
                 "sweep 1 (dQ)": (2 * dim * tile // FRAG + out * tile // FRAG, base + trans)}
     # per query tile: Q rows, lse + delta + row sums (ABI 2), then per fragment the K (and V) operands

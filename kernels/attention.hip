@@ -23,7 +23,7 @@
 
 #define RDNA_FA_BWD_DQ_INSTANCE(symbol, dtype, d_pad, waves, block_n, d_chunk, masked)             \
   RDNA_KERNEL(32 * (waves)) symbol(const rdna::BwdArgs args) {                                      \
-    RDNA_LDS_ARRAY(rdna::u16, lds, (rdna::DqShape<d_pad, waves, block_n, d_chunk>::kLdsElems));    \
+    RDNA_LDS_ARRAY(rdna::u16, lds, (rdna::DqShape<d_pad, waves, block_n, d_chunk, masked>::kLdsElems)); \
     rdna::dq_body<rdna::dtype, d_pad, waves, block_n, d_chunk, masked>(args, lds);                 \
   }
 

@@ -143,8 +143,9 @@ RDNA_DEV float capped_exponent(float s, float scale_log2, float bias, float offs
 // One dK/dV workgroup makes both gradients up to padded head dim 64, and unmasked at d128 (mirrored by
 // variants.BwdVariant.fused); elsewhere each makes one, and S is computed twice. Up to d64 a wave's K
 // and V operands, the same for every query tile, stay in registers beside both accumulator sets. At d128
-// the accumulators leave no room for them (gfx11 operands hold every value twice): each wave stages its
-// 16 K and V rows in LDS once (kStagedKv) and reads the operands from there per query fragment. In
+// the accumulators leave no room for them on gfx11 (its operands hold every value twice): each wave stages
+// its 16 K and V rows in LDS once (kStagedKv) and reads the operands from there per query fragment;
+// gfx12 stages them too (trial builds: 3.38 -> 2.40 ms against re-reading them from global memory). In
 // trial builds of every instance d80 to d112 lost by fusing so (their split kernels keep K and, up to
 // d96 on gfx11 and d128 on gfx12, V in registers), and the masked d128 kernel spilled on gfx11.
 template <int D_PAD, bool HAS_MASK>
@@ -180,6 +181,18 @@ constexpr bool kUniformBaseDq = !(HAS_MASK && Isa::kOperandElems == 16 && D_PAD 
 template <int D_PAD, bool HAS_MASK>
 constexpr bool kRepeatingQdo = Isa::kOperandElems == 16 ? !(D_PAD == 32 || (HAS_MASK && D_PAD == 128)) : D_PAD != 64;
 
+// dQ's Q and dO operands are the same for every key tile. gfx12 holds them in registers (its operands
+// hold each value once) from d48 to d96; gfx11 stages the workgroup's Q and dO rows in LDS once at d128,
+// where re-reading them bound its key tile by the global cache; elsewhere each key tile re-reads them from
+// global memory (cache hits). Trial builds of every unmasked instance chose these: gfx12 spills at d112
+// and d128 holding them and loses staging them; gfx11 loses staging them at d32 and d80 to d112, and
+// gains under 1.2 % a key tile at d16 to d64 for half the waves (bench/results/backward_estimate_gfx1100.md,
+// update 22). Mirrored by variants.dq_holds_qdo and dq_stages_qdo.
+template <int D_PAD, bool HAS_MASK>
+constexpr bool kHeldQdo = Isa::kOperandElems == 8 && !HAS_MASK && D_PAD >= 48 && D_PAD <= 96;
+template <int D_PAD, bool HAS_MASK>
+constexpr bool kStagedQdo = Isa::kOperandElems == 16 && !HAS_MASK && D_PAD == 128;
+
 // dQ's key tiles that every query of the workgroup sees whole run in a loop of their own, without the
 // per-score test (three VALU per score). The second copy of the loop body costs registers: gfx12's d64
 // would spill, and the masked kernels, which test and bias each score anyway, keep one loop.
@@ -187,8 +200,8 @@ template <int D_PAD, bool HAS_MASK>
 constexpr bool kOpenKeyTiles = !HAS_MASK && !(Isa::kOperandElems == 8 && D_PAD == 64);
 
 // dK/dV's tile copies repeat their edges (load_rows' REPEAT_EDGES) in the fused workgroups: in trial
-// builds of every instance the split ones lost by it, at d80 and at gfx12's d128 (their copies' partial
-// tiles and loads under lane tests take more memory round trips).
+// builds of every instance the split ones lost by it, at d80 and at gfx12's d128 before it was fused
+// (their copies' partial tiles and loads under lane tests take more memory round trips).
 template <int D_PAD, bool HAS_MASK>
 constexpr bool kRepeatingCopiesDkdv = kFusedDkdv<D_PAD, HAS_MASK>;
 
@@ -296,7 +309,7 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
   u16* dot_lds = lds + Shape::kDotOffset;
   float* offset_lds = reinterpret_cast<float*>(lds + Shape::kStatsOffset);  // RowExponent's
   float* delta_lds = offset_lds + BLOCK_M;
-  float* log2_sum_lds = delta_lds + BLOCK_M;
+  float* log2_sum_lds = kFold ? nullptr : delta_lds + BLOCK_M;  // kRowStats
 
   const int wave_key0 = k0 + wave * kFrag;
   const int key = wave_key0 + (lane & 15);
@@ -426,8 +439,8 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
         // (one wave-uniform branch): it costs more than its compare where the compiler sinks each
         // probability into it, one exec-masked block per score (the split and masked kernels), which
         // serializes the statistics' LDS reads. Their choice between P and dS is taken once, not per score,
-        // for the same reason (the tested fragments keep it per score: a fourth copy spills SGPRs in gfx11's
-        // d112 and d128 kernels).
+        // for the same reason (the tested fragments keep it per score: a fourth copy spilled SGPRs in gfx11's
+        // d112 kernel and its d128 kernel before it was fused).
         const auto scores = [&](auto tested, bool ds) {
           #pragma unroll
           for (int s = 0; s < 8; ++s) {
@@ -475,7 +488,7 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
 }
 
 // LDS of the dQ kernel; rdna_flash_attn/runtime/variants.py computes the same size.
-template <int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK>
+template <int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK, bool HAS_MASK>
 struct DqShape {
   static constexpr int kBlockM = kFrag * WAVES;
   static constexpr int kThreads = 32 * WAVES;
@@ -485,14 +498,16 @@ struct DqShape {
   static constexpr int kKOffset = 0;
   static constexpr int kVOffset = BLOCK_N * kRow;
   static constexpr int kKtOffset = kVOffset + BLOCK_N * kRow;
-  static constexpr int kLdsElems = kKtOffset + D_CHUNK * kTRow;
+  // kStagedQdo: the workgroup's Q rows, then its dO rows
+  static constexpr int kQdoOffset = kKtOffset + D_CHUNK * kTRow;
+  static constexpr int kLdsElems = kQdoOffset + (kStagedQdo<D_PAD, HAS_MASK> ? 2 * kBlockM * kRow : 0);
   static_assert(2 * kLdsElems <= 65536, "LDS over 64 KiB");
   static_assert(kBlockM * kStageRow <= kLdsElems, "gradient staging must fit in the LDS tiles");
 };
 
 template <class DT, int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK, bool HAS_MASK>
 RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
-  using Shape = DqShape<D_PAD, WAVES, BLOCK_N, D_CHUNK>;
+  using Shape = DqShape<D_PAD, WAVES, BLOCK_N, D_CHUNK, HAS_MASK>;
   constexpr int kKeyFrags = BLOCK_N / kFrag;
   constexpr int kOutFrags = D_CHUNK / kFrag;
   constexpr int kDimFrags = D_PAD / kFrag;
@@ -504,8 +519,9 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
   // results, stop 37).
   constexpr bool kOnePeeled = !Isa::kInlineZeroAccumulator && kDimFrags == 4;
   constexpr int kPeeledSteps = kOnePeeled ? 1 : kDimUnroll;
-  // Static: the unroll pragma in key_tile reads it.
-  static constexpr int kLoopUnroll = kOnePeeled ? 1 : kDimUnroll;
+  constexpr bool kHoldQdo = kHeldQdo<D_PAD, HAS_MASK>, kStaged = kStagedQdo<D_PAD, HAS_MASK>;
+  // Static: the unroll pragma in key_tile reads it. Held operands need constant indices: no loop.
+  static constexpr int kLoopUnroll = kHeldQdo<D_PAD, HAS_MASK> ? kDimFrags : kOnePeeled ? 1 : kDimUnroll;
   constexpr bool kUniformBase = kUniformBaseDq<D_PAD, HAS_MASK>;
   const DT dt{};
 
@@ -547,6 +563,25 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
                ? rows.load(d * kFrag, a.head_dim)
                : load_operand_global(src, stride, wave_q0, seq.seqlen_q, d * kFrag, a.head_dim, lane);
   };
+  // kHeldQdo: this wave's operands, loaded once. kStagedQdo: the workgroup's rows, zero past seqlen and
+  // head_dim (the first key tile's barrier orders them before their reads).
+  Isa::Operand q_ops[kHoldQdo ? kDimFrags : 1], do_ops[kHoldQdo ? kDimFrags : 1];
+  if constexpr (kHoldQdo) {
+    #pragma unroll
+    for (int d = 0; d < kDimFrags; ++d) {
+      q_ops[d] = wave_operand(q_rows, q, a.q_stride_s, d);
+      do_ops[d] = wave_operand(do_rows, dout, a.do_stride_s, d);
+    }
+  }
+  const u16* q_wave_lds = lds + Shape::kQdoOffset + wave * kFrag * Shape::kRow;
+  const u16* do_wave_lds = q_wave_lds + Shape::kBlockM * Shape::kRow;
+  if constexpr (kStaged) {
+    u16* q_rows_lds = lds + Shape::kQdoOffset;
+    load_rows<Shape::kBlockM, D_PAD, Shape::kRow, Shape::kThreads>(q_rows_lds, q, a.q_stride_s, q0, seq.seqlen_q,
+                                                                   a.head_dim, tid);
+    load_rows<Shape::kBlockM, D_PAD, Shape::kRow, Shape::kThreads>(q_rows_lds + Shape::kBlockM * Shape::kRow, dout,
+                                                                   a.do_stride_s, q0, seq.seqlen_q, a.head_dim, tid);
+  }
   const int key_end = seq.visible_keys(a.causal, q0 + Shape::kBlockM - 1);
   const int key_limit = seq.visible_keys(a.causal, query);
   const int open_end = seq.visible_keys(a.causal, q0);  // keys every query of the workgroup sees: its first's
@@ -598,8 +633,12 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
 
       v8f s_acc[kKeyFrags], dp_acc[kKeyFrags];
       const auto product_step = [&](int d) {
-        const Isa::Operand q_op = wave_operand(q_rows, q, a.q_stride_s, d);
-        const Isa::Operand do_op = wave_operand(do_rows, dout, a.do_stride_s, d);
+        const Isa::Operand q_op = kHoldQdo ? q_ops[kHoldQdo ? d : 0]
+                                  : kStaged ? load_operand<Shape::kRow>(q_wave_lds, d * kFrag, lane)
+                                            : wave_operand(q_rows, q, a.q_stride_s, d);
+        const Isa::Operand do_op = kHoldQdo ? do_ops[kHoldQdo ? d : 0]
+                                   : kStaged ? load_operand<Shape::kRow>(do_wave_lds, d * kFrag, lane)
+                                             : wave_operand(do_rows, dout, a.do_stride_s, d);
         #pragma unroll
         for (int j = 0; j < kKeyFrags; ++j) {
           Isa::mma(dt, s_acc[j], load_operand<Shape::kRow>(k_lds + j * kFrag * Shape::kRow, d * kFrag, lane), q_op);

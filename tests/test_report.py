@@ -241,8 +241,8 @@ def test_check_fails_on_scratch_and_names_the_kernel(tmp_path, capsys):
 def test_check_compares_with_the_variants_table(tmp_path, capsys, lds_delta, max_threads, problem):
     symbol = "rdna_fa_fwd_f16_d64"
     variant = variants.FWD_BY_SYMBOL[symbol]
-    assert (variant.lds_bytes, variant.threads) == (27648, 128)  # the numbers this test was written for
-    source = _variant_kernel(symbol, variant.lds_bytes + lds_delta, max_threads)
+    assert (variant.lds_bytes("gfx1201"), variant.threads) == (27648, 128)  # the numbers this test was written for
+    source = _variant_kernel(symbol, variant.lds_bytes("gfx1201") + lds_delta, max_threads)
     hsaco, _ = compile_hip(tmp_path, source, "gfx1201")
     rc, out = run_report(capsys, hsaco, "--check", "--no-disasm")
     if problem is None:

@@ -67,7 +67,7 @@ class KernelLibrary:
 
     def _dynamic_lds(self, variant) -> int:
         """The emulation's LDS is dynamic; on AMD it is static and a launch adds none."""
-        return variant.lds_bytes if self.artifact.emulated else 0
+        return variant.lds_bytes(self.artifact.target) if self.artifact.emulated else 0
 
     def function(self, variant) -> object:
         function = self._functions.get(variant.symbol)

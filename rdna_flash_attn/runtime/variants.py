@@ -25,9 +25,15 @@ BWD_WAVES = 4
 BWD_RESIDENT_K_MAX_D = 128
 
 
+def is_gfx12(target: str) -> bool:
+    """Whether `target` ("gfx1201", "emulated-gfx12", ...) has gfx12's WMMA, whose operands hold each
+    value once (gfx11's twice)."""
+    return target.removeprefix("emulated-").startswith("gfx12")
+
+
 def bwd_resident_v_max_d(target: str) -> int:
     """V's limit (unfused dK/dV): gfx12's WMMA operands hold each value once, gfx11's twice."""
-    return 128 if target.startswith("gfx12") else 96
+    return 128 if is_gfx12(target) else 96
 
 
 # One dK/dV workgroup makes both gradients from one S up to this padded head dim, with K (and V, in the
@@ -46,6 +52,23 @@ def dkdv_staged_kv(d_pad: int, masked: bool) -> bool:
 def dkdv_holds_k(d_pad: int, masked: bool) -> bool:
     """Whether a dK/dV wave holds its K operands in registers for the whole kernel (kResidentK)."""
     return d_pad <= BWD_RESIDENT_K_MAX_D and not dkdv_staged_kv(d_pad, masked)
+
+
+# Padded head dims whose unmasked dQ kernels read each wave's Q and dO operands, the same for every key
+# tile, once: gfx12 holds them in registers, gfx11 stages the workgroup's rows in LDS; elsewhere each key
+# tile re-reads them from global memory. Mirrors kHeldQdo / kStagedQdo in fa_bwd.h.
+_DQ_HELD_QDO_GFX12 = (48, 64, 80, 96)
+_DQ_STAGED_QDO_GFX11 = (128,)
+
+
+def dq_holds_qdo(target: str, d_pad: int, masked: bool) -> bool:
+    """Whether a dQ wave holds its Q and dO operands in registers for the whole kernel (kHeldQdo)."""
+    return not masked and is_gfx12(target) and d_pad in _DQ_HELD_QDO_GFX12
+
+
+def dq_stages_qdo(target: str, d_pad: int, masked: bool) -> bool:
+    """Whether a dQ workgroup stages its Q and dO rows in LDS once (kStagedQdo)."""
+    return not masked and not is_gfx12(target) and d_pad in _DQ_STAGED_QDO_GFX11
 
 
 SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8)) + (320, 384, 512)
@@ -132,8 +155,8 @@ class FwdVariant(_WaveTiled):
     def symbol(self) -> str:
         return f"rdna_fa_fwd_{self.dtype}_d{self.d_pad}" + _MASKED_SUFFIX * self.masked
 
-    @property
-    def lds_bytes(self) -> int:
+    def lds_bytes(self, target: str) -> int:
+        """The LDS its kernel declares in code objects for `target`: the same on every target."""
         return 2 * lds_elems_fwd(self.waves, self.block_n, self.d_pad, self.d_chunk, self.masked)
 
 
@@ -181,9 +204,11 @@ def lds_elems_dkdv(block_m: int, d_pad: int, d_chunk: int, masked: bool = False,
             + staged_kv)
 
 
-def lds_elems_dq(block_n: int, d_pad: int, d_chunk: int) -> int:
-    """Mirrors DqShape in kernels/fa_bwd.h: K, V rows; K^T chunk."""
-    return 2 * block_n * (d_pad + LDS_ROW_PAD) + d_chunk * (block_n + LDS_ROW_PAD)
+def lds_elems_dq(block_n: int, d_pad: int, d_chunk: int, staged_qdo: bool = False, waves: int = BWD_WAVES) -> int:
+    """Mirrors DqShape in kernels/fa_bwd.h: K, V rows; K^T chunk; where dq_stages_qdo, the workgroup's Q
+    and dO rows."""
+    staged = 2 * waves * FRAG * (d_pad + LDS_ROW_PAD) if staged_qdo else 0
+    return 2 * block_n * (d_pad + LDS_ROW_PAD) + d_chunk * (block_n + LDS_ROW_PAD) + staged
 
 
 @dataclass(frozen=True)
@@ -213,11 +238,13 @@ class BwdVariant(_WaveTiled):
         """Workgroups per row block along grid x: one per column chunk, and dK/dV apart unless fused."""
         return self.d_chunks * (2 if self.kind == "dkdv" and not self.fused else 1)
 
-    @property
-    def lds_bytes(self) -> int:
+    def lds_bytes(self, target: str) -> int:
+        """The LDS its kernel declares in code objects for `target`: gfx11's dQ kernels that stage Q and dO
+        (dq_stages_qdo) take more than gfx12's."""
         if self.kind == "dkdv":
             return 2 * lds_elems_dkdv(self.block_tile, self.d_pad, self.d_chunk, self.masked, self.waves)
-        return 2 * lds_elems_dq(self.block_tile, self.d_pad, self.d_chunk)
+        staged = dq_stages_qdo(target, self.d_pad, self.masked)
+        return 2 * lds_elems_dq(self.block_tile, self.d_pad, self.d_chunk, staged, self.waves)
 
 
 # Unfused dK/dV workgroups (not BwdVariant.fused) stream 16-query tiles: a dK wave's reads per query
@@ -247,7 +274,9 @@ def _bwd_variant(kind: str, dtype: str, d_pad: int, masked: bool = False) -> Bwd
     tiles = _tile_candidates(kind, d_pad, d_chunk, masked)
     for tile in tiles:
         staging = BWD_WAVES * FRAG * (d_chunk + LDS_ROW_PAD)
-        elems = lds_elems_dkdv(tile, d_pad, d_chunk, masked) if kind == "dkdv" else lds_elems_dq(tile, d_pad, d_chunk)
+        # dQ: the larger LDS of the two ISAs (gfx11 may stage Q and dO)
+        elems = (lds_elems_dkdv(tile, d_pad, d_chunk, masked) if kind == "dkdv"
+                 else lds_elems_dq(tile, d_pad, d_chunk, dq_stages_qdo("gfx11", d_pad, masked)))
         if 2 * elems <= LDS_LIMIT and staging <= elems:
             return BwdVariant(kind, dtype, d_pad, BWD_WAVES, tile, d_chunk, masked)
     raise ValueError(f"no backward tile shape fits LDS for head dim {d_pad}")
@@ -271,7 +300,7 @@ _FWD8_PAD_BYTES = 16  # added to every LDS row, as LDS_ROW_PAD is for 16-bit row
 
 def has_fwd8(target: str) -> bool:
     """Whether code objects for `target` ("gfx1201", or "emulated-gfx12") hold the 8-bit forward."""
-    return target.removeprefix("emulated-").startswith("gfx12")
+    return is_gfx12(target)
 
 
 @dataclass(frozen=True)
@@ -289,9 +318,9 @@ class Fwd8Variant(_WaveTiled):
     def symbol(self) -> str:
         return f"rdna_fa_fwd8_{self.dtype}_d{self.d_pad}"
 
-    @property
-    def lds_bytes(self) -> int:
-        """Mirrors Fwd8Shape: Q and K rows of d_pad bytes, V^T rows of block_n bytes, each row padded."""
+    def lds_bytes(self, target: str) -> int:
+        """Mirrors Fwd8Shape (gfx12 only): Q and K rows of d_pad bytes, V^T rows of block_n bytes, each row
+        padded."""
         return ((self.block_rows + self.block_n) * (self.d_pad + _FWD8_PAD_BYTES)
                 + self.d_pad * (self.block_n + _FWD8_PAD_BYTES))
 
@@ -326,10 +355,9 @@ class Quant8Variant:
     def symbol(self) -> str:
         return f"rdna_fa_quant8_{self.kind}_{self.dtype}_d{self.d_pad}"
 
-    @property
-    def lds_bytes(self) -> int:
-        """Mirrors Quant8StatsShape (four partials of 8 channels per thread) and Quant8CodesShape (a padded
-        V^T row of the block per channel, then one float per row)."""
+    def lds_bytes(self, target: str) -> int:
+        """The same on every target. Mirrors Quant8StatsShape (four partials of 8 channels per thread) and
+        Quant8CodesShape (a padded V^T row of the block per channel, then one float per row)."""
         if self.kind == "stats":
             return 4 * 4 * 8 * QUANT8_STATS_THREADS
         return 4 * (self.d_pad * (QUANT8_ROWS // 4 + _FWD8_PAD_BYTES // 4) + QUANT8_ROWS)

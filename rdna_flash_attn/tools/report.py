@@ -293,9 +293,9 @@ def kernel_problems(row: KernelRow) -> list[str]:
         found.append(f"spills {k.sgpr_spill_count} SGPRs")
     if k.lds_bytes > LDS_LIMIT:
         found.append(f"declares {k.lds_bytes} bytes of LDS (limit {LDS_LIMIT})")
-    if variant is not None and k.lds_bytes != variant.lds_bytes:
+    if variant is not None and k.lds_bytes != variant.lds_bytes(row.target):
         found.append(
-            f"declares {k.lds_bytes} bytes of LDS but variants.py expects {variant.lds_bytes}: "
+            f"declares {k.lds_bytes} bytes of LDS but variants.py expects {variant.lds_bytes(row.target)}: "
             "host and kernel disagree on the tile layout"
         )
     if variant is not None and variant.threads > k.max_flat_workgroup_size:
@@ -373,7 +373,7 @@ def row_json(row: KernelRow) -> dict:
         "sgpr": k.sgpr_count,
         "agpr": k.agpr_count,
         "lds_bytes": k.lds_bytes,
-        "lds_expected": row.variant.lds_bytes if row.variant else None,
+        "lds_expected": row.variant.lds_bytes(row.target) if row.variant else None,
         "scratch_bytes": k.scratch_bytes,
         "dynamic_stack": k.uses_dynamic_stack,
         "vgpr_spills": k.vgpr_spill_count,

@@ -375,8 +375,8 @@ def test_the_dkdv_kernels_kept_packed_store_each_pair_as_one_permuted_word(targe
     assert ops["ds_store_b16"] == ops["ds_store_b16_d16_hi"] == 0
 
 
-@pytest.mark.parametrize("target, dtype, d", [("gfx1100", "f16", 64), ("gfx1100", "bf16", 128),
-                                              ("gfx1201", "f16", 128), ("gfx1201", "bf16", 80)])
+@pytest.mark.parametrize("target, dtype, d", [("gfx1100", "f16", 64), ("gfx1100", "bf16", 112),
+                                              ("gfx1201", "f16", 128), ("gfx1201", "bf16", 112)])
 def test_dq_reads_q_and_do_per_key_tile_without_zero_fill(target, dtype, d):
     """dQ's head-dim loop loads Q and dO by RepeatingRows (kernels/tiles.h) where kRepeatingQdo
     (kernels/fa_bwd.h) takes it: no exec mask saved for a row or column test and no register zeroed for
@@ -389,6 +389,30 @@ def test_dq_reads_q_and_do_per_key_tile_without_zero_fill(target, dtype, d):
     assert any(i.op == "global_load_b128" for i in insns)
     assert not any(i.op == "s_and_saveexec_b32" for i in insns)
     assert not any(i.op.startswith(("v_mov_b32", "v_dual_mov_b32")) and re.search(r", 0(\s|$)", i.args) for i in insns)
+
+
+@pytest.mark.parametrize("target, dtype, d", [("gfx1100", "f16", 128), ("gfx1100", "bf16", 128),
+                                              ("gfx1201", "f16", 80), ("gfx1201", "bf16", 64),
+                                              ("gfx1201", "f16", 48), ("gfx1201", "bf16", 96)])
+def test_dq_reads_q_and_do_once(target, dtype, d):
+    """Where kHeldQdo or kStagedQdo (kernels/fa_bwd.h) take it, a dQ key tile reads Q and dO from
+    registers (gfx12) or from the workgroup's LDS rows (gfx11), not from global memory: each traced path's
+    global loads are the K, V (and K^T) copies alone, the paths together run every global load of the
+    key-tile loop (none is left behind a guard the traces skipped), and no head-dim step loads from global
+    memory. Stop 52's objects re-read both per key tile."""
+    assert variants.dq_holds_qdo(target, d, False) != variants.dq_stages_qdo(target, d, False)
+    cfg, variant = _backward_cfg(target, "dq", d, dtype)
+    main = estimate_gfx1100_backward.main_loop(cfg)
+    trips = estimate_gfx1100_backward.loop_trips(cfg, main, variant, target)
+    hw = estimate_gfx1100_backward.HARDWARE[target]
+    traced = set()
+    for name, expect in estimate_gfx1100_backward.paths(variant, hw).items():
+        _, _, insns = estimate_gfx1100_backward.count_path(cfg, main, trips, variant, expect)
+        traced |= {i.addr for i, _, _ in insns}
+        assert not any(i.op.startswith("global_load") for i, _, where in insns if where == "head-dim loop"), name
+        if variants.dq_holds_qdo(target, d, False):  # the operands' constant indices leave no loop
+            assert not any(where == "head-dim loop" for _, _, where in insns), name
+    assert {i.addr for b in cfg.loops[main] for i in cfg.blocks[b] if i.op.startswith("global_load")} <= traced
 
 
 @pytest.mark.parametrize("target, dtype, d", [("gfx1100", "f16", 64), ("gfx1100", "bf16", 32),
