@@ -151,11 +151,11 @@ def loop_trips(cfg: Cfg, main: int, v, target: str) -> dict[int, int]:
 
 
 def peeled_steps(v, target: str) -> int:
-    """Head-dim steps ahead of the loop (kPeeledSteps in kernels/fa_bwd.h): the dQ kernel's first trip
-    (at gfx11's d64 one step, its loop rolled); the dK/dV kernels peel none."""
+    """Head-dim steps ahead of the loop (kPeeledSteps in kernels/fa_bwd.h): the dQ kernel's first pair
+    (kDimUnroll; at gfx11's d64 one step, its loop rolled); the dK/dV kernels peel none."""
     if v.kind != "dq":
         return 0
-    return 1 if one_peeled(v, target) else dim_unroll(v, target)
+    return 1 if one_peeled(v, target) else pair_unroll(v)
 
 
 def one_peeled(v, target: str) -> bool:
@@ -164,14 +164,18 @@ def one_peeled(v, target: str) -> bool:
 
 
 def dim_unroll(v, target: str) -> int:
-    """The head-dim loop's unroll factor (kDimUnroll, for dQ kLoopUnroll, in kernels/fa_bwd.h): 2 over an
-    even number of fragments (dK/dV: up to d128), else 1 (a remainder iteration costs registers); 1 in
-    gfx11's d64 dQ kernel, whose loop runs the three steps after the peeled one; every step where dQ holds
-    Q and dO in registers (no loop is left)."""
+    """The head-dim loop's unroll factor (kDimUnroll, for dQ kLoopUnroll, in kernels/fa_bwd.h): pair_unroll's
+    (a remainder iteration costs registers); 1 in gfx11's d64 dQ kernel, whose loop runs the three steps
+    after the peeled one; every step where dQ holds Q and dO in registers (no loop is left)."""
     if one_peeled(v, target):
         return 1
     if v.kind == "dq" and variants.dq_holds_qdo(target, v.d_pad, v.masked):
         return v.d_pad // FRAG
+    return pair_unroll(v)
+
+
+def pair_unroll(v) -> int:
+    """kDimUnroll in kernels/fa_bwd.h: 2 over an even number of fragments (dK/dV: up to d128), else 1."""
     even = (v.d_pad // FRAG) % 2 == 0
     return 2 if even and (v.kind == "dq" or v.d_pad <= 128) else 1
 

@@ -176,8 +176,9 @@ constexpr bool kUniformBaseDkdv = !(HAS_MASK && Isa::kOperandElems == 16 && D_PA
 template <int D_PAD, bool HAS_MASK>
 constexpr bool kUniformBaseDq = !(HAS_MASK && Isa::kOperandElems == 16 && D_PAD == 32);
 
-// dQ reads Q and dO by RepeatingRows (tiles.h), without the zero fill, except where it spills VGPRs
-// (trial builds of every dQ instance): gfx11's d32 kernels and masked d128 kernel, gfx12's d64 kernels.
+// Where dQ reads Q and dO from global memory (not kHeldQdo or kStagedQdo below), it reads them by
+// RepeatingRows (tiles.h), without the zero fill, except where that spills VGPRs (trial builds of every dQ
+// instance): gfx11's d32 kernels and masked d128 kernel, gfx12's d64 kernels.
 template <int D_PAD, bool HAS_MASK>
 constexpr bool kRepeatingQdo = Isa::kOperandElems == 16 ? !(D_PAD == 32 || (HAS_MASK && D_PAD == 128)) : D_PAD != 64;
 
@@ -185,9 +186,10 @@ constexpr bool kRepeatingQdo = Isa::kOperandElems == 16 ? !(D_PAD == 32 || (HAS_
 // hold each value once) from d48 to d96; gfx11 stages the workgroup's Q and dO rows in LDS once at d128,
 // where re-reading them bound its key tile by the global cache; elsewhere each key tile re-reads them from
 // global memory (cache hits). Trial builds of every unmasked instance chose these: gfx12 spills at d112
-// and d128 holding them and loses staging them; gfx11 loses staging them at d32 and d80 to d112, and
-// gains under 1.2 % a key tile at d16 to d64 for half the waves (bench/results/backward_estimate_gfx1100.md,
-// update 22). Mirrored by variants.dq_holds_qdo and dq_stages_qdo.
+// and d128 holding them and loses staging them; gfx11 loses staging them at d32 and d80 to d112, gains
+// nothing a key tile at d16 and at most 1.1 % at d48 and d64, for half the waves
+// (bench/results/backward_estimate_gfx1100.md, update 22). Mirrored by variants.dq_holds_qdo and
+// dq_stages_qdo.
 template <int D_PAD, bool HAS_MASK>
 constexpr bool kHeldQdo = Isa::kOperandElems == 8 && !HAS_MASK && D_PAD >= 48 && D_PAD <= 96;
 template <int D_PAD, bool HAS_MASK>
@@ -521,7 +523,7 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
   constexpr int kPeeledSteps = kOnePeeled ? 1 : kDimUnroll;
   constexpr bool kHoldQdo = kHeldQdo<D_PAD, HAS_MASK>, kStaged = kStagedQdo<D_PAD, HAS_MASK>;
   // Static: the unroll pragma in key_tile reads it. Held operands need constant indices: no loop.
-  static constexpr int kLoopUnroll = kHeldQdo<D_PAD, HAS_MASK> ? kDimFrags : kOnePeeled ? 1 : kDimUnroll;
+  static constexpr int kLoopUnroll = kHoldQdo ? kDimFrags : kOnePeeled ? 1 : kDimUnroll;
   constexpr bool kUniformBase = kUniformBaseDq<D_PAD, HAS_MASK>;
   const DT dt{};
 
