@@ -271,14 +271,12 @@ def _tile_candidates(kind: str, d_pad: int, d_chunk: int, masked: bool) -> tuple
 
 def _bwd_variant(kind: str, dtype: str, d_pad: int, masked: bool = False) -> BwdVariant:
     d_chunk = _grad_chunk(d_pad)
-    tiles = _tile_candidates(kind, d_pad, d_chunk, masked)
-    for tile in tiles:
-        staging = BWD_WAVES * FRAG * (d_chunk + LDS_ROW_PAD)
-        # dQ: the larger LDS of the two ISAs (gfx11 may stage Q and dO)
-        elems = (lds_elems_dkdv(tile, d_pad, d_chunk, masked) if kind == "dkdv"
-                 else lds_elems_dq(tile, d_pad, d_chunk, dq_stages_qdo("gfx11", d_pad, masked)))
-        if 2 * elems <= LDS_LIMIT and staging <= elems:
-            return BwdVariant(kind, dtype, d_pad, BWD_WAVES, tile, d_chunk, masked)
+    staging = 2 * BWD_WAVES * FRAG * (d_chunk + LDS_ROW_PAD)  # bytes of the gradient, reusing the tiles' LDS
+    for tile in _tile_candidates(kind, d_pad, d_chunk, masked):
+        variant = BwdVariant(kind, dtype, d_pad, BWD_WAVES, tile, d_chunk, masked)
+        lds = [variant.lds_bytes(target) for target in ("gfx11", "gfx12")]  # dQ's differ (dq_stages_qdo)
+        if max(lds) <= LDS_LIMIT and staging <= min(lds):
+            return variant
     raise ValueError(f"no backward tile shape fits LDS for head dim {d_pad}")
 
 
