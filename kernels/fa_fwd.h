@@ -185,6 +185,8 @@ RDNA_DEV int probability_shift(bf16, int seqlen_k) {
 }
 RDNA_DEV int probability_shift(f16, int) { return 0; }
 
+constexpr float kHugeScore = 0x1p24f;  // in log2 units: a scaled score whose ulp exceeds 1
+
 // How a tile's scores take a mask: kScoreBias, one bias per score, read per lane (any mask); kKeyBias,
 // one bias per key, broadcast over queries (a key-padding mask), read once per tile, and a tile whose
 // biases are all zero (a padding mask's kept keys: nearly every tile) runs as without a mask.
@@ -338,6 +340,17 @@ struct FwdLoop {
       }
     tile_max = max_f32(tile_max, other_half(tile_max));
     const float tile_top = tile_max == kNegInf ? kNegInf : tile_max * step_scale;
+    // Scores near their dtype's range (|scaled score| >= 2^24) are scaled and rounded first, as SDPA does:
+    // an exponent fused into one fma of the unrounded product exceeds the rounded maximum by up to half an
+    // ulp, and exp2 of that overflows once the maximum nears 2^31. Below 2^24 the excess is under 1/2.
+    if (BIAS != kScoreBias && step_scale != 1.f &&
+        any_lane(abs_f32(tile_top) >= kHugeScore && abs_f32(tile_top) < __builtin_inff())) {
+      #pragma unroll
+      for (int j = 0; j < kKeyFrags; ++j)
+        #pragma unroll
+        for (int s = 0; s < 8; ++s) s_acc[j][s] *= step_scale;
+      step_scale = 1.f;
+    }
     // Wave-uniform: the whole wave rescales, or none of it. The sums take the factor below, in the same
     // operations whether it is 1 or not.
     float rescale = 1.f;
@@ -482,8 +495,10 @@ RDNA_DEV void fwd_body(const FwdArgs& a, u16* lds) {
     }
   }
 
-  // Stage O through this wave's own Q rows, then write 16-byte rows: coalesced on both layouts.
-  wave_barrier();  // every lane of the wave is done reading those rows
+  // Stage O through this wave's own Q rows, then write 16-byte rows: coalesced on both layouts. A
+  // workgroup barrier, not a wave's: with no key tile (a packed entry without keys, causal bottom-right
+  // with more queries than keys) no tile's barrier has ordered the other waves' Q stores into these rows.
+  block_barrier();
   const i64 o_offset = batch * a.o_stride_b + head * a.o_stride_h + seq.q_row0 * a.o_stride_s;
   u16* const wave_rows = q_lds + wave * kFrag * Shape::kRow;
   if (a.o_low != nullptr)

@@ -46,6 +46,7 @@ struct Sequence {
 };
 
 constexpr float kBiasFloor = -1073741824.f;  // -2^30, in log2 units
+constexpr float kBiasCeiling = 1073741824.f;
 
 // An attention mask or bias of one (batch, head) in any dtype SDPA takes, read as an additive bias in
 // the kernels' log2 units: a bool mask's False is -inf, a float bias is scaled by log2(e). Offsets
@@ -126,12 +127,15 @@ struct MaskView {
     for (int s = 0; s < 8; ++s) out[s] = value(s);
   }
 
-  // A finite bias stays finite, and no lower than -2^30: a row whose keys all carry huge finite
-  // biases (a dtype's lowest, -1e9) then averages them as SDPA's float32 does, instead of giving
-  // zeros, and its scores keep magnitudes whose log-sum-exp float32 holds within 2^7 (the backward
-  // renormalises the rest, fa_bwd.h). Finite biases below -2^30 / log2(e) = -7.4e8 count alike.
+  // A finite bias stays finite, within +-2^30: a row whose keys all carry huge finite biases (a dtype's
+  // lowest, -1e9) then averages them as SDPA's float32 does, instead of giving zeros, and its scores keep
+  // magnitudes whose log-sum-exp float32 holds within 2^7 (the backward renormalises the rest, fa_bwd.h).
+  // Finite biases beyond +-2^30 / log2(e) = 7.4e8 count alike; a key at +3e38 (which scaled would be
+  // +inf) takes the row as in SDPA. Infinities and NaN stay as they are: -inf masks the key, and +inf or
+  // NaN make the row NaN, as SDPA's do.
   static RDNA_DEV float scaled(float value) {
-    return value == -__builtin_inff() ? value : max_f32(value * kLog2e, kBiasFloor);
+    if (!(abs_f32(value) < __builtin_inff())) return value;
+    return min_f32(max_f32(value * kLog2e, kBiasFloor), kBiasCeiling);
   }
 };
 

@@ -67,6 +67,14 @@ def _min3(a, b, c):
     return np.fmin(np.fmin(a, b), c)
 
 
+def _maxmin(a, b, c):
+    return np.fmin(np.fmax(a, b), c)
+
+
+def _minmax(a, b, c):
+    return np.fmax(np.fmin(a, b), c)
+
+
 def _med3(a, b, c):
     return np.fmax(np.fmin(a, b), np.fmin(np.fmax(a, b), c))
 
@@ -125,6 +133,8 @@ OPS = {
     "div_fixup_f32": (F3, "f32", _div_fixup),
     "max3_f32": (F3, "f32", _max3), "min3_f32": (F3, "f32", _min3), "med3_f32": (F3, "f32", _med3),
     "max3_num_f32": (F3, "f32", _max3), "min3_num_f32": (F3, "f32", _min3), "med3_num_f32": (F3, "f32", _med3),
+    "maxmin_f32": (F3, "f32", _maxmin), "minmax_f32": (F3, "f32", _minmax),
+    "maxmin_num_f32": (F3, "f32", _maxmin), "minmax_num_f32": (F3, "f32", _minmax),
     "exp_f32": (("f32",), "f32", _exact(np.exp2)),
     "log_f32": (("f32",), "f32", _exact(np.log2)),
     "rcp_f32": (("f32",), "f32", _exact(lambda x: 1.0 / x)),

@@ -399,3 +399,21 @@ def test_artifact_info_describes_the_interpreted_code_object():
         info = ops.artifact_info(torch.device("cpu"))
     assert info["runtime_version"] is None and info["code_object_version"] == 5 and not info["emulated"]
     assert info["path"].endswith("rdna_fa_gfx1100.hsaco")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_maxmin_and_minmax_clamp_and_pass_nan_over(target):
+    """v_maxmin_f32 is min(max(a, b), c) and v_minmax_f32 max(min(a, b), c) (gfx12: the _num forms), with
+    IEEE maxNum/minNum's rule that a NaN operand gives the other one (the kernels' bias clamp, sequence.h)."""
+    from tinygrad.renderer.amd.dsl import v
+    ins, ops_enum = _isa(target, "ins"), _isa(target, "enum").VOP3Op
+    suffix = "_F32" if target.startswith("gfx11") else "_NUM_F32"
+    values = np.array([5.0, -7.0, np.nan, 0.5] * 8, np.float32)
+    wave = Wave(8, 0)
+    wave.vgpr[0] = values.view(np.uint32)
+    wave.vgpr[1] = np.full(32, -2.0, np.float32).view(np.uint32)
+    wave.vgpr[2] = np.full(32, 2.0, np.float32).view(np.uint32)
+    _run_instructions(target, [ins.VOP3(getattr(ops_enum, "V_MAXMIN" + suffix), v[3], v[0], v[1], v[2]),
+                               ins.VOP3(getattr(ops_enum, "V_MINMAX" + suffix), v[4], v[0], v[2], v[1])], wave)
+    assert wave.vgpr[3][:4].view(np.float32).tolist() == [2.0, -2.0, -2.0, 0.5]
+    assert wave.vgpr[4][:4].view(np.float32).tolist() == [2.0, -2.0, 2.0, 0.5]
