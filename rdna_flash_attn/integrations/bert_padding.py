@@ -1,6 +1,7 @@
 """flash-attn 2.8.3's `flash_attn.bert_padding`: between padded (batch, seqlen, ...) tensors and the
 packed (total_tokens, ...) layout of the varlen functions. Plain indexing, so autograd differentiates
-all of it."""
+all of it. None of these takes cu_seqlens (the varlen functions check those, ops.check_cu_seqlens):
+the one unpad_input returns is sound by construction, and torch's indexing bounds pad_input's indices."""
 
 from __future__ import annotations
 

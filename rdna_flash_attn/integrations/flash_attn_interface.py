@@ -67,14 +67,6 @@ def _check_alibi(alibi_slopes, batch: int, heads: int) -> None:
         raise ValueError(f"alibi_slopes must be ({heads},) or ({batch}, {heads}), not {tuple(alibi_slopes.shape)}")
 
 
-def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k) -> None:
-    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] < 2:
-            raise ValueError(f"{name} must be a 1-D int32 tensor of batch + 1 offsets")
-    if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1)")
-
-
 # --- flash-attn's masks as SDPA's -------------------------------------------------------------------
 
 
@@ -244,10 +236,12 @@ def flash_attn_varlen_func(
     of q (total_q, heads, head dim), its keys and values those of k and v (total_k, kv_heads, head dim);
     cu_seqlens int32 (batch + 1,); max_seqlen an int or a 0-d tensor, no smaller than any entry. Masks,
     windows and ALiBi are aligned to each entry's bottom-right corner. Out (total_q, heads, head dim),
-    contiguous; rows of entries without keys, and rows no entry covers, are zeros."""
+    contiguous; rows of entries without keys, and rows past cu_seqlens_q[-1] (flash-attn leaves those
+    uninitialised), are zeros. Unsound offsets or lengths raise ValueError before anything runs, on
+    the kernels and entry by entry alike (ops.check_cu_seqlens says what is checked, and when not)."""
     _refuse_unsupported("flash_attn_varlen_func", softcap, return_attn_probs, block_table)
     _check_inputs(q, k, v, "(total, nheads, headdim)")
-    _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
+    ops.check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_alibi(alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1])
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     left, right = _window(causal, window_size, max_seqlen_q, max_seqlen_k)
@@ -262,7 +256,8 @@ def flash_attn_varlen_func(
 
 def _varlen_by_entry(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size,
                      alibi_slopes) -> torch.Tensor:
-    """A packed batch one entry at a time through the dense path (which takes windows, ALiBi and dropout)."""
+    """A packed batch one entry at a time through the dense path (which takes windows, ALiBi and dropout),
+    on offsets flash_attn_varlen_func has checked as it does for the kernels."""
     out = q.new_zeros(q.shape)
     offsets_q, offsets_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for entry in range(len(offsets_q) - 1):
@@ -293,6 +288,7 @@ def flash_attn_varlen_qkvpacked_func(
     _refuse_unsupported("flash_attn_varlen_qkvpacked_func", softcap, return_attn_probs)
     if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4 or qkv.shape[1] != 3:
         raise ValueError("qkv must be a (total, 3, nheads, headdim) tensor")
+    ops.check_cu_seqlens(qkv, qkv, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, shared=True)
     return flash_attn_varlen_func(*qkv.unbind(1), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -21,9 +22,9 @@ from .launch_args import (BwdArgs, CAUSAL_BOTTOM_RIGHT, CAUSAL_TOP_LEFT, FwdArgs
                           MASK_F32, MASK_NONE, NOT_CAUSAL)
 
 __all__ = ["KernelUnavailable", "BackwardStats", "backward_stats_like", "forward_refusal", "mask_refusal",
-           "varlen_refusal", "artifact_info", "forward_launch", "flash_attention_forward", "flash_attention_backward",
-           "flash_attention_varlen_forward", "flash_attention_varlen_backward", "kernel_layout",
-           "packed_kernel_layout"]
+           "varlen_refusal", "check_cu_seqlens", "PackedRows", "artifact_info", "forward_launch",
+           "flash_attention_forward", "flash_attention_backward", "flash_attention_varlen_forward",
+           "flash_attention_varlen_backward", "kernel_layout", "packed_kernel_layout"]
 
 _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 _MASK_KINDS = {torch.bool: MASK_BOOL, torch.float16: MASK_F16, torch.bfloat16: MASK_BF16, torch.float32: MASK_F32}
@@ -506,6 +507,132 @@ def varlen_refusal(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     return None if reason == _EMPTY else reason  # no query or no key at all: nothing to launch
 
 
+class PackedRows(NamedTuple):
+    """How many leading rows of the packed q and k the entries cover: cu_seqlens_q[-1], cu_seqlens_k[-1]."""
+
+    q: int
+    k: int
+
+
+class _Offsets(NamedTuple):
+    """What one cu_seqlens tensor holds, once its values are read."""
+
+    last: int
+    longest: int  # the longest entry's length
+    longest_entry: int
+
+
+# Per side (queries, keys): the names errors give its offsets, its max_seqlen, its packed tensor, its rows.
+_SIDES = (("cu_seqlens_q", "max_seqlen_q", "q", "queries"), ("cu_seqlens_k", "max_seqlen_k", "k", "keys"))
+_SHARED_SIDES = (("cu_seqlens", "max_seqlen", "qkv", "tokens"),) * 2  # flash-attn's qkvpacked arguments
+
+# id(tensor) -> ((version, data_ptr, shape, strides), its _Offsets or what is wrong with it); an entry
+# is dropped when its tensor is freed, so an id is never reused while its entry stands.
+_offsets_read: dict[int, tuple[tuple, _Offsets | str]] = {}
+
+
+def check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                     shared: bool = False) -> PackedRows | None:
+    """Raises ValueError, naming the argument, unless the offsets of a packed batch are sound: both
+    cu_seqlens 1-D int32 tensors of batch + 1 offsets, starting at 0, never decreasing, ending within the
+    rows of q (resp. k), no entry longer than max_seqlen_q (resp. max_seqlen_k), which are not negative.
+    Returns the rows the entries cover, or None where the values could not be read (below). Every public
+    varlen entry (these ops, the dispatcher, the flash-attn API) calls it before anything else, so bad
+    offsets give the same error whether the kernels or a fallback would have run. `shared`: queries and
+    keys have one cu_seqlens and max_seqlen (flash-attn's qkvpacked form), which errors then name so.
+
+    The host checks everything: the kernels read cu_seqlens[b] and cu_seqlens[b + 1] as they are
+    (kernels/sequence.h) and bound their work only by those and by max_seqlen, which sizes the grid.
+    Offsets may end before the last row, as in flash-attn; the rows past the end are then zeros here
+    (flash-attn leaves them uninitialised), and so are their gradients.
+
+    Reading the values is a device-to-host copy, a sync. What a tensor holds is therefore remembered
+    per tensor object while its version counter, data pointer, shape and strides stay the same: a
+    model's layers passing one cu_seqlens tensor sync once, and an in-place write (which bumps the
+    version) is read again. Inference tensors (made under torch.inference_mode) have no version counter
+    and are read at every call. The values are not read, and are trusted as flash-attn trusts them,
+    while torch.compile traces and while a CUDA graph is being captured (unless read before the
+    capture: the usual warm-up call does): both forbid the sync."""
+    sides = _SHARED_SIDES if shared else _SIDES
+    for (name, *_), offsets in zip(sides, (cu_seqlens_q, cu_seqlens_k)):
+        if not isinstance(offsets, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor of batch + 1 int32 offsets, not {type(offsets).__name__}")
+        if offsets.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, not {offsets.dtype}")
+        if offsets.dim() != 1 or offsets.shape[0] < 2:
+            raise ValueError(f"{name} must be 1-D with batch + 1 >= 2 offsets, not of shape {tuple(offsets.shape)}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must hold the same batch + 1 offsets, not "
+                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    covered = []
+    for (name, max_name, packed_name, tokens), offsets, packed, max_seqlen in zip(
+            sides, (cu_seqlens_q, cu_seqlens_k), (q, k), (max_seqlen_q, max_seqlen_k)):
+        max_seqlen = int(max_seqlen)
+        if max_seqlen < 0:
+            raise ValueError(f"{max_name} must not be negative ({max_seqlen})")
+        read = _read_offsets(offsets)
+        if isinstance(read, str):
+            raise ValueError(f"{name} {read}")
+        covered.append(None if read is None else read.last)
+        if read is None:
+            continue
+        rows = packed.shape[0] if isinstance(packed, torch.Tensor) and packed.dim() else None
+        if rows is not None and read.last > rows:
+            raise ValueError(f"{name} ends at {read.last}, beyond the {rows} rows of {packed_name}")
+        if read.longest > max_seqlen:
+            raise ValueError(f"{max_name} {max_seqlen} is smaller than entry {read.longest_entry}'s "
+                             f"{read.longest} {tokens}")
+    return None if None in covered else PackedRows(*covered)
+
+
+def _read_offsets(offsets: torch.Tensor) -> _Offsets | str | None:
+    """What `offsets` holds (remembered, see check_cu_seqlens), or what is wrong with it; None where
+    its values cannot be read now."""
+    if _is_compiling() or offsets.device.type == "meta":
+        return None
+    versioned = not offsets.is_inference()
+    identity = (offsets._version if versioned else None, offsets.data_ptr(), offsets.shape, offsets.stride())
+    remembered = _offsets_read.get(id(offsets))
+    if remembered is not None and remembered[0] == identity:
+        return remembered[1]
+    if _capturing_graph(offsets.device):
+        return None
+    read = _summarise_offsets(offsets.detach().to("cpu", torch.int64))  # int64: differences cannot overflow
+    if versioned:
+        if remembered is None:
+            weakref.finalize(offsets, _offsets_read.pop, id(offsets), None).atexit = False
+        _offsets_read[id(offsets)] = (identity, read)
+    return read
+
+
+def _capturing_graph(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on the device's current stream, where a sync is an error."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _summarise_offsets(offsets: torch.Tensor) -> _Offsets | str:
+    """_Offsets of host int64 offsets, or what is wrong with them (to follow the argument's name)."""
+    negative = (offsets < 0).nonzero()
+    if negative.numel():
+        index = int(negative[0])
+        return f"holds a negative offset at index {index} ({int(offsets[index])})"
+    if offsets[0] != 0:
+        return f"must start at 0, not {int(offsets[0])}"
+    lengths = offsets.diff()
+    falling = (lengths < 0).nonzero()
+    if falling.numel():
+        index = int(falling[0]) + 1
+        return f"is not non-decreasing at index {index} ({int(offsets[index - 1])} -> {int(offsets[index])})"
+    longest_entry = int(lengths.argmax())
+    return _Offsets(int(offsets[-1]), int(lengths[longest_entry]), longest_entry)
+
+
+def _uncovered(packed_rows: int, covered: int | None) -> slice:
+    """The trailing rows no entry covers, which the kernels leave untouched; all rows where the
+    offsets were not read (the kernels then overwrite the covered ones)."""
+    return slice(0 if covered is None else covered, packed_rows)
+
+
 def _nothing_to_launch(q, k, max_seqlen_q: int, max_seqlen_k: int) -> bool:
     return q.shape[0] == 0 or k.shape[0] == 0 or int(max_seqlen_q) == 0 or int(max_seqlen_k) == 0
 
@@ -521,9 +648,10 @@ def flash_attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
     """(out, lse) for a packed batch: entry b's queries are rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of
     q (total_q, heads, head_dim), its keys those of k and v (total_k, kv_heads, head_dim). out is
     like q; lse is (heads, total_q) float32, flash-attn's varlen layout. A causal mask is aligned to
-    each entry's bottom-right corner (flash-attn's). As in flash-attn, the lengths are trusted: no
-    entry may be longer than max_seqlen_q / max_seqlen_k (checking would cost a device sync).
+    each entry's bottom-right corner (flash-attn's). The offsets and lengths are checked first
+    (check_cu_seqlens); rows past cu_seqlens_q[-1] get zeros and an lse of +inf, as rows that see no key.
     `saved` (training; BackwardStats like q and the lse) is written for flash_attention_varlen_backward."""
+    covered = check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     reason = varlen_refusal(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if reason is not None:
         raise ValueError(reason)
@@ -550,6 +678,9 @@ def flash_attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
         _set_saved_forward(args, saved)
     _set_problem(args, q4, k4, None, cu_seqlens_q, cu_seqlens_k)
     buffers = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *(saved or ()))
+    uncovered = _uncovered(q.shape[0], None if covered is None else covered.q)
+    out[uncovered].zero_()
+    lse[:, uncovered].fill_(float("inf"))
     with _device_guard(q.device):
         library.launch(variant, (q_blocks * variant.d_chunks, heads, batch), args, buffers)
     return out, lse
@@ -559,7 +690,9 @@ def flash_attention_varlen_backward(dout, q, k, v, lse, cu_seqlens_q, cu_seqlens
                                     max_seqlen_k: int, is_causal: bool = False, scale: float | None = None, *,
                                     out: torch.Tensor | None = None, saved: BackwardStats | None = None):
     """(dq, dk, dv), packed like q, k and v, from flash_attention_varlen_forward's lse (and, from a
-    training forward, its out and BackwardStats: one dQ sweep instead of two)."""
+    training forward, its out and BackwardStats: one dQ sweep instead of two). Rows no entry covers
+    get zero gradients."""
+    covered = check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     reason = varlen_refusal(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if reason is None and (dout.shape != q.shape or dout.dtype != q.dtype or dout.stride(-1) != 1):
         reason = "dout must match the query's shape and dtype, contiguous in head_dim"
@@ -573,6 +706,10 @@ def flash_attention_varlen_backward(dout, q, k, v, lse, cu_seqlens_q, cu_seqlens
     grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     if _nothing_to_launch(q, k, max_seqlen_q, max_seqlen_k):
         return tuple(grad.zero_() for grad in grads)
+    dq, dk, dv = grads
+    dq[_uncovered(q.shape[0], None if covered is None else covered.q)].zero_()
+    for grad in (dk, dv):
+        grad[_uncovered(k.shape[0], None if covered is None else covered.k)].zero_()
     views = _batch_views(q, k, v, dout, *grads)
     if saved is not None:
         out = _batch_views(out)[0]
