@@ -121,12 +121,13 @@ def test_changed_settings_make_dynamo_decide_again(traceable_fake_gpu):
     assert runs == [1, 1, 2]  # the third call is the first graph's again
 
 
-def test_a_device_turned_off_makes_dynamo_decide_again(traceable_fake_gpu):
+def test_a_kernel_turned_off_makes_dynamo_decide_again(traceable_fake_gpu):
     q, k, v = qkv()
     backend = Graphs()
     function = compiled(backend)
     function(q, k, v)
-    dispatch._disable_device(q.device, "the kernels failed (test)")
+    kernels = dispatch.call_kernels(q.dtype, q.shape[-1], False, False)
+    dispatch._disable_kernels(q.device, kernels, "the kernel failed (test)")
     function(q, k, v)
     assert [kernel_op().default in backend.targets(i) for i in range(len(backend.graphs))] == [True, False]
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import rdna_flash_attn as rfa
 from rdna_flash_attn.dispatch import router as dispatch, selftest
-from rdna_flash_attn.ops import attention as ops
+from rdna_flash_attn.ops import attention as ops, autograd
 from rdna_flash_attn.runtime import loader as runtime
 from rdna_flash_attn.config import settings
 
@@ -341,7 +341,7 @@ def test_a_forward_signature_prepares_its_launch_once(fake_gpu):
     assert [launch[3] for launch in fake_gpu.launches] == [False, False, False, True]
 
 
-def test_kernel_error_disables_the_device_and_falls_back(fake_gpu, log_records):
+def test_kernel_error_turns_that_kernel_off_and_falls_back(fake_gpu, log_records):
     fake_gpu.raises = OSError("hipModuleLaunchKernel failed")
     q, k, v = qkv()
     for _ in range(2):
@@ -349,8 +349,87 @@ def test_kernel_error_disables_the_device_and_falls_back(fake_gpu, log_records):
     fake_gpu.raises = None
     rfa.scaled_dot_product_attention(q, k, v)
     assert not fake_gpu.launches and rfa.stats()["fallback"] == 3
-    assert "hipModuleLaunchKernel failed" in only_reason()
-    assert [r.levelno for r in log_records.records].count(logging.ERROR) == 1
+    assert only_reason() == "rdna_fa_fwd_f16_d64 failed (OSError: hipModuleLaunchKernel failed); off for cpu"
+    assert [r.levelno for r in log_records.records].count(logging.WARNING) == 1
+    assert not [r for r in log_records.records if r.levelno >= logging.ERROR]
+    assert rfa.explain(q, k, v).startswith("falls back to PyTorch SDPA: rdna_fa_fwd_f16_d64 failed")
+
+
+LONG_ERROR = "hipErrorLaunchFailure: unspecified launch failure " + "x" * 6000 + "\nkernel arguments:\n" + "0" * 500
+
+
+def test_a_long_error_gives_one_short_line_and_the_rest_at_debug(fake_gpu, log_records):
+    fake_gpu.raises = RuntimeError(LONG_ERROR)
+    q, k, v = qkv()
+    rfa.scaled_dot_product_attention(q, k, v)
+    reason = only_reason()
+    assert len(reason) <= dispatch.MAX_REASON_CHARS and "\n" not in reason
+    assert reason.startswith("rdna_fa_fwd_f16_d64 failed (RuntimeError: hipErrorLaunchFailure: unspecified launch")
+    assert reason.endswith("...); off for cpu")
+    (warning,) = [r for r in log_records.records if r.levelno == logging.WARNING]
+    assert reason in warning.getMessage() and len(warning.getMessage()) <= dispatch.MAX_REASON_CHARS + 100
+    assert "\n" not in warning.getMessage() and warning.exc_info is None
+    (debug,) = [r for r in log_records.records if r.levelno == logging.DEBUG]
+    assert LONG_ERROR in log_records.text and debug.exc_info[1] is fake_gpu.raises
+
+
+def test_a_failed_kernel_leaves_every_other_kernel_on(fake_gpu):
+    q, k, v = qkv()
+    fake_gpu.raises = OSError("hipModuleLaunchKernel failed")
+    rfa.scaled_dot_product_attention(q, k, v)
+    fake_gpu.raises = None
+    rfa.reset_stats()
+    wide = qkv(dim=128)
+    mask = torch.ones(40, 40, dtype=torch.bool).tril()
+    for args, kwargs in (((q, k, v), {}), (wide, {}), ((q.bfloat16(), k.bfloat16(), v.bfloat16()), {}),
+                         ((q, k, v), {"attn_mask": mask}), ((q, k, v), {"is_causal": True})):
+        rfa.scaled_dot_product_attention(*args, **kwargs)
+    # Only f16 d64 unmasked (causal or not: one kernel) falls back; bf16, d128 and the masked kernel run.
+    assert rfa.stats()["kernel"] == 3 and rfa.stats()["fallback"] == 2
+
+
+def test_out_of_memory_falls_back_for_that_call_only(fake_gpu, log_records):
+    fake_gpu.raises = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB " + "y" * 6000)
+    q, k, v = qkv()
+    assert torch.equal(rfa.scaled_dot_product_attention(q, k, v), F.scaled_dot_product_attention(q, k, v))
+    reason = only_reason()
+    assert "GPU memory" in reason and len(reason) <= dispatch.MAX_REASON_CHARS
+    fake_gpu.raises = None
+    assert_close_to_sdpa(rfa.scaled_dot_product_attention(q, k, v), q, k, v)
+    assert rfa.stats()["kernel"] == 1 and len(fake_gpu.launches) == 1
+    assert not [r for r in log_records.records if r.levelno >= logging.WARNING]
+
+
+def test_a_failed_backward_turns_off_gradients_of_its_class_only(fake_gpu, monkeypatch, log_records):
+    """The backward runs inside autograd: its error reaches the caller's backward, and the dispatcher's
+    later calls of that class needing gradients fall back; forward-only calls keep the kernels."""
+    def failing_backward(*args, **kwargs):
+        raise RuntimeError(LONG_ERROR)
+
+    monkeypatch.setattr(ops, "flash_attention_backward", failing_backward)
+    q, k, v = qkv()
+    no_stats = (q.new_empty(0),) * 3
+    with pytest.raises(RuntimeError, match="hipErrorLaunchFailure"):
+        autograd._backward(q, q, k, v, q, q.new_zeros(q.shape[:3]), no_stats, None, False, None, False)
+    grad_q, grad_k, grad_v = (t.clone().requires_grad_() for t in (q, k, v))
+    rfa.scaled_dot_product_attention(grad_q, grad_k, grad_v)
+    reason = only_reason()
+    assert reason.startswith("rdna_fa_bwd_dq_f16_d64 and rdna_fa_bwd_dkdv_f16_d64 failed (RuntimeError: ")
+    assert len(reason) <= dispatch.MAX_REASON_CHARS and "\n" not in reason
+    rfa.scaled_dot_product_attention(q, k, v)
+    rfa.scaled_dot_product_attention(*(t.clone().requires_grad_() for t in qkv(dim=128)))
+    assert rfa.stats()["kernel"] == 2 and rfa.stats()["fallback"] == 1
+    assert [r.levelno for r in log_records.records].count(logging.WARNING) == 1
+
+
+def test_an_unavailable_kernel_turns_nothing_off(fake_gpu):
+    fake_gpu.raises = ops.KernelUnavailable("no code object\n" + "z" * 6000)
+    q, k, v = qkv()
+    rfa.scaled_dot_product_attention(q, k, v)
+    assert only_reason() == "no code object"
+    fake_gpu.raises = None
+    rfa.scaled_dot_product_attention(q, k, v)
+    assert rfa.stats()["kernel"] == 1
 
 
 # --- counters and logging ---------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 Every attention call of a diffusion model passes through `scaled_dot_product_attention`, so the
 decision reads only tensor metadata and settings attributes, and caches what it learns per device.
 Each decision is a short human reason; each distinct fallback reason is logged once (INFO) and every
-call is counted (`stats()`).
+call is counted (`stats()`). A kernel that fails is turned off for its device alone, with a one-line
+reason (WARNING; the whole error at DEBUG): the calls that would launch it fall back, all others keep
+the kernels.
 
 The decision is cached per call signature (everything it reads: settings, devices, dtypes, shapes,
 strides, storage alignment, the other arguments, autocast and grad mode), so a model's repeated calls
@@ -27,7 +29,7 @@ import torch
 
 from ..config import LOGGER_NAME, check_precision, settings
 from ..ops import attention, autograd, quantized
-from ..runtime import device as devices, loader
+from ..runtime import device as devices, loader, variants
 from ..runtime.loader import KernelLibrary, KernelUnavailable
 from . import selftest
 
@@ -40,6 +42,8 @@ _fallback_sdpa = torch_sdpa  # where unsupported calls go; see use_fallback()
 
 RDNA_TARGET_PREFIXES = ("gfx11", "gfx12")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+KERNEL_DTYPE_NAMES = {torch.float16: "f16", torch.bfloat16: "bf16"}  # as the variants table names them
+MAX_REASON_CHARS = 200  # a failure's reason, as logged and counted: one readable line
 AUTOCAST_CAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what autocast converts
 FP32_CAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -84,6 +88,7 @@ class Route(NamedTuple):
     launch: Callable | None = None
     eight_bit: bool = False  # 8-bit attention (ops/quantized.py), as settings.precision or precision() asks
     exact_reason: str | None = None  # why a call asked to run in 8 bits runs exact
+    kernels: tuple[str, ...] = ()  # symbols of the exact kernels the call launches: the forward first
 
 
 # --- per-device verdicts, cached: devices do not change during a process ---------------------------
@@ -100,6 +105,7 @@ class DeviceVerdict(NamedTuple):
 _device_verdicts: dict[tuple[torch.device, bool], DeviceVerdict] = {}
 _selftest_refusals: dict[torch.device, str | None] = {}
 _eight_bit_refusals: dict[torch.device, str | None] = {}  # per device: why no 8-bit attention (None: it runs)
+_failed_kernels: dict[torch.device, dict[str, str]] = {}  # per device: kernel symbol -> why it is off there
 # Bumped whenever cached verdicts are dropped or changed: graphs compiled on the old ones read it, so
 # dynamo's guard on it makes them decide again.
 _verdict_generation = 0
@@ -160,6 +166,7 @@ def forget_devices() -> None:
     _device_verdicts.clear()
     _selftest_refusals.clear()
     _eight_bit_refusals.clear()
+    _failed_kernels.clear()
     _routes.clear()
     attention.forget_launches()
     _verdict_generation += 1
@@ -176,13 +183,77 @@ def _disable_eight_bit(device: torch.device, reason: str) -> None:
     _verdict_generation += 1
 
 
-def _disable_device(device: torch.device, reason: str) -> None:
+def _disable_kernels(device: torch.device, kernels: tuple[str, ...], reason: str) -> None:
+    """These kernels off for `device` (every other kernel stays on); decisions made since are redone."""
     global _verdict_generation
-    info = devices.describe(device)
-    for force in (False, True):
-        _device_verdicts[(device, force)] = DeviceVerdict(info, None, reason)
+    failed = _failed_kernels.setdefault(device, {})
+    for symbol in kernels:
+        failed.setdefault(symbol, reason)
     _routes.clear()
     _verdict_generation += 1
+
+
+def failed_kernels_refusal(device: torch.device, kernels: tuple[str, ...]) -> str | None:
+    """Why a call launching `kernels` cannot run on `device` (one of them failed there), or None."""
+    failed = _failed_kernels.get(device)
+    if failed:
+        for symbol in kernels:
+            if symbol in failed:
+                return failed[symbol]
+    return None
+
+
+def call_kernels(dtype: torch.dtype, head_dim: int, masked: bool, backward: bool) -> tuple[str, ...]:
+    """Symbols of the exact kernels a call launches, the forward first: the class of calls a failure
+    turns off, since a kernel that fails once fails for every call it runs."""
+    name = KERNEL_DTYPE_NAMES[dtype]
+    kernels = (variants.fwd_variant(name, head_dim, masked).symbol,)
+    if backward:
+        kernels += tuple(variants.bwd_variant(kind, name, head_dim, masked).symbol for kind in ("dq", "dkdv"))
+    return kernels
+
+
+def _first_line(error: BaseException) -> str:
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+
+
+def _shortened(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _failure_summary(error: BaseException, limit: int) -> str:
+    """The error's type and the first line of its message, cut to `limit` characters."""
+    message = _first_line(error)
+    return _shortened(f"{type(error).__name__}: {message}" if message else type(error).__name__, limit)
+
+
+def _failure_reason(what: str, error: BaseException, device: torch.device) -> str:
+    """'<what> failed (<error's summary>); off for <device>', at most MAX_REASON_CHARS characters."""
+    frame = f"{what} failed (); off for {device}"
+    return f"{what} failed ({_failure_summary(error, max(MAX_REASON_CHARS - len(frame), 20))}); off for {device}"
+
+
+def _log_failure(reason: str, error: BaseException, fallback_name: str) -> None:
+    """The failure's one line, once per reason (WARNING: kernels were turned off); the whole error at DEBUG."""
+    if ("the kernels", reason) not in _logged_reasons:
+        _logged_reasons.add(("the kernels", reason))
+        log.warning("not using the kernels: %s (%s runs these calls)", reason, fallback_name)
+    log.debug("the error behind %r:", reason, exc_info=error)
+
+
+def _backward_failed(error: Exception, q: torch.Tensor, masked: bool) -> None:
+    """A backward's kernels raised, inside autograd: its dQ and dK/dV kernels off for the device, so
+    later calls of its class that need gradients fall back from their forward on (forward-only calls
+    keep the kernels). The error itself still reaches the caller's backward, which nothing here runs."""
+    if isinstance(error, (KernelUnavailable, torch.cuda.OutOfMemoryError)) or q.dtype not in KERNEL_DTYPE_NAMES:
+        return
+    kernels = call_kernels(q.dtype, q.shape[-1], masked, True)[1:]
+    reason = _failure_reason(" and ".join(kernels), error, q.device)
+    _disable_kernels(q.device, kernels, reason)
+    _log_failure(reason, error, "PyTorch SDPA or the host's attention")
+
+
+autograd.on_backward_failure(_backward_failed)
 
 
 def _constant_while_tracing(function):
@@ -203,6 +274,12 @@ def _device_refusal_while_tracing(device: torch.device, force: bool, generation:
 def _selftest_refusal_while_tracing(device: torch.device, generation: int) -> str | None:
     # Runs a device's first-use self-test eagerly, at trace time, outside the graph.
     return selftest_refusal(device)
+
+
+@_constant_while_tracing
+def _failed_kernels_refusal_while_tracing(device: torch.device, kernels: tuple[str, ...],
+                                          generation: int) -> str | None:
+    return failed_kernels_refusal(device, kernels)
 
 
 # --- the decision -----------------------------------------------------------------------------------
@@ -307,7 +384,14 @@ def _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
         refusal = selftest_refusal(query.device)
     if refusal:
         return refusal
-    route = Route(run_dtype, out_dtype, backward)
+    kernels = call_kernels(query.dtype, query.shape[-1], attn_mask is not None, backward)
+    if tracing:
+        refusal = _failed_kernels_refusal_while_tracing(query.device, kernels, _verdict_generation)
+    else:
+        refusal = failed_kernels_refusal(query.device, kernels)
+    if refusal:
+        return refusal
+    route = Route(run_dtype, out_dtype, backward, kernels=kernels)
     # Graphs being compiled keep the exact kernels' op (8-bit attention runs in eager calls); dynamo
     # cannot trace the precision's context variable either.
     if tracing or _precision() == "exact":
@@ -486,8 +570,9 @@ def _run(route: Route, query, key, value, attn_mask, is_causal: bool, scale, sig
             if isinstance(exc, torch.cuda.OutOfMemoryError):  # the pass's buffers: later calls try again
                 reason = "8-bit attention's buffers did not fit in GPU memory"
             else:
-                log.exception("8-bit attention failed on %s; it is now off there (the exact kernels run)", query.device)
-                reason = f"8-bit attention failed ({type(exc).__name__}: {exc}); off for {query.device}"
+                reason = _failure_reason("8-bit attention", exc, query.device)
+                log.warning("8-bit attention is now off: %s (the exact kernels run its calls)", reason)
+                log.debug("the error behind %r:", reason, exc_info=exc)
                 _disable_eight_bit(query.device, reason)
             out, _lse = attention.flash_attention_forward(query, key, value, is_causal, scale)
             route = route._replace(eight_bit=False, exact_reason=reason)
@@ -537,24 +622,33 @@ def attention_or_reason(
         _note_fallback(route, fallback_name)
         return route
     return _counted(lambda: _run(route, query, key, value, attn_mask, is_causal, scale, signature), query.device,
-                    fallback_name)
+                    fallback_name, route.kernels)
 
 
-def _counted(run, device: torch.device, fallback_name: str):
+_OUT_OF_MEMORY = "the kernels' buffers did not fit in GPU memory (this call only)"
+
+
+def _counted(run, device: torch.device, fallback_name: str, kernels: tuple[str, ...]):
     """run()'s result, counted as a kernel call; or, when the kernels fail, the reason (counted as a
-    fallback, and a failure other than an unavailable library turns the kernels off for the device)."""
+    fallback). `kernels`: what the call launches, the forward first. Only a failure of the forward
+    kernel itself turns something off: that kernel, for the device (an unavailable library or memory
+    running out are this call's lot, and later calls try again)."""
     global _kernel_calls
-    try:
-        out = run()
-    except KernelUnavailable as exc:
-        reason = str(exc)
-    except Exception as exc:  # a kernel-side bug must cost speed, never the host's run
-        reason = f"the kernels failed ({type(exc).__name__}: {exc}); off for {device}"
-        log.exception("kernel call failed on %s; the kernels are now off for that device", device)
-        _disable_device(device, reason)
-    else:
-        _kernel_calls += 1
-        return out
+    reason = failed_kernels_refusal(device, kernels) if _failed_kernels else None
+    if reason is None:
+        try:
+            out = run()
+        except KernelUnavailable as exc:
+            reason = _shortened(_first_line(exc), MAX_REASON_CHARS)
+        except torch.cuda.OutOfMemoryError:
+            reason = _OUT_OF_MEMORY
+        except Exception as exc:  # a kernel-side bug must cost speed, never the host's run
+            reason = _failure_reason(kernels[0], exc, device)
+            _disable_kernels(device, kernels[:1], reason)
+            _log_failure(reason, exc, fallback_name)
+        else:
+            _kernel_calls += 1
+            return out
     _note_fallback(reason, fallback_name)
     return reason
 
@@ -579,13 +673,17 @@ def varlen_attention_or_reason(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
                                fallback_name: str = "the caller's attention"):
     """(out, lse) of a packed variable-length batch (flash-attn's varlen layout, causal aligned
     bottom-right per entry) through the kernels, differentiable; else the reason they cannot take it
-    (counted and logged once, as attention_or_reason does)."""
+    (counted and logged once, as attention_or_reason does). Unsound offsets or lengths raise ValueError
+    first (attention.check_cu_seqlens), whether or not the kernels would take the call: they are the
+    caller's error, which its fallback would otherwise get silently wrong."""
+    attention.check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     reason = _varlen_refusal(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if reason is not None:
         _note_fallback(reason, fallback_name)
         return reason
     return _counted(lambda: autograd.flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                            max_seqlen_k, is_causal, scale), q.device, fallback_name)
+                                                            max_seqlen_k, is_causal, scale), q.device, fallback_name,
+                    call_kernels(q.dtype, q.shape[-1], False, autograd.needs_gradients(q, k, v)))
 
 
 def scaled_dot_product_attention(

@@ -8,6 +8,8 @@ the same behaviour.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import attention
@@ -51,13 +53,33 @@ def _forward(q, k, v, attn_mask, is_causal, scale, bottom_right, training):
     return out, lse, *stats
 
 
+_backward_failure_listeners = []
+
+
+def on_backward_failure(listener) -> None:
+    """Calls listener(error, q, masked) whenever a backward's kernels raise, before the error reaches
+    the caller's backward: the dispatcher turns those kernels off for its later calls."""
+    _backward_failure_listeners.append(listener)
+
+
+@contextlib.contextmanager
+def _failures_told(q, masked: bool):
+    try:
+        yield
+    except Exception as error:
+        for listener in _backward_failure_listeners:
+            listener(error, q, masked)
+        raise
+
+
 def _backward(dout, q, k, v, out, lse, stats, attn_mask, is_causal, scale, bottom_right):
     """Gradients; with a training forward's out and stats (non-empty) dQ sweeps the keys once."""
     saved = attention.BackwardStats(*stats) if stats[0].numel() else None
-    grads = attention.flash_attention_backward(attention.kernel_layout(dout),
-                                               *(attention.kernel_layout(t) for t in (q, k, v)), lse, is_causal, scale,
-                                               attn_mask=attn_mask, bottom_right=bottom_right,
-                                               out=out if saved is not None else None, saved=saved)
+    with _failures_told(q, attn_mask is not None):
+        grads = attention.flash_attention_backward(attention.kernel_layout(dout),
+                                                   *(attention.kernel_layout(t) for t in (q, k, v)), lse, is_causal,
+                                                   scale, attn_mask=attn_mask, bottom_right=bottom_right,
+                                                   out=out if saved is not None else None, saved=saved)
     return tuple(_in_memory_order_of(grad, t) for grad, t in zip(grads, (q, k, v)))
 
 
@@ -168,8 +190,10 @@ class _VarlenAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *stats = ctx.saved_tensors
         saved = attention.BackwardStats(*stats) if stats else None
-        grads = attention.flash_attention_varlen_backward(dout, q, k, v, lse, cu_seqlens_q, cu_seqlens_k, *ctx.problem,
-                                                          out=out if saved is not None else None, saved=saved)
+        with _failures_told(q, False):
+            grads = attention.flash_attention_varlen_backward(dout, q, k, v, lse, cu_seqlens_q, cu_seqlens_k,
+                                                              *ctx.problem, out=out if saved is not None else None,
+                                                              saved=saved)
         return (*grads, None, None, None, None, None, None, None)
 
 
