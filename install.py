@@ -1,11 +1,13 @@
 """Install hook: ComfyUI-Manager runs it after installing requirements.txt, the SD-WebUIs at every
 start, each in a subprocess of the host's Python.
 
-It checks every prebuilt code object against the sha256 in prebuilt/manifest.json and prints one
-status line. It imports nothing but the standard library and the facts the build and the loader share
-(rdna_flash_attn/runtime/build_facts.py, loaded by its path, so neither the package nor torch is
-imported: under ZLUDA the GPU is not even reachable from here), installs nothing, and takes a few tens
-of milliseconds, so it runs in full every time rather than caching a verdict.
+It checks every prebuilt code object against the sha256 in prebuilt/manifest.json, target by target
+with the runtime's own check (build_facts.verify_code_objects), and prints one status line naming the
+targets verified and what is wrong with the others. It imports nothing but the standard library and
+the facts the build and the loader share (rdna_flash_attn/runtime/build_facts.py, loaded by its path,
+so neither the package nor torch is imported: under ZLUDA the GPU is not even reachable from here),
+installs nothing, and takes a few tens of milliseconds, so it runs in full every time rather than
+caching a verdict.
 
 It exits 0 whatever it finds, so the host always starts: a damaged code object is refused anyway when
 the runtime loads it (the kernels stay off for that GPU target and attention runs on PyTorch SDPA),
@@ -18,7 +20,6 @@ command with the host's own Python, so it can be copied as it is.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import sys
@@ -41,31 +42,18 @@ def load_build_facts():
 
 
 def check(prebuilt: Path) -> tuple[list[str], list[str]]:
-    """(targets whose code objects all match their sha256, problems in a few words each)."""
+    """(targets whose code objects all match their sha256, problems in a few words each): a manifest
+    that cannot be read costs every target, a bad entry or file only its own."""
     facts = load_build_facts()
     try:
         manifest = json.loads((prebuilt / facts.MANIFEST_FILE).read_text(encoding="utf-8"))
         if not isinstance(manifest.get("targets"), dict):
             raise KeyError("targets")
-        entries = [(target, entry["file"], entry["sha256"])
-                   for target, _version, entry in facts.listed_code_objects(manifest)]
+        return facts.verify_code_objects(prebuilt, manifest)
     except FileNotFoundError:
         return [], ["prebuilt/manifest.json is missing"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return [], ["prebuilt/manifest.json is damaged"]
-    problems, damaged = [], set()
-    for target, file, sha256 in entries:
-        try:
-            data = (prebuilt / file).read_bytes()
-        except OSError:
-            problems.append(f"{target}: {file} is missing")
-            damaged.add(target)
-            continue
-        if hashlib.sha256(data).hexdigest() != sha256:
-            problems.append(f"{target}: {file} does not match its sha256 (damaged or replaced)")
-            damaged.add(target)
-    verified = [target for target in dict.fromkeys(target for target, _, _ in entries) if target not in damaged]
-    return verified, problems
 
 
 def _quoted(path: str) -> str:
@@ -81,8 +69,12 @@ def status_line(verified: list[str], problems: list[str], seconds: float) -> str
     if not problems:
         return (f"{PREFIX} {len(verified)} GPU code objects verified ({verified[0]}-{verified[-1]}) "
                 f"in {seconds:.2f} s; details: {doctor_command()}")
-    return (f"{PREFIX} WARNING: {'; '.join(problems)}. Kernels stay off for the affected GPUs (attention runs "
-            f"on PyTorch SDPA); {REPAIR}.")
+    if verified:
+        scope = (f"{len(verified)} GPU targets verified ({', '.join(verified)}); kernels stay off for the others "
+                 "(attention runs on PyTorch SDPA there)")
+    else:
+        scope = "No GPU target verified: kernels stay off (attention runs on PyTorch SDPA)"
+    return f"{PREFIX} WARNING: {'; '.join(problems)}. {scope}; {REPAIR}."
 
 
 def run_doctor() -> int:

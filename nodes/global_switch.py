@@ -12,6 +12,7 @@ import logging
 import os
 
 from . import direct_calls
+from .core import core_or_reason
 from .model_patch import OVERRIDE_KEY, OVERRIDE_MARK, PREVIOUS_ATTR, comfy_has_override
 from .routing import RoutingOptions, routed_backend
 
@@ -83,11 +84,11 @@ def disable_global() -> None:
 
 
 def enable_from_environment() -> bool:
-    text = os.environ.get(GLOBAL_ENV, "").strip().lower()
-    if text not in ("1", "true", "yes", "on"):
+    core = core_or_reason()
+    if isinstance(core, str):  # a broken install, already reported: the nodes pass models through
         return False
     try:
-        return enable_global()
+        return core.environment.read_bool(os.environ, GLOBAL_ENV) and enable_global()
     except Exception:  # never into ComfyUI's start
         log.exception("%s=1 could not be applied", GLOBAL_ENV)
         return False

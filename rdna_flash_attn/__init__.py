@@ -18,7 +18,8 @@ those below it (tests/test_layers.py checks it):
     runtime       the code objects: kernel table, manifest, files, devices, loading and launching
     interpreter   the shipped code objects run on the CPU, instruction by instruction (beside ops)
 
-config (settings, logger) and version sit below them all; this module is the public API on top.
+config (settings, logger) and version sit below them all, environment (the one reader of the RDNA_FA_*
+variables) below those; this module is the public API on top.
 """
 
 from .config import Settings, settings

@@ -13,7 +13,8 @@ import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-LOGGER_NAME = "rdna_flash_attn"
+from .environment import LOGGER_NAME, parse_bool, read
+
 PROJECT_NAME = "RDNA Flash Attention"  # what the console lines of every host say first
 FP32_CAST_CHOICES = ("off", "bf16", "fp16")
 PRECISION_CHOICES = ("exact", "8bit-qkpv")
@@ -52,15 +53,6 @@ if not any(type(f).__name__ == _ConsoleLines.__name__ for f in log.filters):
 
 def _option(env: str, default: Any, doc: str) -> Any:
     return field(default=default, metadata={"env": env, "doc": doc})
-
-
-def _parse_bool(text: str) -> bool:
-    word = text.strip().lower()
-    if word in ("1", "true", "yes", "on"):
-        return True
-    if word in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected 0 or 1, got {text!r}")
 
 
 def _check_bool(value: Any) -> bool:
@@ -144,7 +136,10 @@ class Settings:
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Validate on every assignment so a typo fails where it is made, not inside an attention call.
-        value = _CHECKS[name](value)
+        check = _CHECKS.get(name)
+        if check is None:
+            raise AttributeError(f"no setting {name!r}; the settings are {', '.join(_CHECKS)}", name=name, obj=self)
+        value = check(value)
         super().__setattr__(name, value)
         if name == "log_level" and self is globals().get("settings"):  # only the live object owns the logger
             _apply_log_level(value)
@@ -160,13 +155,8 @@ class Settings:
         environ = os.environ if environ is None else environ
         values = {}
         for f in fields(cls):
-            text = environ.get(f.metadata["env"], "").strip()
-            if not text:
-                continue
-            try:
-                values[f.name] = _CHECKS[f.name](_parse_bool(text) if f.type == "bool" else text)
-            except ValueError as exc:
-                log.warning("ignoring %s=%r: %s", f.metadata["env"], text, exc)
+            parse = parse_bool if f.type == "bool" else _CHECKS[f.name]
+            values[f.name] = read(environ, f.metadata["env"], parse, f.default)
         return cls(**values)
 
     def load(self, other: "Settings") -> None:

@@ -11,6 +11,7 @@ import torch
 from pathlib import Path
 from types import SimpleNamespace
 
+from rdna_flash_attn import environment
 from rdna_flash_attn.config import LOGGER_NAME, Settings, settings
 from rdna_flash_attn.dispatch import router as dispatch, sdpa_patch, selftest
 from rdna_flash_attn.ops import autograd, attention as ops
@@ -29,6 +30,7 @@ def isolated(tmp_path, monkeypatch):
     dispatch.forget_devices()
     dispatch.reset_stats()
     monkeypatch.setattr(dispatch, "_logged_reasons", set())
+    monkeypatch.setattr(environment, "_warned", set())
     yield
     sdpa_patch.disable_sdpa_patch()
     settings.load(saved)

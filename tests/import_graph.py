@@ -26,6 +26,7 @@ DIAGRAM_END = "<!-- end of layers diagram -->"
 # Layer of each part of the package, lowest first. A module may import modules of its own part and of
 # parts with a lower rank, never one of a higher rank or a sibling of the same rank.
 LAYERS = {
+    "environment": -1,
     "config": 0,
     "version": 0,
     "runtime": 1,
@@ -45,6 +46,7 @@ LABELS = {
     "ops": "ops: the kernels as torch ops",
     "runtime": "runtime: code objects, devices, loading, launching",
     "config": "config: settings, logger",
+    "environment": "environment: the RDNA_FA_* variables read one way",
     "version": "version",
 }
 # Imports inside functions that are not there to hide a circle, each with its reason.

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import rdna_flash_attn as rfa
+from rdna_flash_attn import environment
 from rdna_flash_attn.config import LOGGER_NAME, Settings, settings
+from rdna_flash_attn.runtime import loader
 
 ENV_VARS = {"RDNA_FA_DISABLE", "RDNA_FA_FORCE", "RDNA_FA_TRAINING", "RDNA_FA_FP32_CAST", "RDNA_FA_PRECISION",
             "RDNA_FA_LOG_LEVEL", "RDNA_FA_CACHE_DIR"}
@@ -61,6 +63,39 @@ def test_malformed_variables_are_logged_and_ignored(env, log_records):
     assert Settings.from_env(env) == Settings()
     (record,) = log_records.records
     assert record.levelno == logging.WARNING and next(iter(env)) in record.getMessage()
+
+
+@pytest.mark.parametrize("env, used", [({"RDNA_FA_TRAINING": "maybe"}, "using 1 instead"),
+                                       ({"RDNA_FA_DISABLE": "2"}, "using 0 instead"),
+                                       ({"RDNA_FA_FP32_CAST": "fp8"}, "using off instead"),
+                                       ({"RDNA_FA_LOG_LEVEL": "LOUD"}, "leaving it unset")])
+def test_a_bad_value_is_one_warning_naming_it_and_the_value_used(env, used, log_records):
+    ((variable, value),) = env.items()
+    for _ in range(2):
+        assert Settings.from_env(env) == Settings()
+    (record,) = log_records.records
+    assert f"{variable}={value!r}" in record.getMessage() and record.getMessage().endswith(used)
+
+
+def test_every_boolean_variable_takes_the_same_words():
+    for word, value in [("1", True), ("On", True), (" yes ", True), ("TRUE", True), ("0", False), ("off", False),
+                        ("No", False), ("false", False)]:
+        assert environment.read_bool({"RDNA_FA_PATCH_SDPA": word}, "RDNA_FA_PATCH_SDPA") is value
+        assert Settings.from_env({"RDNA_FA_FORCE": word}).force is value
+
+
+def test_the_emulated_layer_variable_is_read_the_same_way(monkeypatch, log_records):
+    monkeypatch.setenv("RDNA_FA_EMULATE", " GFX12 ")
+    assert loader.emulated_layer() == "gfx12"
+    monkeypatch.setenv("RDNA_FA_EMULATE", "gfx9")
+    assert loader.emulated_layer() == loader.emulated_layer() == "gfx11"
+    (record,) = log_records.records
+    assert "ignoring RDNA_FA_EMULATE='gfx9': expected gfx11 or gfx12; using gfx11 instead" in record.getMessage()
+
+
+def test_an_unknown_setting_is_an_attribute_error_listing_the_settings():
+    with pytest.raises(AttributeError, match=r"no setting 'nonexistent'; the settings are disable, force, training"):
+        settings.nonexistent = 1
 
 
 @pytest.mark.parametrize(

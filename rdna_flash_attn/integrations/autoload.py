@@ -16,7 +16,8 @@ importable: that one is always used instead.
 
 Interpreter start must never fail because of this: every error is logged once and swallowed. The
 hook loads this file by its path, without importing the package (whose `__init__` imports torch), so
-nothing here may import torch or the package at module level.
+nothing here may import torch or the package at module level; the variables are read by the package's
+environment.py, loaded by its path too (standard library only).
 """
 
 from __future__ import annotations
@@ -27,27 +28,31 @@ import logging
 import os
 import sys
 
+if __package__:  # imported as rdna_flash_attn.integrations.autoload
+    from .. import environment
+else:  # loaded by its path from the .pth hook
+    _ENVIRONMENT_SPEC = importlib.util.spec_from_file_location(
+        "rdna_flash_attn_environment",
+        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "environment.py"))
+    environment = importlib.util.module_from_spec(_ENVIRONMENT_SPEC)
+    _ENVIRONMENT_SPEC.loader.exec_module(environment)
+
 ENV_VAR = "RDNA_FA_PATCH_SDPA"
 FLASH_ATTN_ENV_VAR = "RDNA_FA_FLASH_ATTN"
 # The folder that goes on sys.path: it holds the `flash_attn` package and its 2.8.3 metadata.
 FLASH_ATTN_SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flash_attn_shim")
-LOGGER_NAME = "rdna_flash_attn"  # the same as config.LOGGER_NAME; config imports torch, this must not
 
-log = logging.getLogger(LOGGER_NAME)
-
-_TRUE_WORDS = ("1", "true", "yes", "on")
+log = logging.getLogger(environment.LOGGER_NAME)
 
 
 def requested(environ=None) -> bool:
-    """Whether the environment asks for the override (RDNA_FA_PATCH_SDPA=1/true/yes/on)."""
-    environ = os.environ if environ is None else environ
-    return environ.get(ENV_VAR, "").strip().lower() in _TRUE_WORDS
+    """Whether the environment asks for the override (RDNA_FA_PATCH_SDPA=1)."""
+    return environment.read_bool(os.environ if environ is None else environ, ENV_VAR)
 
 
 def flash_attn_requested(environ=None) -> bool:
-    """Whether the environment asks for the flash-attn stand-in (RDNA_FA_FLASH_ATTN=1/true/yes/on)."""
-    environ = os.environ if environ is None else environ
-    return environ.get(FLASH_ATTN_ENV_VAR, "").strip().lower() in _TRUE_WORDS
+    """Whether the environment asks for the flash-attn stand-in (RDNA_FA_FLASH_ATTN=1)."""
+    return environment.read_bool(os.environ if environ is None else environ, FLASH_ATTN_ENV_VAR)
 
 
 def _same_folder(a: str, b: str) -> bool:

@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from .. import environment
 from ..config import LOGGER_NAME, settings
 from . import variants
 from .build_facts import (CODE_OBJECT_VERSION, CODE_OBJECT_VERSIONS, LEGACY_CODE_OBJECT_VERSION, MAIN_SOURCE,
-                          MANIFEST_FILE, listed_code_objects, manifest_table)
+                          MANIFEST_FILE, listed_code_objects, manifest_table, verify_code_objects)
 from .build_facts import source_hash as sources_and_variants_hash
 
 log = logging.getLogger(LOGGER_NAME)
@@ -79,7 +80,7 @@ def source_hash(kernels: Path | None = None) -> str:
 
 
 def emulation_dir() -> Path:
-    return Path(os.environ.get("RDNA_FA_EMU_DIR") or PACKAGE_DIR.parent / "build" / "emu")
+    return environment.read(os.environ, "RDNA_FA_EMU_DIR", Path, PACKAGE_DIR.parent / "build" / "emu")
 
 
 def _read_manifest(path: Path, repair: str = REINSTALL_HINT) -> dict:
@@ -217,26 +218,14 @@ def prebuilt_artifact(target: str, code_object_version: int = CODE_OBJECT_VERSIO
 
 
 def verify_prebuilt(directory: Path | None = None) -> tuple[list[str], list[str]]:
-    """(targets whose code objects all match their sha256, one-line problems), for doctor."""
+    """(targets whose code objects all match their sha256, one-line problems), for doctor; judged target
+    by target by build_facts.verify_code_objects, which install.py runs too."""
     directory = directory or prebuilt_dir()
-    manifest_path = directory / MANIFEST_FILE
     try:
-        manifest = _read_manifest(manifest_path)
+        manifest = _read_manifest(directory / MANIFEST_FILE)
     except ArtifactError as error:
         return [], [str(error)]
-    problems, damaged = [], set()
-    for target, version, _ in listed_code_objects(manifest):
-        try:
-            entry = _entry(manifest, target, manifest_path, code_object_version=version)
-            Artifact(target, directory / entry["file"], entry["sha256"], emulated=False).read_verified()
-        except FileNotFoundError as error:
-            problems.append(f"{target}: {Path(error.filename).name} is missing")
-            damaged.add(target)
-        except (ArtifactError, OSError) as error:
-            problems.append(f"{target}: {error}")
-            damaged.add(target)
-    verified = [target for target in manifest["targets"] if target not in damaged]
-    return verified, problems
+    return verify_code_objects(directory, manifest)
 
 
 def prebuilt_code_object_versions(directory: Path | None = None) -> dict[int, list[str]]:

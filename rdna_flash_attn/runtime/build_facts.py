@@ -55,6 +55,37 @@ def listed_code_objects(manifest: dict) -> list[tuple[str, int, object]]:
             for target, entry in manifest.get(manifest_table(version), {}).items()]
 
 
+def _code_object_problem(directory: Path, entry: object) -> str | None:
+    """What is wrong with the code object a manifest entry names in `directory`, in a few words, or
+    None when the file is there and matches the entry's sha256."""
+    if not (isinstance(entry, dict) and isinstance(entry.get("file"), str) and isinstance(entry.get("sha256"), str)):
+        return "its manifest entry is malformed"
+    try:
+        data = (directory / entry["file"]).read_bytes()
+    except FileNotFoundError:
+        return f"{entry['file']} is missing"
+    except OSError as error:
+        return f"{entry['file']} is unreadable ({error.strerror or error})"
+    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        return f"{entry['file']} does not match the sha256 in its manifest (damaged or replaced)"
+    return None
+
+
+def verify_code_objects(directory: Path, manifest: dict) -> tuple[list[str], list[str]]:
+    """(targets whose every code object is there and matches its sha256, "target: problem" for each code
+    object that does not), judged target by target: a bad entry or file costs its own target only, as
+    the runtime then refuses that target's code object and no other."""
+    problems, damaged = [], set()
+    for target, version, entry in listed_code_objects(manifest):
+        problem = _code_object_problem(directory, entry)
+        if problem is not None:
+            where = "" if version == CODE_OBJECT_VERSION else f" (code object v{version})"
+            problems.append(f"{target}{where}: {problem}")
+            damaged.add(target)
+    listed = dict.fromkeys(target for target, _, _ in listed_code_objects(manifest))
+    return [target for target in listed if target not in damaged], problems
+
+
 def source_files(kernels: Path) -> list[Path]:
     """The kernel sources; with the flags and the variant list they decide the code objects."""
     return sorted(p for p in kernels.rglob("*") if p.suffix in (".h", ".hip"))

@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from .. import environment
 from ..config import LOGGER_NAME
 from . import artifacts, device as devices, driver
 from .build_facts import CODE_OBJECT_VERSION, LEGACY_CODE_OBJECT_VERSION
@@ -46,9 +47,16 @@ def code_object_preference(runtime_version: str | None) -> tuple[int, ...]:
     return (CODE_OBJECT_VERSION, LEGACY_CODE_OBJECT_VERSION)
 
 
+def _layer_name(text: str) -> str:
+    layer = text.lower()
+    if layer not in artifacts.EMULATED_LAYERS:
+        raise ValueError(f"expected {' or '.join(artifacts.EMULATED_LAYERS)}")
+    return layer
+
+
 def emulated_layer() -> str:
     """Which AMD layer an NVIDIA device emulates (RDNA_FA_EMULATE=gfx11|gfx12)."""
-    return os.environ.get("RDNA_FA_EMULATE", DEFAULT_EMULATED_LAYER)
+    return environment.read(os.environ, "RDNA_FA_EMULATE", _layer_name, DEFAULT_EMULATED_LAYER)
 
 
 class KernelLibrary:

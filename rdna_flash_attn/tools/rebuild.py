@@ -34,6 +34,7 @@ from ..runtime.build_facts import (CODE_OBJECT_VERSION, CODE_OBJECT_VERSIONS, IN
 
 RDNA_TARGET = re.compile(r"gfx1[12][0-9a-f]{2}")  # the gfx11 and gfx12 matrix layers (isa/isa.h)
 MIN_CLANG_MAJOR = 19
+CACHE_DIR_VARIABLE = "RDNA_FA_CACHE_DIR"  # settings.cache_dir, which moves the user cache
 VERSION_TIMEOUT_S = 30
 PROGRESS_EVERY_S = 30
 
@@ -227,12 +228,24 @@ def write_manifest(out_dir: Path, built: Iterable[str], compiler_version: str, k
     return path
 
 
+def _writable_folder(folder: Path) -> Path:
+    """The folder, created if needed, or BuildError naming it and the variable that moves the cache."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise BuildError(f"cannot write to the cache folder {folder} ({error.strerror or error}): "
+                         f"set {CACHE_DIR_VARIABLE} to a writable folder") from None
+    return folder
+
+
 def build_local(targets: Iterable[str], clang: str | None = None, jobs: int | None = None,
                 progress: Progress = print) -> Path:
     """Build targets into the user cache, where the runtime prefers them to prebuilt/; returns the folder."""
     targets = sorted({check_target(t) for t in targets})
     compiler = find_clang(clang)
-    out_dir = artifacts.local_build_dir()
+    out_dir = _writable_folder(artifacts.local_build_dir())
     progress(f"building {', '.join(targets)} into {out_dir} with {compiler.path} ({compiler.version})")
     compile_targets(compiler, targets, out_dir, jobs, progress)
     write_manifest(out_dir, targets, compiler.version)
@@ -280,10 +293,15 @@ def _selftest_built(gpus: list[tuple[torch.device, str]], built: list[str]) -> i
 
 
 def run(args: argparse.Namespace) -> int:
-    """0 built (and self-tested where a GPU of the target is here), 1 the build or self-test failed."""
+    """0 built (and self-tested where a GPU of the target is here) or cleared, 1 the build, self-test or
+    clearing failed."""
     if args.clear:
         root = artifacts.local_builds_root()
         shutil.rmtree(root, ignore_errors=True)
+        if root.exists():
+            print(f"rebuild: could not delete every local build under {root}; delete that folder by hand, "
+                  f"or set {CACHE_DIR_VARIABLE} to another folder", file=sys.stderr)
+            return 1
         print(f"removed local builds under {root}: prebuilt code objects apply again")
         return 0
     gpus = _amd_gpus()

@@ -4,6 +4,8 @@ old ComfyUI, and the global switch."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -225,6 +227,16 @@ def test_global_switch_routes_new_models_and_is_undone(node_package, fake_gpu, m
     assert torch.equal(sample(routed, "sdxl"), reference)  # the override left behind passes through
     assert torch.equal(sample(build("sdxl"), "sdxl"), reference)
     assert len(fake_gpu.launches) == launches
+
+
+def test_global_switch_bad_value_is_off_with_one_warning(node_package, monkeypatch, log_records):
+    monkeypatch.setenv(node_package.global_switch.GLOBAL_ENV, "maybe")
+    assert not node_package.global_switch.enable_from_environment()
+    assert not node_package.global_switch.enable_from_environment()
+    assert not node_package.global_enabled()
+    (record,) = [r for r in log_records.records if r.levelno == logging.WARNING]
+    assert "ignoring RDNA_FA_COMFYUI_GLOBAL='maybe'" in record.getMessage()
+    assert record.getMessage().endswith("using 0 instead")
 
 
 def test_the_nodes_attention_precision_reaches_the_dispatcher(model_node, fake_gpu):

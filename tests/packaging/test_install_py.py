@@ -75,7 +75,7 @@ def test_tampered_code_object_is_reported_and_refused_by_the_runtime(prebuilt_co
     result, _ = run_hook(prebuilt_copy.parent)
     assert result.returncode == 0  # the host still starts; the runtime refuses the file itself
     (line,) = result.stdout.splitlines()
-    assert "WARNING" in line and "gfx1100: rdna_fa_gfx1100.hsaco does not match its sha256" in line
+    assert "WARNING" in line and "gfx1100: rdna_fa_gfx1100.hsaco does not match the sha256" in line
     assert "PyTorch SDPA" in line and "reinstall" in line
     assert run_hook(prebuilt_copy.parent, "--strict")[0].returncode == 1
 
@@ -111,6 +111,22 @@ def test_broken_prebuilt_folder_is_one_warning_and_exit_0(prebuilt_copy, breakag
     assert result.returncode == 0 and result.stderr == ""
     (line,) = result.stdout.splitlines()
     assert "WARNING" in line and expected in line
+
+
+@pytest.mark.parametrize("entry", [{"file": "rdna_fa_gfx1201.hsaco"}, "rdna_fa_gfx1201.hsaco", {"file": 3, "sha256": ""}])
+def test_one_bad_entry_costs_its_target_only_as_in_the_runtime(prebuilt_copy, entry):
+    manifest_path = prebuilt_copy / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["targets"]["gfx1201"] = entry
+    manifest_path.write_text(json.dumps(manifest))
+    good = [target for target in manifest["targets"] if target != "gfx1201"]
+
+    result, _ = run_hook(prebuilt_copy.parent)
+    assert result.returncode == 0 and result.stderr == ""
+    (line,) = result.stdout.splitlines()
+    assert "WARNING: gfx1201: its manifest entry is malformed." in line
+    assert f"{len(good)} GPU targets verified ({', '.join(good)}); kernels stay off for the others" in line
+    assert artifacts.verify_prebuilt() == (good, ["gfx1201: its manifest entry is malformed"])
 
 
 def test_the_advised_command_works_from_another_folder(tmp_path):

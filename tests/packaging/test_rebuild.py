@@ -174,6 +174,29 @@ def test_build_into_the_user_cache_is_used_by_the_runtime(fake_clang, amd_gpu, c
     assert not artifacts.amd_artifact("gfx1100").local and not folder.exists()
 
 
+def test_an_unwritable_cache_folder_is_one_clear_line(fake_clang, capsys, tmp_path):
+    blocker = tmp_path / "a_file"  # a folder cannot be made inside a file, whoever runs the test
+    blocker.write_text("")
+    rdna_flash_attn.settings.cache_dir = str(blocker / "cache")
+    clang = fake_clang("clang version 19.1.7")
+    assert cli.main(["rebuild", "--target", "gfx1100", "--clang", str(clang)]) == 1
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and "building" not in out
+    assert err.splitlines()[0] == (f"rebuild: cannot write to the cache folder {artifacts.local_build_dir()} "
+                                   "(Not a directory): set RDNA_FA_CACHE_DIR to a writable folder")
+
+
+def test_clear_that_cannot_delete_says_so(capsys):
+    root = artifacts.local_builds_root()
+    root.parent.mkdir(parents=True, exist_ok=True)
+    root.write_text("")  # not a folder: rmtree fails, as on a folder the user may not write
+    assert cli.main(["rebuild", "--clear"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [
+        f"rebuild: could not delete every local build under {root}; delete that folder by hand, "
+        "or set RDNA_FA_CACHE_DIR to another folder"]
+
+
 def test_doctor_shows_prebuilt_local_builds_and_compiler(prebuilt_copy, fake_clang, only_on_path, capsys):
     (prebuilt_copy / "rdna_fa_gfx1101.hsaco").write_bytes(b"x")
     clang = fake_clang("clang version 20.1.0", name="clang-20")

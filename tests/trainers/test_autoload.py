@@ -77,6 +77,7 @@ def test_hook_failure_never_stops_the_program(hooked_python, child_env, tmp_path
     broken = tmp_path / "rdna_flash_attn"
     (broken / "integrations").mkdir(parents=True)
     shutil.copy(REPO_ROOT / "rdna_flash_attn" / "integrations" / "autoload.py", broken / "integrations")
+    shutil.copy(REPO_ROOT / "rdna_flash_attn" / "environment.py", broken)
     (broken / "__init__.py").write_text("raise ImportError('broken install')\n")
     env = dict(child_env, RDNA_FA_PATCH_SDPA="1", PYTHONPATH=str(tmp_path))
     # cwd: not the checkout, whose working package `python -c` would find first
@@ -95,6 +96,28 @@ def test_hook_failure_never_stops_the_program(hooked_python, child_env, tmp_path
 def test_variable_values(value, wanted):
     assert autoload.requested({"RDNA_FA_PATCH_SDPA": value}) is wanted
     assert autoload.requested({}) is False
+
+
+@pytest.mark.parametrize("read, variable", [(autoload.requested, "RDNA_FA_PATCH_SDPA"),
+                                            (autoload.flash_attn_requested, "RDNA_FA_FLASH_ATTN")])
+@pytest.mark.parametrize("value", ["2", "enable"])
+def test_a_bad_value_is_off_with_one_warning_naming_it(read, variable, value, log_records):
+    assert read({variable: value}) is False and read({variable: value}) is False
+    (record,) = log_records.records
+    assert record.levelno == logging.WARNING
+    assert f"ignoring {variable}={value!r}: expected 1 or 0" in record.getMessage()
+    assert record.getMessage().endswith("using 0 instead")
+
+
+def test_hook_warns_once_about_bad_values_and_stays_off(hooked_python, child_env):
+    env = dict(child_env, RDNA_FA_PATCH_SDPA="enable", RDNA_FA_FLASH_ATTN="2")
+    child = run_child([hooked_python, "-c", "import flash_attn"], env)
+    assert child.returncode != 0 and "No module named 'flash_attn'" in child.stderr
+    child = run_child([hooked_python, "-c", PROBE], env)
+    assert child.returncode == 0, child.stderr
+    assert json.loads(child.stdout) == dict(torch_at_start=False, package_at_start=False, patched=False, counted=0)
+    assert child.stderr.count("ignoring RDNA_FA_PATCH_SDPA='enable'") == 1
+    assert child.stderr.count("ignoring RDNA_FA_FLASH_ATTN='2'") == 1
 
 
 def test_install_with_torch_already_imported_patches_at_once(monkeypatch):
