@@ -63,8 +63,8 @@ def _math_attention(q, k, v, is_causal=False, scale=None, attn_mask=None, bottom
     if attn_mask is not None:
         scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
                   else scores + attn_mask.float())
-    lse = scores.logsumexp(-1)
     sees_no_key = (scores == float("-inf")).all(-1, keepdim=True)  # zeros there; NaN inputs stay NaN
+    lse = scores.logsumexp(-1).masked_fill(sees_no_key[..., 0], float("inf"))  # the kernels' mark of such rows
     probs = scores.softmax(-1).masked_fill(sees_no_key, 0.0)
     return (probs @ v.float()).to(q.dtype), lse
 
@@ -115,7 +115,7 @@ class FakeKernels:
             raise self.raises
         self.launches.append((q, k, v, is_causal, scale))
         out, lse = _math_attention(q, k, v, is_causal, scale, attn_mask, bottom_right)
-        return out + self.error, lse
+        return out + self.error, lse.detach()  # the op marks it non-differentiable
 
     def forward_launch(self, q, k, v, is_causal=False, scale=None):
         """A prepared launch, as ops.forward_launch returns one: runs flash_attention_forward."""
@@ -123,10 +123,15 @@ class FakeKernels:
         self.prepared_launches += 1
         return lambda q, k, v: self.flash_attention_forward(q, k, v, is_causal, scale)
 
-    def flash_attention(self, q, k, v, is_causal=False, scale=None, *, attn_mask=None, bottom_right=False):
+    def flash_attention_with_lse(self, q, k, v, is_causal=False, scale=None, *, attn_mask=None, bottom_right=False):
         assert self.forward_refusal(q, k, v, is_causal, scale, attn_mask) is None, "launched on refused input"
         self.differentiable_launches += 1
-        return _math_attention(q, k, v, is_causal, scale, attn_mask, bottom_right)[0] + self.error
+        out, lse = _math_attention(q, k, v, is_causal, scale, attn_mask, bottom_right)
+        return out + self.error, lse.detach()  # the op marks it non-differentiable
+
+    def flash_attention(self, q, k, v, is_causal=False, scale=None, *, attn_mask=None, bottom_right=False):
+        return self.flash_attention_with_lse(q, k, v, is_causal, scale, attn_mask=attn_mask,
+                                             bottom_right=bottom_right)[0]
 
     def flash_attention_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                is_causal=False, scale=None):
@@ -157,6 +162,7 @@ def untested_fake_gpu(monkeypatch) -> FakeKernels:
     monkeypatch.setattr(ops, "flash_attention_forward", kernels.flash_attention_forward)
     monkeypatch.setattr(ops, "forward_launch", kernels.forward_launch)
     monkeypatch.setattr(autograd, "flash_attention", kernels.flash_attention)
+    monkeypatch.setattr(autograd, "flash_attention_with_lse", kernels.flash_attention_with_lse)
     monkeypatch.setattr(autograd, "flash_attention_varlen", kernels.flash_attention_varlen)
     return kernels
 

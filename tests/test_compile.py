@@ -20,6 +20,7 @@ from .conftest import _math_attention, _real_forward_refusal
 pytestmark = pytest.mark.skipif(not autograd.HAS_CUSTOM_OP, reason="the kernels' custom op needs torch >= 2.4")
 
 REAL_FLASH_ATTENTION = autograd.flash_attention
+REAL_FLASH_ATTENTION_WITH_LSE = autograd.flash_attention_with_lse
 
 
 _op_runs: list[tuple] = []
@@ -40,6 +41,7 @@ def traceable_fake_gpu(fake_gpu, monkeypatch):
     monkeypatch.setattr(ops, "KERNEL_DEVICE_TYPE", "cpu")
     monkeypatch.setattr(ops, "forward_refusal", _real_forward_refusal)
     monkeypatch.setattr(autograd, "flash_attention", REAL_FLASH_ATTENTION)
+    monkeypatch.setattr(autograd, "flash_attention_with_lse", REAL_FLASH_ATTENTION_WITH_LSE)
     library = torch.library.Library(autograd.OP_NAMESPACE, "IMPL")
     library.impl("fwd", _cpu_forward, "CPU")
     torch._dynamo.reset()

@@ -625,6 +625,31 @@ def attention_or_reason(
                     fallback_name, route.kernels)
 
 
+def _run_with_lse(route: Route, query, key, value, attn_mask, is_causal: bool, scale):
+    """(out, lse) of the exact kernels on `route` (8-bit attention has no lse), differentiable through out."""
+    query, key, value, scale = _kernel_inputs(route, query, key, value, scale)
+    out, lse = autograd.flash_attention_with_lse(query, key, value, is_causal, scale, attn_mask=attn_mask)
+    return (out if out.dtype == route.out_dtype else out.to(route.out_dtype)), lse
+
+
+def attention_with_lse_or_reason(query, key, value, attn_mask=None, is_causal=False, *, scale=None, enable_gqa=False,
+                                 fallback_name="the caller's attention"):
+    """attention_or_reason (dropout_p 0) with the log-sum-exp: (out, lse (batch, heads, seq_q) float32
+    natural log, +inf for rows that see no key), or the reason the kernels do not take the call."""
+    if _is_compiling():
+        route = _decide(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa)
+        if isinstance(route, str):
+            _note_traced_fallback(route, fallback_name)
+            return route
+        return _run_with_lse(route, query, key, value, attn_mask, is_causal, scale)
+    route = _signed_route(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa)[1]
+    if isinstance(route, str):
+        _note_fallback(route, fallback_name)
+        return route
+    return _counted(lambda: _run_with_lse(route, query, key, value, attn_mask, is_causal, scale), query.device,
+                    fallback_name, route.kernels)
+
+
 _OUT_OF_MEMORY = "the kernels' buffers did not fit in GPU memory (this call only)"
 
 

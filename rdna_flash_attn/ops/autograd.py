@@ -139,12 +139,12 @@ if HAS_CUSTOM_OP:
 
     _fwd_op.register_autograd(_fwd_backward, setup_context=_setup_context)
 
-    def flash_attention(q, k, v, is_causal: bool = False, scale: float | None = None, *,
-                        attn_mask: torch.Tensor | None = None, bottom_right: bool = False) -> torch.Tensor:
-        """Attention through the kernels, differentiable in q, k and v; (B, H, S, D) views, SDPA's
-        attn_mask (not differentiated), fewer key/value heads than query heads allowed."""
-        return _fwd_op(q, k, v, attn_mask, bool(is_causal), None if scale is None else float(scale),
-                       bool(bottom_right), needs_gradients(q, k, v))[0]
+    def flash_attention_with_lse(q, k, v, is_causal: bool = False, scale: float | None = None, *,
+                                 attn_mask: torch.Tensor | None = None, bottom_right: bool = False):
+        """(out, lse) of flash_attention: lse (B, H, S_q) float32 natural log, not differentiable."""
+        out, lse, *_stats = _fwd_op(q, k, v, attn_mask, bool(is_causal), None if scale is None else float(scale),
+                                    bool(bottom_right), needs_gradients(q, k, v))
+        return out, lse
 
 else:
 
@@ -154,21 +154,28 @@ else:
             out, lse, *stats = _forward(q, k, v, attn_mask, is_causal, scale, bottom_right, training)
             ctx.save_for_backward(q, k, v, out, lse, *stats, attn_mask)
             ctx.is_causal, ctx.scale, ctx.bottom_right = is_causal, scale, bottom_right
-            return out
+            ctx.mark_non_differentiable(lse)
+            return out, lse
 
         @staticmethod
-        def backward(ctx, dout):
+        def backward(ctx, dout, _dlse):
             q, k, v, out, lse, *stats, attn_mask = ctx.saved_tensors
             dq, dk, dv = _backward(dout, q, k, v, out, lse, stats, attn_mask, ctx.is_causal, ctx.scale,
                                    ctx.bottom_right)
             return dq, dk, dv, None, None, None, None, None
 
-    def flash_attention(q, k, v, is_causal: bool = False, scale: float | None = None, *,
-                        attn_mask: torch.Tensor | None = None, bottom_right: bool = False) -> torch.Tensor:
-        """Attention through the kernels, differentiable in q, k and v; (B, H, S, D) views, SDPA's
-        attn_mask (not differentiated), fewer key/value heads than query heads allowed."""
+    def flash_attention_with_lse(q, k, v, is_causal: bool = False, scale: float | None = None, *,
+                                 attn_mask: torch.Tensor | None = None, bottom_right: bool = False):
+        """(out, lse) of flash_attention: lse (B, H, S_q) float32 natural log, not differentiable."""
         return _FlashAttention.apply(q, k, v, attn_mask, bool(is_causal), None if scale is None else float(scale),
                                      bool(bottom_right), needs_gradients(q, k, v))
+
+
+def flash_attention(q, k, v, is_causal: bool = False, scale: float | None = None, *,
+                    attn_mask: torch.Tensor | None = None, bottom_right: bool = False) -> torch.Tensor:
+    """Attention through the kernels, differentiable in q, k and v; (B, H, S, D) views, SDPA's
+    attn_mask (not differentiated), fewer key/value heads than query heads allowed."""
+    return flash_attention_with_lse(q, k, v, is_causal, scale, attn_mask=attn_mask, bottom_right=bottom_right)[0]
 
 
 class _VarlenAttention(torch.autograd.Function):
