@@ -68,6 +68,7 @@ struct BwdArgs {
   // lse * lse_to_log2 is the offset each row's base-2 exponents subtract: log2(e) for the forward's
   // natural-log lse, 1 where lse points at the training forward's own row offsets.
   float lse_to_log2;
+  int head0, batch0;  // as in FwdArgs; head0 counts the launch's grid y: query heads (dQ), key/value heads (dK/dV)
 };
 
 // delta = rowsum(dO * (O + O_low)) for a wave's 16 queries, on the matrix unit and in the order dP's
@@ -300,7 +301,7 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
   const int chunk = job % kChunks;
   const int k0 = block_id_x() / kJobs * Shape::kBlockN;  // block 0 sees the most queries when causal: first
   const int col0 = chunk * D_CHUNK;
-  const i64 kv_head = block_id_y(), batch = block_id_z();
+  const i64 kv_head = block_id_y() + a.head0, batch = block_id_z() + a.batch0;
   const Sequence seq = Sequence::of(a.cu_seqlens_q, a.cu_seqlens_k, batch, a.seqlen_q, a.seqlen_k, a.causal);
   if (k0 >= seq.seqlen_k) return;  // a shorter entry of a packed batch: the whole workgroup leaves
   const u16* k = a.k + batch * a.k_stride_b + kv_head * a.k_stride_h + seq.k_row0 * a.k_stride_s;
@@ -535,7 +536,7 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
   if (a.causal) q_block = a.blocks - 1 - q_block;  // longest rows first
   const int q0 = q_block * Shape::kBlockM;
   const int col0 = chunk * D_CHUNK;
-  const i64 head = block_id_y(), batch = block_id_z(), kv_head = head / a.kv_group;
+  const i64 head = block_id_y() + a.head0, batch = block_id_z() + a.batch0, kv_head = head / a.kv_group;
   const Sequence seq = Sequence::of(a.cu_seqlens_q, a.cu_seqlens_k, batch, a.seqlen_q, a.seqlen_k, a.causal);
   if (q0 >= seq.seqlen_q) return;  // a shorter entry of a packed batch: the whole workgroup leaves
   const u16* q = a.q + batch * a.q_stride_b + head * a.q_stride_h + seq.q_row0 * a.q_stride_s;

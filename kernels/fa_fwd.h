@@ -9,7 +9,7 @@
 
 namespace rdna {
 
-// Kernel argument block; mirrored by rdna_flash_attn/ops/launch_args.py (ABI version 3).
+// Kernel argument block; mirrored by rdna_flash_attn/ops/launch_args.py (ABI version 5).
 struct FwdArgs {
   const u16* q;
   const u16* k;
@@ -39,6 +39,9 @@ struct FwdArgs {
   u16* o_low;
   float* row_offset;
   float* row_log2_sum;
+  // Added to the workgroup's grid y (head) and z (batch) indices: a grid takes at most 65535 along each,
+  // so larger ones launch in slices (ops/attention.py).
+  int head0, batch0;
 };
 
 // The LDS layout; rdna_flash_attn/runtime/variants.py computes the same size for the launcher.
@@ -410,7 +413,7 @@ RDNA_DEV void fwd_body(const FwdArgs& a, u16* lds) {
   const int chunk = block_id_x() % kChunks;
   int q_block = block_id_x() / kChunks;
   if (a.causal) q_block = a.q_blocks - 1 - q_block;  // longest rows first: better tail balance
-  const i64 head = block_id_y(), batch = block_id_z(), kv_head = head / a.kv_group;
+  const i64 head = block_id_y() + a.head0, batch = block_id_z() + a.batch0, kv_head = head / a.kv_group;
   const Sequence seq = Sequence::of(a.cu_seqlens_q, a.cu_seqlens_k, batch, a.seqlen_q, a.seqlen_k, a.causal);
   const int q0 = q_block * Shape::kBlockM;
   if (q0 >= seq.seqlen_q) return;  // a shorter entry of a packed batch: the whole workgroup leaves

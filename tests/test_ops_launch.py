@@ -11,7 +11,7 @@ import torch
 
 from rdna_flash_attn.ops import attention as ops
 from rdna_flash_attn.runtime import loader as runtime, variants
-from rdna_flash_attn.ops.launch_args import FwdArgs
+from rdna_flash_attn.ops.launch_args import BwdArgs, FwdArgs
 
 
 class RecordingLibrary:
@@ -218,3 +218,44 @@ def test_bad_saved_statistics_are_named_before_any_library_is_loaded(monkeypatch
     lse = torch.empty(q.shape[:3])
     with pytest.raises(ValueError, match=message):
         ops.flash_attention_backward(torch.randn_like(q), q, k, v, lse, out=out, saved=saved)
+
+
+
+class SliceRecordingLibrary:
+    """Records each launch's grid and the slice offsets in its argument block, through the forward's
+    prepared launchers and through library.launch (the backward's and the packed forward's)."""
+
+    def __init__(self):
+        self.launches: list[tuple[tuple, int, int]] = []
+
+    def launcher(self, variant, grid, device):
+        return lambda args, buffers: self.launches.append((grid, args.head0, args.batch0))
+
+    def launch(self, variant, grid, args, buffers):
+        self.launches.append((grid, args.head0, args.batch0))
+
+
+@pytest.mark.parametrize("heads,batch", ((1, 65536), (70000, 1), (65540, 70000)))
+def test_grids_past_65535_launch_in_slices_covering_every_workgroup_once(heads, batch):
+    """The hardware takes at most 65535 workgroups along a grid's y (heads) and z (batch): larger grids
+    run as slices whose argument blocks name their first head and batch (the kernels' head0, batch0)."""
+    recording = SliceRecordingLibrary()
+    variant = variants.fwd_variant("f16", 64)
+    grid = (3, heads, batch)
+    ops._launcher(recording, variant, grid, torch.device("cpu"))(FwdArgs(), ())
+    forward = list(recording.launches)
+    recording.launches.clear()
+    ops._launch(recording, variant, grid, BwdArgs(), ())
+    assert recording.launches == forward
+    covered = 0
+    for (x, ys, zs), head0, batch0 in forward:
+        assert x == 3 and 0 < ys <= 65535 and 0 < zs <= 65535
+        assert head0 % 65535 == 0 and batch0 % 65535 == 0 and head0 + ys <= heads and batch0 + zs <= batch
+        covered += ys * zs
+    assert covered == heads * batch and len({(h, b) for _, h, b in forward}) == len(forward)
+
+
+def test_batch_and_heads_past_65535_are_taken(library):
+    q = torch.zeros(1, 1, 1, 64, dtype=torch.float16)
+    for shape in ((70000, 1, 1, 64), (1, 70000, 1, 64)):
+        assert ops.forward_refusal(*(t.expand(shape) for t in (q, q, q))) is None

@@ -30,7 +30,7 @@ _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 _MASK_KINDS = {torch.bool: MASK_BOOL, torch.float16: MASK_F16, torch.bfloat16: MASK_BF16, torch.float32: MASK_F32}
 _SUPPORTED_HEAD_DIMS = frozenset(variants.SUPPORTED_HEAD_DIMS)
 _VECTOR_ELEMS = 8  # the kernels move 16-byte vectors of 16-bit values
-_MAX_GRID_YZ = 65535
+_MAX_GRID_YZ = 65535  # workgroups along a grid's y (heads) and z (batch): larger grids launch in slices
 # The kernels index rows as 32-bit ints: a row index plus a tile must stay below 2^31.
 _MAX_SEQLEN = 2**31 - 1024
 # The kernels address the rows of a Q, K, V or dO tile as 32-bit byte offsets from its first row (their
@@ -74,8 +74,6 @@ def forward_refusal(q, k, v, is_causal: bool = False, scale: float | None = None
         return _EMPTY
     if max(q.shape[2], k.shape[2]) > _MAX_SEQLEN:
         return "sequence longer than 2^31 - 1024"
-    if q.shape[0] > _MAX_GRID_YZ or q.shape[1] > _MAX_GRID_YZ:
-        return "batch or heads above 65535"
     for name, t in tensors:
         reason = _read_refusal(name, t)
         if reason:
@@ -304,6 +302,34 @@ def _strides(*tensors: torch.Tensor) -> list[int]:
     return [stride for t in tensors for stride in t.stride()[:3]]
 
 
+def _grid_slices(grid: tuple[int, int, int]) -> list[tuple[tuple[int, int, int], int, int]]:
+    """(grid, head0, batch0) per launch covering `grid`: at most _MAX_GRID_YZ workgroups along y and z
+    each, the kernels adding head0 and batch0 to their y and z indices."""
+    x, heads, batch = grid
+    return [((x, min(_MAX_GRID_YZ, heads - head0), min(_MAX_GRID_YZ, batch - batch0)), head0, batch0)
+            for batch0 in range(0, batch, _MAX_GRID_YZ) for head0 in range(0, heads, _MAX_GRID_YZ)]
+
+
+def _launcher(library: loader.KernelLibrary, variant, grid: tuple[int, int, int], device: torch.device):
+    """launch(args, buffers) of `variant` over `grid`: the library's own launcher, or one per slice of a
+    grid past _MAX_GRID_YZ along y or z (args.head0 and args.batch0 set for each)."""
+    slices = _grid_slices(grid)
+    if len(slices) == 1:
+        return library.launcher(variant, grid, device)
+    parts = [(library.launcher(variant, part, device), head0, batch0) for part, head0, batch0 in slices]
+
+    def launch(args, buffers) -> None:
+        for part, args.head0, args.batch0 in parts:
+            part(args, buffers)
+    return launch
+
+
+def _launch(library: loader.KernelLibrary, variant, grid: tuple[int, int, int], args, buffers) -> None:
+    """library.launch of `variant` over `grid`, slice by slice (_grid_slices)."""
+    for part, args.head0, args.batch0 in _grid_slices(grid):
+        library.launch(variant, part, args, buffers)
+
+
 class _ForwardLaunch:
     """What a forward launch needs that depends only on the call's signature (device, library, dtype,
     shapes, strides, causality, scale): the kernel, its grid, the output's layout and an argument
@@ -320,7 +346,7 @@ class _ForwardLaunch:
         self.device, self.dtype = q.device, q.dtype
         self.out_size, self.out_stride = output_layout(q)
         self.lse_size = (batch, heads, seq_q)  # contiguous: strides (heads * seq_q, seq_q, 1)
-        self.launcher = library.launcher(variant, (q_blocks * variant.d_chunks, heads, batch), q.device)
+        self.launcher = _launcher(library, variant, (q_blocks * variant.d_chunks, heads, batch), q.device)
         self.args = FwdArgs(0, 0, 0, 0, 0, *_strides(q, k, v), *self.out_stride[:3], heads * seq_q, seq_q,
                             seq_q, k.shape[2], head_dim, _causal_code(is_causal, bottom_right),
                             _softmax_scale(head_dim, scale) * LOG2_E, q_blocks)
@@ -478,9 +504,9 @@ def _launch_backward(dout, q, k, v, lse, dq, dk, dv, causal: int, scale, attn_ma
                *stats)
     with _device_guard(q.device):
         args.blocks = -(-seq_q // dq_kernel.block_rows)
-        library.launch(dq_kernel, (args.blocks * dq_kernel.jobs_per_block, heads, batch), args, buffers)
+        _launch(library, dq_kernel, (args.blocks * dq_kernel.jobs_per_block, heads, batch), args, buffers)
         args.blocks = -(-seq_k // dkdv.block_rows)
-        library.launch(dkdv, (args.blocks * dkdv.jobs_per_block, kv_heads, batch), args, buffers)
+        _launch(library, dkdv, (args.blocks * dkdv.jobs_per_block, kv_heads, batch), args, buffers)
 
 
 # --- packed variable-length batches (flash-attn's varlen layout) ---------------------------------------
@@ -499,8 +525,6 @@ def varlen_refusal(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
             return f"{name} is on another device than the query"
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0] or cu_seqlens_q.shape[0] < 2:
         return "cu_seqlens_q and cu_seqlens_k must both hold batch + 1 >= 2 offsets"
-    if cu_seqlens_q.shape[0] - 1 > _MAX_GRID_YZ:
-        return "batch above 65535"
     if not (0 <= int(max_seqlen_q) <= _MAX_SEQLEN and 0 <= int(max_seqlen_k) <= _MAX_SEQLEN):
         return "max_seqlen_q or max_seqlen_k is negative or above 2^31 - 1024"
     reason = forward_refusal(*_batch_views(q, k, v))
@@ -682,7 +706,7 @@ def flash_attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
     out[uncovered].zero_()
     lse[:, uncovered].fill_(float("inf"))
     with _device_guard(q.device):
-        library.launch(variant, (q_blocks * variant.d_chunks, heads, batch), args, buffers)
+        _launch(library, variant, (q_blocks * variant.d_chunks, heads, batch), args, buffers)
     return out, lse
 
 

@@ -27,6 +27,9 @@ _PROBLEM_FIELDS = [
     ("kv_group", ctypes.c_int32),
 ]
 
+# ABI 5: added to a workgroup's grid y and z indices, for grids launched in slices of at most 65535.
+_SLICE_FIELDS = [("head0", ctypes.c_int32), ("batch0", ctypes.c_int32)]
+
 
 class FwdArgs(ctypes.Structure):
     _fields_ = [
@@ -39,6 +42,7 @@ class FwdArgs(ctypes.Structure):
         ("o_low", ctypes.c_void_p),
         ("row_offset", ctypes.c_void_p),
         ("row_log2_sum", ctypes.c_void_p),
+        *_SLICE_FIELDS,
     ]
 
 
@@ -58,6 +62,7 @@ class BwdArgs(ctypes.Structure):
         ("out_low", ctypes.c_void_p),
         *((f"out_stride_{d}", ctypes.c_int64) for d in "bhs"),
         ("lse_to_log2", ctypes.c_float),
+        *_SLICE_FIELDS,
     ]
 
 

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from ..runtime import loader, variants
-from .attention import LOG2_E, _DTYPES, _device_guard, _strides, forward_refusal, output_like
+from .attention import LOG2_E, _DTYPES, _MAX_GRID_YZ, _device_guard, _strides, forward_refusal, output_like
 from .launch_args import Fwd8Args, Quant8Args
 
 __all__ = ["QuantizedInputs", "target_refusal", "quantized_refusal", "quantize_inputs", "quantized_attention_forward",
@@ -47,6 +47,8 @@ def quantized_refusal(q, k, v, is_causal: bool, attn_mask) -> str | None:
         return "8-bit attention takes no attn_mask"
     if is_causal:
         return "8-bit attention is not causal"
+    if max(q.shape[:2]) > _MAX_GRID_YZ:
+        return "8-bit attention takes batch and heads up to 65535"
     if q.shape[3] not in variants.FWD8_HEAD_DIMS:
         return f"8-bit attention takes head dims {variants.FWD8_HEAD_DIMS[0]}-{variants.FWD8_HEAD_DIMS[-1]}, not {q.shape[3]}"
     if (k.shape[2] + variants.FWD8_BLOCK_N) * variants.padded_head_dim(q.shape[3]) >= _MAX_TILE_OFFSET:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 DTYPES = ("f16", "bf16")
 WAVE_SIZE = 32
 FRAG = 16  # WMMA tile edge on both gfx11 and gfx12

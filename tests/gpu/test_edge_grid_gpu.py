@@ -103,3 +103,26 @@ def test_tensors_past_2_31_elements_forward_and_backward(emulated_layer, long_si
         ref_dv = probs[..., tail].transpose(-1, -2) @ dout.double()
         assert max_error(dv[:, :, tail], ref_dv) <= 2e-2 * ref_dv.abs().max().item()
         assert torch.isfinite(dk[:, :, tail]).all()
+
+
+@pytest.mark.parametrize("batch,heads,kv_heads", ((70000, 1, 1), (1, 70000, 35000)), ids=("batch", "heads"))
+def test_batch_or_heads_past_65535_launch_in_slices(emulated_layer, batch, heads, kv_heads):
+    """A grid takes at most 65535 workgroups along heads and batch: larger calls launch in slices, each
+    entry exact, those of the last slice included (the grouped query heads of a sliced launch find their
+    key/value head from the absolute head index)."""
+    generator = torch.Generator(device=GPU).manual_seed(9)
+
+    def make(h, seq):
+        return torch.randn(batch, h, seq, 64, generator=generator, device=GPU, dtype=torch.float16)
+
+    q, dout = make(heads, 17), make(heads, 17)
+    k, v = make(kv_heads, 20), make(kv_heads, 20)
+    out, lse = ops.flash_attention_forward(q, k, v, True, bottom_right=True)
+    grads = ops.flash_attention_backward(dout, q, k, v, lse, True, bottom_right=True)
+    for index in (0, 65534, 65535, max(batch, heads) - 1):
+        b, h = (index, slice(None)) if batch > 1 else (0, slice(index - index % 2, index - index % 2 + 2))
+        kv = slice(None) if batch > 1 else slice(h.start // 2, h.start // 2 + 1)
+        entry = [t[b:b + 1, hs] for t, hs in ((q, h), (k, kv), (v, kv))]
+        grid.check_forward(out[b:b + 1, h], lse[b:b + 1, h], *entry, True, None, True)
+        grid.check_backward([grads[0][b:b + 1, h], grads[1][b:b + 1, kv], grads[2][b:b + 1, kv]], *entry,
+                            dout[b:b + 1, h], True, None, True)

@@ -15,26 +15,12 @@ import itertools
 import pytest
 import torch
 
-from rdna_flash_attn.runtime import artifacts, loader as runtime, variants
+from rdna_flash_attn.runtime import loader as runtime, variants
 
 from .. import edge_grid as grid
+from .test_kernels_interpreted import TARGETS, library
 
-pytest.importorskip("tinygrad", reason="the interpreter decodes with tinygrad==0.14.0 (requirements-dev.txt)")
-
-from rdna_flash_attn.interpreter import InterpretedLibrary  # noqa: E402
-
-TARGETS = ("gfx1100", "gfx1201")
 CPU = torch.device("cpu")
-_libraries: dict[str, InterpretedLibrary] = {}
-
-
-def library(target: str) -> InterpretedLibrary:
-    if target not in _libraries:
-        try:
-            _libraries[target] = InterpretedLibrary(artifacts.prebuilt_artifact(target))
-        except artifacts.ArtifactError as error:
-            pytest.skip(str(error))
-    return _libraries[target]
 
 
 def on(target: str):
