@@ -120,9 +120,6 @@ def _harness_names() -> dict[tuple[str, str], tuple[object, str]]:
         ("flash_attn", "flash_attn_with_kvcache"): (kvcache, "refuses (public; the stand-in does not provide it)"),
         ("flash_attn.flash_attn_interface", "flash_attn_with_kvcache"): (
             kvcache, "refuses (public; the stand-in does not provide it)"),
-        ("flash_attn.flash_attn_interface", "_flash_attn_varlen_forward"): (
-            _refusing("_flash_attn_varlen_forward", "flash-attn's private varlen forward"),
-            "refuses (private; the stand-in has only the dense _flash_attn_forward)"),
         ("flash_attn.flash_attn_interface", "flash_attn_gpu"): (
             _MissingExtension("flash_attn_gpu"), "every entry point refuses (flash-attn's CUDA extension)"),
         ("flash_attn.flash_attn_interface", "USE_TRITON_ROCM"): (

@@ -261,6 +261,154 @@ def test_varlen_gradients_match_the_reference(fake_gpu, window_size):
         torch.testing.assert_close(t.grad.double(), expected.grad, atol=1e-2, rtol=0)
 
 
+# --- flash-attn's semantics on every path: softmax_lse, rows without keys, ALiBi, determinism ---------------
+
+
+def varlen_reference_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi=None, **kwargs):
+    """reference()'s lse per entry of a packed batch, (heads, total_q): +inf for rows of entries without keys."""
+    lse = torch.full((q.shape[1], q.shape[0]), INF, dtype=torch.float64)
+    offsets_q, offsets_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(offsets_q) - 1):
+        rows, keys = slice(offsets_q[b], offsets_q[b + 1]), slice(offsets_k[b], offsets_k[b + 1])
+        if rows.stop > rows.start and keys.stop > keys.start:
+            slopes = alibi[b] if alibi is not None and alibi.dim() == 2 else alibi
+            lse[:, rows] = reference(q[None, rows], k[None, keys], v[None, keys], alibi=slopes, **kwargs)[1][0]
+    return lse
+
+
+@pytest.mark.parametrize("dim, on_kernels", [(64, True), (59, False)])  # the kernels take no head dim 59
+@pytest.mark.parametrize("kwargs", [{"causal": True}, {"window_size": (3, 2)}, {"alibi_slopes": "per head"}])
+def test_return_attn_probs_gives_out_softmax_lse_and_none(fake_gpu, dim, on_kernels, kwargs):
+    q, k, v = bshd(q_len=30, k_len=12, dim=dim, requires_grad=True)  # the first rows see no key when causal
+    if "alibi_slopes" in kwargs:
+        kwargs = dict(kwargs, alibi_slopes=torch.rand(4, generator=torch.Generator().manual_seed(7)))
+    out, lse, s_dmask = fa.flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
+    expected_out, expected_lse = reference(q, k, v, causal=kwargs.get("causal", False),
+                                           window=kwargs.get("window_size", (-1, -1)), alibi=kwargs.get("alibi_slopes"))
+    assert s_dmask is None and lse.dtype == torch.float32 and lse.shape == (2, 4, 30) and not lse.requires_grad
+    torch.testing.assert_close(out.double(), expected_out, **tolerance(q.dtype))
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-3, rtol=0)  # +inf where expected
+    assert (kernel_calls() == 1) is on_kernels
+    out.sum().backward()  # differentiable through out
+    assert torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("function", ["flash_attn_qkvpacked_func", "flash_attn_kvpacked_func"])
+def test_packed_dense_forms_return_attn_probs(fake_gpu, function):
+    out, lse, s_dmask = dense_call(function)(causal=True, return_attn_probs=True)
+    q, k, v = bshd()
+    expected_out, expected_lse = reference(q, k, v, causal=True)
+    torch.testing.assert_close(out.double(), expected_out, **tolerance(q.dtype))
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-3, rtol=0)
+    assert s_dmask is None
+
+
+@pytest.mark.parametrize("kwargs, varlen_launches", [({"causal": True}, 1), ({"window_size": (3, 2)}, 0)])
+@pytest.mark.parametrize("dim", [64, 59])
+def test_varlen_return_attn_probs_gives_heads_by_total_q_lse(fake_gpu, kwargs, varlen_launches, dim):
+    lengths_q, lengths_k = [5, 0, 17, 9, 3], [11, 4, 17, 0, 8]
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, dim=dim)
+    out, lse, s_dmask = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 17, 17, return_attn_probs=True, **kwargs)
+    reference_kwargs = dict(causal=kwargs.get("causal", False), window=kwargs.get("window_size", (-1, -1)))
+    assert s_dmask is None and lse.dtype == torch.float32 and lse.shape == (4, q.shape[0])
+    torch.testing.assert_close(out.double(), varlen_reference(q, k, v, cu_q, cu_k, **reference_kwargs),
+                               **tolerance(q.dtype))
+    torch.testing.assert_close(lse.double(), varlen_reference_lse(q, k, v, cu_q, cu_k, **reference_kwargs),
+                               atol=1e-3, rtol=0)
+    assert fake_gpu.varlen_launches == (varlen_launches if dim == 64 else 0)
+    qkv_out, qkv_lse, _ = fa.flash_attn_varlen_qkvpacked_func(torch.stack([q, q, q], 1), cu_q, 17,
+                                                               return_attn_probs=True)
+    assert qkv_lse.shape == (4, q.shape[0]) and qkv_out.shape == q.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_fallback_rows_without_keys_give_zeros_and_zero_gradients(dtype):
+    # On the CPU every call falls back: dense rows without keys, and an entry whose every row has none.
+    q, k, v = bshd(q_len=30, k_len=10, dim=59, dtype=dtype, requires_grad=True)
+    out = fa.flash_attn_func(q, k, v, window_size=(4, 2))
+    assert not out[:, :18].any()
+    torch.testing.assert_close(out.double(), reference(q, k, v, window=(4, 2))[0], **tolerance(dtype))
+    out.sum().backward()
+    assert not q.grad[:, :18].any() and all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    q, k, v, cu_q, cu_k = packed([9, 6], [3, 6], dim=59, dtype=dtype, requires_grad=True)
+    out = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 6, causal=True)
+    torch.testing.assert_close(out.double(), varlen_reference(q, k, v, cu_q, cu_k, causal=True), **tolerance(dtype))
+    out.sum().backward()
+    assert not out[:6].any() and not q.grad[:6].any() and all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fallback_alibi_meets_half_precision_queries(dtype, causal):
+    q, k, v = bshd(q_len=40, k_len=300, dim=59, dtype=dtype, requires_grad=True)
+    slopes = torch.rand(2, 4, generator=torch.Generator().manual_seed(8)) * 0.3
+    out = fa.flash_attn_func(q, k, v, causal=causal, alibi_slopes=slopes)
+    assert out.dtype == dtype and rfa.stats()["fallback"] == 1
+    torch.testing.assert_close(out.double(), reference(q, k, v, causal=causal, alibi=slopes)[0], **tolerance(dtype))
+    out.sum().backward()
+    assert q.grad.dtype == dtype and torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_holds_the_sdpa_fallback_to_its_math_backend(monkeypatch, deterministic):
+    backends = []
+
+    def recording_sdpa(*args, **kwargs):
+        backends.append((torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
+                         torch.backends.cuda.math_sdp_enabled()))
+        return torch_sdpa(*args, **kwargs)
+
+    torch_sdpa = fa.router.torch_sdpa
+    monkeypatch.setattr(fa.router, "torch_sdpa", recording_sdpa)
+    q, k, v = bshd(dim=59)
+    fa.flash_attn_func(q, k, v, causal=True, deterministic=deterministic)
+    q, k, v, cu_q, cu_k = packed([7, 12], [9, 12], dim=59)
+    fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 12, 12, deterministic=deterministic)
+    assert len(backends) == 3
+    assert all(used == ((False, False, True) if deterministic else (True, True, True)) for used in backends)
+
+
+@pytest.mark.parametrize("kwargs", [{"causal": True}, {"window_size_left": 3, "window_size_right": 2},
+                                    {"alibi_slopes": "per entry and head", "causal": True}])
+def test_private_varlen_pair_matches_the_reference(fake_gpu, kwargs):
+    lengths_q, lengths_k = [6, 0, 11, 9], [9, 3, 11, 0]
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, kv_heads=2)
+    slopes = torch.rand(4, 4, generator=torch.Generator().manual_seed(9))
+    call = dict(causal=False, window_size_left=-1, window_size_right=-1, alibi_slopes=None)
+    call.update({name: slopes if value == "per entry and head" else value for name, value in kwargs.items()})
+    window = (call["window_size_left"], call["window_size_right"])
+    reference_kwargs = dict(causal=call["causal"], window=window, alibi=call["alibi_slopes"])
+    out, lse, s_dmask, rng_state = fa._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 11, 11, 0.0, None, **call)
+    torch.testing.assert_close(out.double(), varlen_reference(q, k, v, cu_q, cu_k, **reference_kwargs),
+                               **tolerance(q.dtype))
+    torch.testing.assert_close(lse.double(), varlen_reference_lse(q, k, v, cu_q, cu_k, **reference_kwargs),
+                               atol=1e-3, rtol=0)
+    assert s_dmask.numel() == 0 and rng_state.dtype == torch.int64
+
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(10), dtype=q.dtype)
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    softmax_d = fa._flash_attn_varlen_backward(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, 11, 11, 0.0, None,
+                                               call["causal"], *window, 0.0, call["alibi_slopes"], False)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    varlen_reference(*leaves, cu_q, cu_k, **reference_kwargs).backward(dout.double())
+    for grad, expected in zip((dq, dk, dv), leaves):
+        torch.testing.assert_close(grad.double(), expected.grad, atol=1e-2, rtol=0)
+    rowsum = (dout.double() * out.double()).sum(-1).T  # (heads, total_q)
+    assert softmax_d.shape == (4, q.shape[0] + 128 * 4)
+    for b, (start, stop) in enumerate(zip(cu_q.tolist(), cu_q.tolist()[1:])):
+        expected = rowsum[:, start:stop] if lengths_k[b] else torch.zeros(4, stop - start, dtype=torch.float64)
+        torch.testing.assert_close(softmax_d[:, start + 128 * b:stop + 128 * b].double(), expected, atol=1e-2, rtol=0)
+
+
+def test_private_varlen_pair_refuses_what_it_cannot_do():
+    q, k, v, cu, _ = packed([5, 7], [5, 7])
+    for kwargs, named in (({"dropout_p": 0.1}, "dropout_p"), ({"return_softmax": True}, "return_softmax"),
+                          ({"seqused_k": cu[1:]}, "seqused_k"), ({"softcap": 5.0}, "softcap")):
+        with pytest.raises(NotImplementedError, match=named):
+            fa._flash_attn_varlen_forward(q, k, v, cu, cu, 7, 7, **dict({"dropout_p": 0.0, "softmax_scale": None,
+                                                                          "causal": False}, **kwargs))
+
+
 # --- what flash-attn does not offer here, and argument errors ---------------------------------------------
 
 
@@ -288,7 +436,7 @@ def varlen_call(function):
                                   dense_call("flash_attn_kvpacked_func"), varlen_call("flash_attn_varlen_func"),
                                   varlen_call("flash_attn_varlen_qkvpacked_func"),
                                   varlen_call("flash_attn_varlen_kvpacked_func")])
-@pytest.mark.parametrize("kwargs, named", [({"return_attn_probs": True}, "return_attn_probs"),
+@pytest.mark.parametrize("kwargs, named", [({"return_attn_probs": True, "dropout_p": 0.5}, "return_attn_probs"),
                                            ({"softcap": 30.0}, "softcap")])
 def test_unsupported_features_raise_not_implemented(call, kwargs, named):
     with pytest.raises(NotImplementedError, match=named):

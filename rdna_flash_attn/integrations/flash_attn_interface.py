@@ -8,18 +8,29 @@ key lengths differ); ALiBi slopes; fewer key/value heads than query heads (MQA/G
 key give zeros; packed variable-length batches (the varlen functions). Where SDPA's arguments cannot
 say it, an explicit bottom-right mask or ALiBi bias does, which the kernels take too.
 
-Not implemented (NotImplementedError): return_attn_probs=True (flash-attn's extra values exist for
-its own tests), softcap, block_table (a paged KV cache), dropout in the private forward/backward pair.
-float32 inputs are accepted (they run on SDPA); `deterministic` is accepted (the kernels are).
+return_attn_probs=True gives flash-attn's (out, softmax_lse, None). Where SDPA runs a call, rows that see no
+key still give zeros (and zero gradients), ALiBi is added in float32 as flash-attn adds it, and
+deterministic=True holds SDPA to its math backend (the kernels' backward is deterministic already).
+
+Not implemented (NotImplementedError): return_attn_probs=True with dropout_p > 0 (flash-attn's S_dmask, the
+dropped-out probabilities, exists for its own tests), softcap, block_table (a paged KV cache); in the private
+forward/backward pairs dropout, return_softmax=True, leftpad_k and seqused_k. float32 inputs are accepted (they
+run on SDPA).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 
 from ..dispatch import router
+
+try:  # torch >= 2.3
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+except ImportError:  # torch 2.2, which ZLUDA hosts still run
+    SDPBackend = sdpa_kernel = None
 from ..ops import attention as ops
 
 _DENSE_FALLBACK = "PyTorch SDPA"
@@ -32,11 +43,11 @@ _MATH_BLOCK_SCORES = 1 << 24
 # --- argument checks ---------------------------------------------------------------------------------
 
 
-def _refuse_unsupported(function: str, softcap, return_attn_probs, block_table=None) -> None:
-    if return_attn_probs:
+def _refuse_unsupported(function: str, softcap, return_attn_probs, dropout_p, block_table=None) -> None:
+    if return_attn_probs and dropout_p > 0:
         raise NotImplementedError(
-            f"rdna_flash_attn's {function} does not support return_attn_probs=True (flash-attn's extra "
-            "softmax_lse and S_dmask values exist for its own tests); call it without"
+            f"rdna_flash_attn's {function} does not support return_attn_probs=True with dropout_p > 0 "
+            "(flash-attn's S_dmask, the dropped-out probabilities, exists for its own tests)"
         )
     if softcap:
         raise NotImplementedError(f"rdna_flash_attn's {function} does not support softcap (tanh soft-capping)")
@@ -82,14 +93,6 @@ def _window(causal: bool, window_size, seq_q: int, seq_k: int) -> tuple[int, int
     return left, right
 
 
-def _rows_without_keys(seq_q: int, seq_k: int, right: int) -> int:
-    """How many leading query rows see no key: with the diagonal aligned bottom-right, only an upper
-    bound can exclude every key, and then from the first row on."""
-    if seq_k == 0:
-        return seq_q
-    return 0 if right < 0 else min(seq_q, max(0, seq_q - seq_k - right))
-
-
 def _attn_mask(q, k, left: int, right: int, alibi_slopes) -> torch.Tensor | None:
     """SDPA's attn_mask for (batch, heads, tokens, dim) views: bool (seq_q, seq_k) for the window, or a
     float32 ALiBi bias (heads or batch x heads, seq_q, seq_k) with -inf outside it; None for neither."""
@@ -115,9 +118,11 @@ def _attn_mask(q, k, left: int, right: int, alibi_slopes) -> torch.Tensor | None
 # --- dense batches --------------------------------------------------------------------------------------
 
 
-def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes) -> torch.Tensor:
+def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
+               return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """flash-attn's attention on (batch, tokens, heads, head dim) tensors: the kernels through the
-    dispatcher, else SDPA; out contiguous (batch, tokens, heads, head dim)."""
+    dispatcher, else SDPA. (out contiguous (batch, tokens, heads, head dim), flash-attn's softmax_lse
+    (batch, heads, seq_q) where return_lse, else None); return_lse needs dropout_p 0."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # views: (batch, heads, tokens, head dim)
     seq_q, seq_k = q.shape[2], k.shape[2]
     left, right = _window(causal, window_size, seq_q, seq_k)
@@ -125,28 +130,66 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slo
     is_causal = alibi_slopes is None and left < 0 and right == 0 and seq_q == seq_k
     mask = None if is_causal else _attn_mask(q, k, left, right, alibi_slopes)
     grouped = k.shape[1] != q.shape[1]
-    out = router.attention_or_reason(q, k, v, mask, dropout_p, is_causal, scale=softmax_scale, enable_gqa=grouped,
-                                     fallback_name=_DENSE_FALLBACK)
-    if isinstance(out, str):
-        out = _sdpa(q, k, v, mask, dropout_p, is_causal, softmax_scale, _rows_without_keys(seq_q, seq_k, right))
-    return out.transpose(1, 2).contiguous()
+    if return_lse:
+        result = router.attention_with_lse_or_reason(q, k, v, mask, is_causal, scale=softmax_scale,
+                                                     enable_gqa=grouped, fallback_name=_DENSE_FALLBACK)
+    else:
+        result = router.attention_or_reason(q, k, v, mask, dropout_p, is_causal, scale=softmax_scale,
+                                            enable_gqa=grouped, fallback_name=_DENSE_FALLBACK)
+        result = result if isinstance(result, str) else (result, None)
+    if isinstance(result, str):
+        out = _sdpa(q, k, v, mask, dropout_p, is_causal, softmax_scale, deterministic)
+        lse = None
+        if return_lse:
+            scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+            lse = _math_lse(q, k, scale, _attn_mask(q, k, left, right, alibi_slopes))
+        result = out, lse
+    out, lse = result
+    return out.transpose(1, 2).contiguous(), None if lse is None else lse.contiguous()
 
 
-def _sdpa(q, k, v, mask, dropout_p, is_causal, scale, rows_without_keys: int) -> torch.Tensor:
-    """torch's SDPA on (batch, heads, tokens, head dim) views, with flash-attn's zeros for the leading
-    rows that see no key."""
+def _deterministic_sdpa():
+    """SDPA held to its math backend, whose backward adds in a fixed order (the others may use atomics)."""
+    if sdpa_kernel is not None:
+        return sdpa_kernel(SDPBackend.MATH)
+    return torch.backends.cuda.sdp_kernel(enable_flash=False, enable_math=True, enable_mem_efficient=False)
+
+
+def _sdpa(q, k, v, mask, dropout_p, is_causal, scale, deterministic: bool) -> torch.Tensor:
+    """torch's SDPA on (batch, heads, tokens, head dim) views, with flash-attn's semantics where SDPA's
+    differ: every row that sees no key gives zeros (and zero gradients), an ALiBi bias is added in float32
+    whatever the inputs' dtype, and deterministic=True holds SDPA to its math backend."""
     if k.shape[1] != q.shape[1]:  # torch < 2.5 has no enable_gqa: share the key/value heads explicitly
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    if rows_without_keys == q.shape[2]:
+    if k.shape[2] == 0:
         return q.new_zeros(q.shape)
-    if not rows_without_keys:
-        return router.torch_sdpa(q, k, v, mask, dropout_p, is_causal, scale=scale)
-    # Left out of SDPA: torch < 2.5 gives those rows NaN, which would reach the gradients too.
-    seen = router.torch_sdpa(q[:, :, rows_without_keys:], k, v, mask[..., rows_without_keys:, :], dropout_p,
-                             is_causal, scale=scale)
-    blind = seen.new_zeros(*seen.shape[:2], rows_without_keys, seen.shape[3])
-    return torch.cat([blind, seen], dim=2)
+    sees_key = None
+    if mask is not None:
+        allowed = mask if mask.dtype == torch.bool else mask != float("-inf")
+        sees_key = allowed.any(-1, keepdim=True)
+        # SDPA gives such rows NaN (torch < 2.5, and some backends after), which would reach the gradients
+        # too: they get every key here, and zeros below.
+        mask = mask | ~sees_key if mask.dtype == torch.bool else mask.masked_fill(~sees_key, 0.0)
+    # SDPA takes a bias only in the query's dtype; rounding ALiBi's large distances to 16 bits would
+    # reweigh the keys, so such calls run in float32 as flash-attn adds the bias.
+    in_float32 = mask is not None and mask.is_floating_point() and q.dtype != mask.dtype
+    inputs = (q.float(), k.float(), v.float()) if in_float32 else (q, k, v)
+    with _deterministic_sdpa() if deterministic else contextlib.nullcontext():
+        out = router.torch_sdpa(*inputs, mask, dropout_p, is_causal, scale=scale).to(q.dtype)
+    return out if sees_key is None else torch.where(sees_key, out, 0.0)
+
+
+def _math_lse(q, k, scale: float, mask) -> torch.Tensor:
+    """flash-attn's softmax_lse in float32 math on (batch, heads, tokens, dim) views: (batch, heads, seq_q),
+    natural log, +inf for rows that see no key. Not differentiable, as flash-attn's is not."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, 1)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    with torch.no_grad():
+        for rows in _row_blocks(q, k):
+            lse[:, :, rows] = _scores(q[:, :, rows], k, scale, mask, rows).logsumexp(-1)
+    return lse.masked_fill(lse == float("-inf"), float("inf"))
 
 
 def flash_attn_func(
@@ -165,11 +208,14 @@ def flash_attn_func(
     """flash-attn's `flash_attn_func`: q (batch, seq_q, heads, head dim), k and v (batch, seq_k,
     kv_heads, head dim) with kv_heads dividing heads; out like q, contiguous. Causal masks and windows
     are aligned to the bottom-right corner; alibi_slopes (heads,) or (batch, heads) add
-    -slope * |i + seq_k - seq_q - j|."""
-    _refuse_unsupported("flash_attn_func", softcap, return_attn_probs)
+    -slope * |i + seq_k - seq_q - j|. With return_attn_probs (dropout_p 0), (out, softmax_lse, None):
+    softmax_lse float32 (batch, heads, seq_q), natural log, +inf for rows that see no key."""
+    _refuse_unsupported("flash_attn_func", softcap, return_attn_probs, dropout_p)
     _check_inputs(q, k, v, "(batch, seqlen, nheads, headdim)")
     _check_alibi(alibi_slopes, q.shape[0], q.shape[2])
-    return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes)
+    out, lse = _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
+                          return_attn_probs)
+    return (out, lse, None) if return_attn_probs else out
 
 
 def flash_attn_qkvpacked_func(
@@ -184,11 +230,11 @@ def flash_attn_qkvpacked_func(
     return_attn_probs=False,
 ):
     """flash_attn_func on qkv (batch, seqlen, 3, heads, head dim)."""
-    _refuse_unsupported("flash_attn_qkvpacked_func", softcap, return_attn_probs)
+    _refuse_unsupported("flash_attn_qkvpacked_func", softcap, return_attn_probs, dropout_p)
     if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
         raise ValueError("qkv must be a (batch, seqlen, 3, nheads, headdim) tensor")
     return flash_attn_func(*qkv.unbind(2), dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic)
+                           deterministic, return_attn_probs)
 
 
 def flash_attn_kvpacked_func(
@@ -204,11 +250,11 @@ def flash_attn_kvpacked_func(
     return_attn_probs=False,
 ):
     """flash_attn_func on q (batch, seq_q, heads, head dim) and kv (batch, seq_k, 2, kv_heads, head dim)."""
-    _refuse_unsupported("flash_attn_kvpacked_func", softcap, return_attn_probs)
+    _refuse_unsupported("flash_attn_kvpacked_func", softcap, return_attn_probs, dropout_p)
     if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[2] != 2:
         raise ValueError("kv must be a (batch, seqlen_k, 2, nheads_k, headdim) tensor")
     return flash_attn_func(q, *kv.unbind(2), dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic)
+                           deterministic, return_attn_probs)
 
 
 # --- packed variable-length batches -----------------------------------------------------------------------
@@ -238,8 +284,19 @@ def flash_attn_varlen_func(
     windows and ALiBi are aligned to each entry's bottom-right corner. Out (total_q, heads, head dim),
     contiguous; rows of entries without keys, and rows past cu_seqlens_q[-1] (flash-attn leaves those
     uninitialised), are zeros. Unsound offsets or lengths raise ValueError before anything runs, on
-    the kernels and entry by entry alike (ops.check_cu_seqlens says what is checked, and when not)."""
-    _refuse_unsupported("flash_attn_varlen_func", softcap, return_attn_probs, block_table)
+    the kernels and entry by entry alike (ops.check_cu_seqlens says what is checked, and when not).
+    With return_attn_probs (dropout_p 0), (out, softmax_lse, None): softmax_lse float32 (heads, total_q),
+    natural log, +inf for rows that see no key and rows past cu_seqlens_q[-1]."""
+    _refuse_unsupported("flash_attn_varlen_func", softcap, return_attn_probs, dropout_p, block_table)
+    out, lse = _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                 softmax_scale, causal, window_size, alibi_slopes, deterministic, return_attn_probs)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                      causal, window_size, alibi_slopes, deterministic, return_lse: bool):
+    """(out, softmax_lse (heads, total_q) or None) of flash_attn_varlen_func's arguments: the varlen kernels
+    where they take the call, else entry by entry."""
     _check_inputs(q, k, v, "(total, nheads, headdim)")
     ops.check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_alibi(alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1])
@@ -249,16 +306,19 @@ def flash_attn_varlen_func(
         result = router.varlen_attention_or_reason(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                    right == 0, softmax_scale, fallback_name=_VARLEN_FALLBACK)
         if not isinstance(result, str):
-            return result[0]
+            out, lse = result
+            return out, lse if return_lse else None
     return _varlen_by_entry(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size,
-                            alibi_slopes)
+                            alibi_slopes, deterministic, return_lse)
 
 
 def _varlen_by_entry(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size,
-                     alibi_slopes) -> torch.Tensor:
-    """A packed batch one entry at a time through the dense path (which takes windows, ALiBi and dropout),
-    on offsets flash_attn_varlen_func has checked as it does for the kernels."""
+                     alibi_slopes, deterministic, return_lse: bool):
+    """(out, softmax_lse (heads, total_q) or None) of a packed batch, one entry at a time through the dense
+    path (which takes windows, ALiBi and dropout), on offsets flash_attn_varlen_func has checked as it does
+    for the kernels."""
     out = q.new_zeros(q.shape)
+    lse = torch.full(q.shape[1::-1], float("inf"), dtype=torch.float32, device=q.device) if return_lse else None
     offsets_q, offsets_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for entry in range(len(offsets_q) - 1):
         rows = slice(offsets_q[entry], offsets_q[entry + 1])
@@ -266,9 +326,12 @@ def _varlen_by_entry(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_sca
         if rows.stop <= rows.start or keys.stop <= keys.start:  # nothing to compute; no key: zeros
             continue
         slopes = alibi_slopes[entry] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
-        out[rows] = _attention(q[None, rows], k[None, keys], v[None, keys], dropout_p, softmax_scale, causal,
-                               window_size, slopes)[0]
-    return out
+        entry_out, entry_lse = _attention(q[None, rows], k[None, keys], v[None, keys], dropout_p, softmax_scale,
+                                          causal, window_size, slopes, deterministic, return_lse)
+        out[rows] = entry_out[0]
+        if return_lse:
+            lse[:, rows] = entry_lse[0]
+    return out, lse
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -285,12 +348,13 @@ def flash_attn_varlen_qkvpacked_func(
     return_attn_probs=False,
 ):
     """flash_attn_varlen_func on qkv (total, 3, heads, head dim), one cu_seqlens for queries and keys."""
-    _refuse_unsupported("flash_attn_varlen_qkvpacked_func", softcap, return_attn_probs)
+    _refuse_unsupported("flash_attn_varlen_qkvpacked_func", softcap, return_attn_probs, dropout_p)
     if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4 or qkv.shape[1] != 3:
         raise ValueError("qkv must be a (total, 3, nheads, headdim) tensor")
     ops.check_cu_seqlens(qkv, qkv, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, shared=True)
     return flash_attn_varlen_func(*qkv.unbind(1), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
-                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -310,11 +374,12 @@ def flash_attn_varlen_kvpacked_func(
     return_attn_probs=False,
 ):
     """flash_attn_varlen_func on q (total_q, heads, head dim) and kv (total_k, 2, kv_heads, head dim)."""
-    _refuse_unsupported("flash_attn_varlen_kvpacked_func", softcap, return_attn_probs)
+    _refuse_unsupported("flash_attn_varlen_kvpacked_func", softcap, return_attn_probs, dropout_p)
     if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.shape[1] != 2:
         raise ValueError("kv must be a (total_k, 2, nheads_k, headdim) tensor")
     return flash_attn_varlen_func(q, *kv.unbind(1), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
 
 
 # --- the private forward/backward pair (flash-attn >= 2.7), which diffusers' context parallelism drives -----
@@ -446,3 +511,79 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
 # flash-attn >= 2.7 names its torch.library ops so; diffusers imports these names.
 _wrapped_flash_attn_forward = _flash_attn_forward
 _wrapped_flash_attn_backward = _flash_attn_backward
+
+
+def _refuse_private_varlen(function: str, return_softmax, block_table, leftpad_k, seqused_k) -> None:
+    if return_softmax:
+        raise NotImplementedError(
+            f"rdna_flash_attn's {function} does not support return_softmax=True (flash-attn's S_dmask exists "
+            "for its own tests)"
+        )
+    for name, value in (("block_table", block_table), ("leftpad_k", leftpad_k), ("seqused_k", seqused_k)):
+        if value is not None:
+            raise NotImplementedError(f"rdna_flash_attn's {function} does not support {name} (a KV cache's)")
+
+
+def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                               softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+                               alibi_slopes=None, return_softmax=False, block_table=None, leftpad_k=None,
+                               seqused_k=None, zero_tensors=False, num_splits=0):
+    """flash-attn's `_flash_attn_varlen_forward`: (out, softmax_lse, S_dmask, rng_state) for a packed batch
+    as flash_attn_varlen_func takes it: out like q, contiguous; softmax_lse (heads, total_q) float32 natural
+    log, +inf for rows that see no key and rows past cu_seqlens_q[-1] (-inf there with zero_tensors, as
+    flash-attn fills them); S_dmask empty; rng_state two int64 zeros. num_splits only tunes flash-attn's
+    speed. Not differentiable: `_flash_attn_varlen_backward` is its backward."""
+    _refuse_private("_flash_attn_varlen_forward", dropout_p, softcap)
+    _refuse_private_varlen("_flash_attn_varlen_forward", return_softmax, block_table, leftpad_k, seqused_k)
+    with torch.no_grad():
+        out, lse = _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
+                                     softmax_scale, causal, (window_size_left, window_size_right), alibi_slopes,
+                                     False, True)
+    if zero_tensors:
+        lse[:, int(cu_seqlens_q[-1]):] = float("-inf")
+    rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
+    return out, lse, q.new_empty(0), rng_state
+
+
+def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left,
+                                window_size_right, softcap, alibi_slopes, deterministic, rng_state=None,
+                                zero_tensors=False):
+    """flash-attn's `_flash_attn_varlen_backward`: writes the gradients of q, k and v into dq, dk and dv
+    (those given; zeros for rows no entry covers) and returns softmax_d, rowsum(dout * out) as float32
+    (heads, total_q + 128 * batch) in flash-attn's layout: entry b's rows from cu_seqlens_q[b] + 128 * b,
+    zeros elsewhere. Float32 math entry by entry from the given out and softmax_lse, as
+    `_flash_attn_backward` computes."""
+    _refuse_private("_flash_attn_varlen_backward", dropout_p, softcap)
+    _check_inputs(q, k, v, "(total, nheads, headdim)")
+    ops.check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _check_alibi(alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1])
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    offsets_q, offsets_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    batch = len(offsets_q) - 1
+    grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v)]
+    softmax_d = torch.zeros(q.shape[1], q.shape[0] + 128 * batch, dtype=torch.float32, device=q.device)
+    with torch.no_grad():
+        for entry in range(batch):
+            rows = slice(offsets_q[entry], offsets_q[entry + 1])
+            keys = slice(offsets_k[entry], offsets_k[entry + 1])
+            if rows.stop <= rows.start or keys.stop <= keys.start:  # no score: zero gradients
+                continue
+            q4, dout4, out4 = (t[None, rows].transpose(1, 2) for t in (q, dout, out))
+            k4, v4 = (t[None, keys].transpose(1, 2) for t in (k, v))
+            left, right = _window(causal, (window_size_left, window_size_right), q4.shape[2], k4.shape[2])
+            slopes = alibi_slopes[entry] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+            entry_grads = _math_backward(dout4, q4, k4, v4, out4, softmax_lse[None, :, rows].float(), scale,
+                                         _attn_mask(q4, k4, left, right, slopes))
+            for grad, span, entry_grad in zip(grads, (rows, keys, keys), entry_grads):
+                grad[span] = entry_grad[0].transpose(0, 1)
+            softmax_d[:, rows.start + 128 * entry:rows.stop + 128 * entry] = entry_grads[3][0]
+        for target, grad in zip((dq, dk, dv), grads):
+            if target is not None:
+                target.copy_(grad)
+    return softmax_d
+
+
+# flash-attn >= 2.7 names its torch.library ops so.
+_wrapped_flash_attn_varlen_forward = _flash_attn_varlen_forward
+_wrapped_flash_attn_varlen_backward = _flash_attn_varlen_backward
