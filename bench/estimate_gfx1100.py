@@ -302,6 +302,19 @@ def branch_target(i: Insn) -> int:
     return i.addr + 4 + 4 * (offset - ((offset & 0x8000) << 1))
 
 
+def is_huge_score_rounding(body: list[Insn], block: tuple[int, int]) -> bool:
+    """Whether a skipped block is the forward's rounding of scores near their dtype's range (kHugeScore in
+    kernels/fa_fwd.h): multiplications and moves only. Model inputs never reach it."""
+    ops = [i.op for i in body if block[0] <= i.addr <= block[1] and classify(i.op) != "hint"]
+    return bool(ops) and all(op.startswith(("v_mul_f32", "v_dual_mul_f32", "v_mov_b32", "v_dual_mov_b32"))
+                             for op in ops)
+
+
+def rescale_blocks(body: list[Insn], main: tuple[int, int], loops: list[InnerLoop]) -> list[tuple[int, int]]:
+    """skipped_blocks but the huge-score rounding, which runs on no tile of model inputs."""
+    return [block for block in skipped_blocks(body, main, loops) if not is_huge_score_rounding(body, block)]
+
+
 def skipped_blocks(body: list[Insn], main: tuple[int, int], loops: list[InnerLoop]) -> list[tuple[int, int]]:
     """(first, last address) of the code a forward branch on a scalar condition skips in the tile, outside
     the inner loops and inside the key-tile loop (a branch out of the loop is its exit test). Branches
@@ -346,15 +359,20 @@ def count_tile(body: list[Insn], main: tuple[int, int], loops: list[InnerLoop],
                rescale_share: float | None = None) -> TileCounts:
     """One key tile's instructions per wave. rescale_share: the forward's skipped block, if it has one, is
     its O rescale (kSkipsRescale in kernels/fa_fwd.h), counted as run on that share of the tiles; a
-    kernel without it passes None, and any skipped block is then an error."""
-    blocks = skipped_blocks(body, main, loops)
+    kernel without it passes None, and any skipped block is then an error. The huge-score rounding
+    (is_huge_score_rounding) is counted as never run."""
+    blocks = rescale_blocks(body, main, loops)
     if len(blocks) > (0 if rescale_share is None else 1):
         raise RuntimeError(f"unexpected conditional blocks in the key-tile loop: {[tuple(map(hex, b)) for b in blocks]}")
     if blocks and not is_rescale(body, blocks[0]):
         raise RuntimeError(f"the skipped block at {hex(blocks[0][0])} is not the O rescale (one exp2, no WMMA)")
     runs = rescale_runs(body, blocks[0], rescale_share) if blocks else {}
+    never = {i.addr for block in skipped_blocks(body, main, loops) if is_huge_score_rounding(body, block)
+             for i in body if block[0] <= i.addr <= block[1]}
     items = []
     for i in body:
+        if i.addr in never:
+            continue
         if i.addr in runs:
             items.append((i, runs[i.addr], RESCALE_REGION))
         elif main[0] <= i.addr <= main[1]:
@@ -488,7 +506,7 @@ def analyse(path: Path, objdump: str) -> list[dict]:
             main = main_loop(body)
             loops = inner_loops(body, main, variant, peeled_score_steps(co.target, variant))
             # A kernel without the skipped rescale block (kSkipsRescale) rescales every tile.
-            share = rescaled_tile_share(variant.block_n) if skipped_blocks(body, main, loops) else 1.0
+            share = rescaled_tile_share(variant.block_n) if rescale_blocks(body, main, loops) else 1.0
             counts = count_tile(body, main, loops, share)
             # S^T takes d_pad/16 x block_n/16 WMMAs per tile, O^T d_chunk/16 x block_n/16.
             expected = (variant.d_pad + variant.d_chunk) // 16 * (variant.block_n // 16)

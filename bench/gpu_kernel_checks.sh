@@ -3,7 +3,7 @@
 # batch / grouped-head and edge test grids and the custom-op tests through both emulated layers, then
 # compute-sanitizer memcheck and racecheck on a small forward+backward grid. Needs build/emu/ (python kernels/build.py
 # --no-amd --emulate; with --cuda-archs 90 it is 5 MB, small enough to build off the GPU machine with nvcc and carry).
-# Results go to ${OUT:-bench/out}. SKIP_FORWARD=1 / SKIP_API=1 leave those parts out. bench/compare_grids.py
+# Results go to ${OUT:-bench/out}. SKIP_FORWARD=1 / SKIP_API=1 leave those parts out. Needs pytest-xdist. bench/compare_grids.py
 # then compares the grids with the recorded cases, bit for bit.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -21,7 +21,9 @@ run_tests() {  # name, files...
 [ -z "${SKIP_FORWARD:-}" ] && RDNA_FA_GRID_REPORT="$out/forward_grid.json" run_tests forward tests/gpu/test_forward.py
 RDNA_FA_BWD_GRID_REPORT="$out/backward_grid.json" run_tests backward tests/gpu/test_backward.py
 RDNA_FA_PROBLEM_GRID_REPORT="$out/problem_grids.json" run_tests problems tests/gpu/test_masks_varlen_gqa.py
-run_tests edge_grid tests/gpu/test_edge_grid_gpu.py
+# The edge grid's small cases in 8 processes (pytest-xdist), then its large tensors one at a time.
+run_tests edge_grid tests/gpu/test_edge_grid_gpu.py -n 8 -k "not past_2_31 and not past_65535"
+run_tests edge_large tests/gpu/test_edge_grid_gpu.py -k "past_2_31 or past_65535"
 run_tests custom_ops tests/gpu/test_custom_ops.py
 [ -z "${SKIP_API:-}" ] && RDNA_FA_FORCE=1 run_tests api tests/gpu/test_api_gpu.py
 

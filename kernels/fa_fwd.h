@@ -212,6 +212,13 @@ struct FwdLoop {
   // branch costs the scheduler more than the multiplications it skips (bench/results, stop 36); past
   // 10 a wave's registers are too tight for it: they spill.
   static constexpr bool kSkipsRescale = kOutFrags >= 8 && kOutFrags <= 10;
+  // An exponent fused into one fma of the unrounded product exceeds the rounded row maximum by up to half
+  // an ulp, and exp2 of that overflows once the maximum nears 2^31: bf16 scores can (Q and K of 3e4 at the
+  // default scale), f16 ones cannot where SDPA's own f16 products stay finite. So bf16 tiles whose scaled
+  // maximum reaches kHugeScore round their scores first, as SDPA does; below it the excess is under 1/2.
+  // Not with 11 or 13 output fragments (d176 and d208 in one chunk): the branch spills there (report
+  // --check), and those kernels keep the fused exponent (NaN for scores near 2^31).
+  static constexpr bool kRoundsHugeScores = !kIsF16<DT> && kOutFrags != 11 && kOutFrags != 13;
   // S's first head-dim steps run ahead of its loop, so that their C operand is a zero constant (inline on
   // gfx12; on gfx11 one zero block kept across tiles) rather than accumulators zeroed every tile. Two,
   // so that the loop keeps the parity of kDimFrags: clang unrolls an odd trip count away. Not on gfx11
@@ -343,11 +350,10 @@ struct FwdLoop {
       }
     tile_max = max_f32(tile_max, other_half(tile_max));
     const float tile_top = tile_max == kNegInf ? kNegInf : tile_max * step_scale;
-    // Scores near their dtype's range (|scaled score| >= 2^24) are scaled and rounded first, as SDPA does:
-    // an exponent fused into one fma of the unrounded product exceeds the rounded maximum by up to half an
-    // ulp, and exp2 of that overflows once the maximum nears 2^31. Below 2^24 the excess is under 1/2.
-    if (BIAS != kScoreBias && step_scale != 1.f &&
-        any_lane(abs_f32(tile_top) >= kHugeScore && abs_f32(tile_top) < __builtin_inff())) {
+    // Scores near their dtype's range (|scaled score| >= 2^24) are scaled and rounded first, as SDPA does
+    // (kRoundsHugeScores). A row without a key in the tile (-inf) takes the branch too, harmlessly: -inf
+    // times the positive scale stays -inf.
+    if (kRoundsHugeScores && BIAS != kScoreBias && step_scale > 0.f && any_lane(abs_f32(tile_top) >= kHugeScore)) {
       #pragma unroll
       for (int j = 0; j < kKeyFrags; ++j)
         #pragma unroll

@@ -74,7 +74,7 @@ def test_a_d128_tile_skips_only_its_o_rescale_as_the_interpreter_executes_it(gfx
     main = estimator.main_loop(body)
     loops = estimator.inner_loops(body, main, variant, estimator.peeled_score_steps("gfx1100", variant))
     assert [loop.trips for loop in loops if loop.role.startswith("head-dim")] == [(8 - 2) // 2]  # two steps peeled
-    assert len(estimator.skipped_blocks(body, main, loops)) == 1
+    assert len(estimator.rescale_blocks(body, main, loops)) == 1
     every, never = (estimator.count_tile(body, main, loops, share) for share in (1.0, 0.0))
     assert every.wmma == never.wmma and every.trans - never.trans == 1
     assert every.valu - never.valu >= variant.d_chunk // 16 * 8 // 2  # O's values, two to a VOPD pair at most
