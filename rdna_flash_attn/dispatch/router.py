@@ -42,7 +42,6 @@ _fallback_sdpa = torch_sdpa  # where unsupported calls go; see use_fallback()
 
 RDNA_TARGET_PREFIXES = ("gfx11", "gfx12")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
-KERNEL_DTYPE_NAMES = {torch.float16: "f16", torch.bfloat16: "bf16"}  # as the variants table names them
 MAX_REASON_CHARS = 200  # a failure's reason, as logged and counted: one readable line
 AUTOCAST_CAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what autocast converts
 FP32_CAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -206,7 +205,7 @@ def failed_kernels_refusal(device: torch.device, kernels: tuple[str, ...]) -> st
 def call_kernels(dtype: torch.dtype, head_dim: int, masked: bool, backward: bool) -> tuple[str, ...]:
     """Symbols of the exact kernels a call launches, the forward first: the class of calls a failure
     turns off, since a kernel that fails once fails for every call it runs."""
-    name = KERNEL_DTYPE_NAMES[dtype]
+    name = attention.DTYPE_NAMES[dtype]
     kernels = (variants.fwd_variant(name, head_dim, masked).symbol,)
     if backward:
         kernels += tuple(variants.bwd_variant(kind, name, head_dim, masked).symbol for kind in ("dq", "dkdv"))
@@ -245,7 +244,7 @@ def _backward_failed(error: Exception, q: torch.Tensor, masked: bool) -> None:
     """A backward's kernels raised, inside autograd: its dQ and dK/dV kernels off for the device, so
     later calls of its class that need gradients fall back from their forward on (forward-only calls
     keep the kernels). The error itself still reaches the caller's backward, which nothing here runs."""
-    if isinstance(error, (KernelUnavailable, torch.cuda.OutOfMemoryError)) or q.dtype not in KERNEL_DTYPE_NAMES:
+    if isinstance(error, (KernelUnavailable, torch.cuda.OutOfMemoryError)) or q.dtype not in attention.DTYPE_NAMES:
         return
     kernels = call_kernels(q.dtype, q.shape[-1], masked, True)[1:]
     reason = _failure_reason(" and ".join(kernels), error, q.device)

@@ -21,12 +21,12 @@ from ..runtime.loader import KernelUnavailable
 from .launch_args import (BwdArgs, CAUSAL_BOTTOM_RIGHT, CAUSAL_TOP_LEFT, FwdArgs, MASK_BF16, MASK_BOOL, MASK_F16,
                           MASK_F32, MASK_NONE, NOT_CAUSAL)
 
-__all__ = ["KernelUnavailable", "BackwardStats", "backward_stats_like", "forward_refusal", "mask_refusal",
+__all__ = ["KernelUnavailable", "DTYPE_NAMES", "BackwardStats", "backward_stats_like", "forward_refusal", "mask_refusal",
            "varlen_refusal", "check_cu_seqlens", "PackedRows", "artifact_info", "forward_launch",
            "flash_attention_forward", "flash_attention_backward", "flash_attention_varlen_forward",
            "flash_attention_varlen_backward", "kernel_layout", "packed_kernel_layout"]
 
-_DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
+DTYPE_NAMES = {torch.float16: "f16", torch.bfloat16: "bf16"}  # the kernels' dtypes, as the variants table names them
 _MASK_KINDS = {torch.bool: MASK_BOOL, torch.float16: MASK_F16, torch.bfloat16: MASK_BF16, torch.float32: MASK_F32}
 _SUPPORTED_HEAD_DIMS = frozenset(variants.SUPPORTED_HEAD_DIMS)
 _VECTOR_ELEMS = 8  # the kernels move 16-byte vectors of 16-bit values
@@ -50,7 +50,7 @@ def forward_refusal(q, k, v, is_causal: bool = False, scale: float | None = None
             return f"{name} is not a tensor"
         if t.dim() != 4:
             return f"{name} is {t.dim()}-D; the kernels take 4-D (batch, heads, seq, head_dim)"
-    if q.dtype not in _DTYPES:
+    if q.dtype not in DTYPE_NAMES:
         return f"dtype {q.dtype} is not supported (float16 or bfloat16)"
     if k.dtype != q.dtype or v.dtype != q.dtype:
         return "query, key and value have different dtypes"
@@ -341,7 +341,7 @@ class _ForwardLaunch:
     def __init__(self, library: loader.KernelLibrary, q, k, v, is_causal: bool, scale: float | None,
                  bottom_right: bool = False, masked: bool = False):
         batch, heads, seq_q, head_dim = q.shape
-        variant = variants.fwd_variant(_DTYPES[q.dtype], head_dim, masked)
+        variant = variants.fwd_variant(DTYPE_NAMES[q.dtype], head_dim, masked)
         q_blocks = -(-seq_q // variant.block_rows)
         self.device, self.dtype = q.device, q.dtype
         self.out_size, self.out_stride = output_layout(q)
@@ -482,7 +482,7 @@ def _launch_backward(dout, q, k, v, lse, dq, dk, dv, causal: int, scale, attn_ma
     saved.out_low as such views too."""
     library = loader.library_for(q.device)
     heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[3]
-    dtype = _DTYPES[q.dtype]
+    dtype = DTYPE_NAMES[q.dtype]
     delta = torch.empty_like(lse)  # lse's layout: the kernels share its strides
     # With the training forward's statistics the kernels read its row offsets where the lse would be.
     row_offsets, lse_to_log2 = (lse, LOG2_E) if saved is None else (saved.row_offset, 1.0)
@@ -693,7 +693,7 @@ def flash_attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
     q4, k4, v4, o4 = _batch_views(q, k, v, out)
     batch, heads, head_dim = cu_seqlens_q.shape[0] - 1, q.shape[1], q.shape[2]
     library = loader.library_for(q.device)
-    variant = variants.fwd_variant(_DTYPES[q.dtype], head_dim)
+    variant = variants.fwd_variant(DTYPE_NAMES[q.dtype], head_dim)
     q_blocks = -(-int(max_seqlen_q) // variant.block_rows)
     args = FwdArgs(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), *_strides(q4, k4, v4, o4),
                    0, lse.stride(0), int(max_seqlen_q), int(max_seqlen_k), head_dim,

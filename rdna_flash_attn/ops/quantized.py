@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from ..runtime import loader, variants
-from .attention import LOG2_E, _DTYPES, _MAX_GRID_YZ, _device_guard, _strides, forward_refusal, output_like
+from .attention import DTYPE_NAMES, LOG2_E, _MAX_GRID_YZ, _device_guard, _strides, forward_refusal, output_like
 from .launch_args import Fwd8Args, Quant8Args
 
 __all__ = ["QuantizedInputs", "target_refusal", "quantized_refusal", "quantize_inputs", "quantized_attention_forward",
@@ -87,7 +87,7 @@ def quantize_inputs(k, v, variant: variants.Fwd8Variant) -> QuantizedInputs:
                       kv_heads, seq_k, k_rows, dim)
     library = loader.library_for(k.device)
     buffers = (k, v, *inputs, k_mean)
-    dtype = _DTYPES[k.dtype]
+    dtype = DTYPE_NAMES[k.dtype]
     library.launch(variants.quant8_variant("stats", dtype, dim), (1, kv_heads, batch), args, buffers)
     library.launch(variants.quant8_variant("codes", dtype, dim), (k_rows // variants.QUANT8_ROWS, kv_heads, batch),
                    args, buffers)
@@ -112,7 +112,7 @@ def launch_quantized(q, k, v, scale: float | None = None) -> torch.Tensor:
     library = loader.library_for(q.device)
     batch, heads, seq_q, dim = q.shape
     softmax_scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
-    variant = variants.fwd8_variant(_DTYPES[q.dtype], dim)
+    variant = variants.fwd8_variant(DTYPE_NAMES[q.dtype], dim)
     out = output_like(q)
     with _device_guard(q.device):
         inputs = quantize_inputs(k, v, variant)
