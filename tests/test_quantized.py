@@ -242,7 +242,10 @@ def fake_rdna4(fake_gpu, monkeypatch):
 
 
 def _qkv(dim=64):
-    return (torch.randn(1, 2, 40, dim, dtype=torch.float16) for _ in range(3))
+    """Inputs within the 8-bit bar (quantized.accuracy_refusal): V with channel means."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, dim, generator=generator) for _ in range(3))
+    return (t.half() for t in (q, k, v + torch.randn(1, 2, 1, dim, generator=generator)))
 
 
 def test_rdna3_stays_exact_and_says_why(fake_gpu):
@@ -325,3 +328,65 @@ def test_the_8bit_selftest_bar_has_room_for_the_arithmetic_itself(monkeypatch):
     checks = selftest.eight_bit_checks(torch.device("cpu"))
     assert len(checks) == 2 * 2 * len(selftest.EIGHT_BIT_CASES)
     assert all(check.error <= check.tolerance / 2 for check in checks), [c for c in checks if c.error > c.tolerance / 2]
+
+
+# --- the guard: inputs outside the 8-bit bar run exact -----------------------------------------------
+
+
+def _iid(tokens=1024, dim=64, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, 2, tokens, dim, generator=generator).half() for _ in range(3)]
+
+
+def test_input_statistics_are_the_definitions_in_float64():
+    q, k, v = _iid(300, 40)
+    q[..., 3] *= 20
+    k[:, 1] += 5.0  # a shift per channel of head 1: K's statistic is taken about its mean
+    q64, k64, v64 = (t.double()[0] for t in (q, k, v))
+
+    def spread(x):
+        amax = x.abs().amax(dim=1)
+        return float((amax.amax(dim=-1) / amax.median(dim=-1).values).amax())
+    v_mean = v64.mean(dim=1)
+    v_range = (v64 - v64.mean(dim=1, keepdim=True)).abs().amax(dim=1)
+    stats = quantized.input_statistics(q, k, v)
+    assert stats.q_channel_spread == pytest.approx(spread(q64), rel=1e-3)
+    assert stats.k_channel_spread == pytest.approx(spread(k64 - k64.mean(dim=1, keepdim=True)), rel=1e-3)
+    assert stats.v_mean_over_range == pytest.approx(float((v_mean.norm(dim=-1) / v_range.norm(dim=-1)).amin()),
+                                                    rel=1e-3)
+
+
+def test_accuracy_refusal_takes_model_like_inputs_and_refuses_what_misses_the_bar():
+    q, k, v = (t.unsqueeze(0) for t in flux_like(256, 1024))
+    assert quantized.accuracy_refusal(q, k, v) is None
+    assert "V's channel means under 0.06" in quantized.accuracy_refusal(*_iid())
+    for outlier in (q, k):
+        spiked = outlier.clone()
+        spiked[..., 5] = spiked[..., 5] * 100
+        args = (spiked, k, v) if outlier is q else (q, spiked, v)
+        assert "channel's range over 8x" in quantized.accuracy_refusal(*args)
+    nan_v = v.clone()
+    nan_v[0, 0, 3, 0] = float("nan")
+    assert "NaN or infinite" in quantized.accuracy_refusal(q, k, nan_v)
+    constant_v = torch.ones_like(v)  # no range: the output is the mean, carried exactly
+    assert quantized.accuracy_refusal(q, k, constant_v) is None
+    assert quantized.accuracy_refusal(q[:, :, :0], k, v) is None and quantized.accuracy_refusal(q, k[:, :, :0],
+                                                                                                  v[:, :, :0]) is None
+
+
+def test_dispatcher_runs_inputs_outside_the_bar_exact_and_keeps_8bit_for_the_rest(fake_rdna4):
+    model_like = [t.unsqueeze(0) for t in flux_like(128, 512)]
+    rfa.scaled_dot_product_attention(*model_like)  # self-test and one 8-bit call
+    calls = fake_rdna4.eight_bit.calls
+    iid = _iid()
+    out = rfa.scaled_dot_product_attention(*iid)
+    assert fake_rdna4.eight_bit.calls == calls
+    assert torch.allclose(out.float(), _math_attention(*(t.float() for t in iid))[0], atol=2e-3)
+    rfa.scaled_dot_product_attention(*model_like)
+    stats = rfa.stats()
+    assert fake_rdna4.eight_bit.calls == calls + 1 and stats["kernel_8bit"] == 2 and stats["kernel"] == 3
+    assert stats["exact_not_8bit_reasons"] == {
+        "inputs outside 8-bit attention's bar: V's channel means under 0.06 of its range": 1}
+    assert rfa.explain(*iid).endswith("exact, not 8-bit: inputs outside 8-bit attention's bar: V's channel means "
+                                      "under 0.06 of its range")
+    assert rfa.explain(*model_like).endswith("in 8-bit attention (int8 Q K^T, fp8 P V)")

@@ -491,9 +491,12 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *
     if call.key.shape[1] != call.query.shape[1]:
         kind += f", {call.query.shape[1] // call.key.shape[1]} query heads per key/value head"
     grad = ", forward and backward" if call.backward else ""
-    precision = ", in 8-bit attention (int8 Q K^T, fp8 P V)" if call.eight_bit else ""
-    if call.exact_reason:
-        precision = f", exact, not 8-bit: {call.exact_reason}"
+    exact_reason = call.exact_reason
+    if call.eight_bit:
+        exact_reason = quantized.accuracy_refusal(call.query, call.key, call.value)
+    precision = ", in 8-bit attention (int8 Q K^T, fp8 P V)" if exact_reason is None and call.eight_bit else ""
+    if exact_reason:
+        precision = f", exact, not 8-bit: {exact_reason}"
     return f"runs on the kernels: {call.query.dtype}, head dim {call.query.shape[-1]}, {kind}{grad}{precision}"
 
 
@@ -554,15 +557,13 @@ def _kernel_inputs(route: Route, query, key, value, scale):
     return query, key, value, None if scale is None else float(scale)
 
 
-def _run(route: Route, query, key, value, attn_mask, is_causal: bool, scale, signature: tuple | None = None,
-         tracing: bool = False) -> torch.Tensor:
-    """The kernels' result on `route`. An eager forward-only call of a cached signature (never one
-    with a mask) runs the route's prepared launch, preparing it (and caching the route with it) the
-    first time."""
-    query, key, value, scale = _kernel_inputs(route, query, key, value, scale)
-    if route.eight_bit:
+def _run_eight_bit(route: Route, query, key, value, is_causal: bool, scale) -> tuple[torch.Tensor, Route]:
+    """8-bit attention's output and the route the call took: the exact kernels' where this call's inputs
+    are outside the 8-bit bar (quantized.accuracy_refusal) or the 8-bit kernels failed."""
+    reason = quantized.accuracy_refusal(query, key, value)
+    if reason is None:
         try:
-            out = quantized.launch_quantized(query, key, value, scale)  # _decide made its checks
+            return quantized.launch_quantized(query, key, value, scale), route  # _decide made its checks
         except KernelUnavailable:
             raise
         except Exception as exc:  # 8-bit attention failing must cost precision's speed, not the exact kernels
@@ -573,8 +574,18 @@ def _run(route: Route, query, key, value, attn_mask, is_causal: bool, scale, sig
                 log.warning("8-bit attention is now off: %s (the exact kernels run its calls)", reason)
                 log.debug("the error behind %r:", reason, exc_info=exc)
                 _disable_eight_bit(query.device, reason)
-            out, _lse = attention.flash_attention_forward(query, key, value, is_causal, scale)
-            route = route._replace(eight_bit=False, exact_reason=reason)
+    out, _lse = attention.flash_attention_forward(query, key, value, is_causal, scale)
+    return out, route._replace(eight_bit=False, exact_reason=reason)
+
+
+def _run(route: Route, query, key, value, attn_mask, is_causal: bool, scale, signature: tuple | None = None,
+         tracing: bool = False) -> torch.Tensor:
+    """The kernels' result on `route`. An eager forward-only call of a cached signature (never one
+    with a mask) runs the route's prepared launch, preparing it (and caching the route with it) the
+    first time."""
+    query, key, value, scale = _kernel_inputs(route, query, key, value, scale)
+    if route.eight_bit:
+        out, route = _run_eight_bit(route, query, key, value, is_causal, scale)
     elif route.backward or tracing:  # the custom op: differentiable, and what a graph can hold
         out = autograd.flash_attention(query, key, value, is_causal, scale, attn_mask=attn_mask)
     elif route.launch is not None:

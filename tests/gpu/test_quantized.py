@@ -20,7 +20,7 @@ import torch
 
 from rdna_flash_attn.config import settings
 from rdna_flash_attn.dispatch import router as dispatch
-from rdna_flash_attn.ops import quantized
+from rdna_flash_attn.ops import attention, quantized
 from rdna_flash_attn.runtime import artifacts, loader as runtime, variants
 
 from ..test_quantized import dequantized_attention, flux_like, model, reference_q_codes, reference_quantize
@@ -166,9 +166,13 @@ def test_dispatch_runs_8bit_only_where_asked(gfx12, kernels_on_gfx12, monkeypatc
     assert torch.equal(out, quantized.quantized_attention_forward(q, k, v))
     dispatch.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert dispatch.stats()["exact_not_8bit_reasons"] == {"8-bit attention is not causal": 1}
+    iid = [torch.randn(1, 2, 1024, 64, device="cuda").half() for _ in range(3)]  # outside the 8-bit bar
+    assert torch.equal(dispatch.scaled_dot_product_attention(*iid), attention.flash_attention_forward(*iid)[0])
+    assert dispatch.stats()["exact_not_8bit_reasons"]["inputs outside 8-bit attention's bar: V's channel means "
+                                                      "under 0.06 of its range"] == 1
     monkeypatch.setattr(settings, "precision", "exact")
     exact = dispatch.scaled_dot_product_attention(q, k, v)
-    assert dispatch.stats()["kernel"] == 3 and dispatch.stats()["kernel_8bit"] == 1
+    assert dispatch.stats()["kernel"] == 4 and dispatch.stats()["kernel_8bit"] == 1
     assert not torch.equal(out, exact)
 
 
