@@ -1,10 +1,10 @@
 """The import graph of the core package, read from its sources (nothing is imported), its layers, and
-the diagram of them in the README.
+the diagram of them in docs/architecture.md.
 
     python -m tests.import_graph           # print the layer diagram (Mermaid)
-    python -m tests.import_graph --write   # put it into README.md between its markers
+    python -m tests.import_graph --write   # put it into docs/architecture.md between its markers
 
-tests/test_layers.py checks the rules on this graph and that the README's diagram is the current one.
+tests/test_layers.py checks the rules on this graph and that the page's diagram is the current one.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = "rdna_flash_attn"
 PACKAGE_DIR = REPO / PACKAGE
-README = REPO / "README.md"
+DIAGRAM_PAGE = REPO / "docs" / "architecture.md"
 DIAGRAM_START = "<!-- layers diagram: python -m tests.import_graph --write -->"
 DIAGRAM_END = "<!-- end of layers diagram -->"
 
@@ -173,8 +173,8 @@ def layer_diagram(imports: list[Import]) -> str:
     return "\n".join(lines)
 
 
-def readme_diagram(text: str) -> str | None:
-    """The diagram between the README's markers, or None without markers."""
+def page_diagram(text: str) -> str | None:
+    """The diagram between the page's markers, or None without markers."""
     if DIAGRAM_START not in text or DIAGRAM_END not in text:
         return None
     return text.split(DIAGRAM_START, 1)[1].split(DIAGRAM_END, 1)[0].strip()
@@ -182,20 +182,20 @@ def readme_diagram(text: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.import_graph", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--write", action="store_true", help="replace the diagram between README.md's markers")
+    parser.add_argument("--write", action="store_true", help="replace the diagram between docs/architecture.md's markers")
     args = parser.parse_args(argv)
     diagram = layer_diagram(package_imports())
     if not args.write:
         print(diagram)
         return 0
-    text = README.read_text(encoding="utf-8")
-    if readme_diagram(text) is None:
-        print(f"README.md has no markers {DIAGRAM_START!r} ... {DIAGRAM_END!r}", file=sys.stderr)
+    text = DIAGRAM_PAGE.read_text(encoding="utf-8")
+    if page_diagram(text) is None:
+        print(f"{DIAGRAM_PAGE} has no markers {DIAGRAM_START!r} ... {DIAGRAM_END!r}", file=sys.stderr)
         return 1
     head, rest = text.split(DIAGRAM_START, 1)
-    README.write_text(f"{head}{DIAGRAM_START}\n{diagram}\n{DIAGRAM_END}{rest.split(DIAGRAM_END, 1)[1]}",
+    DIAGRAM_PAGE.write_text(f"{head}{DIAGRAM_START}\n{diagram}\n{DIAGRAM_END}{rest.split(DIAGRAM_END, 1)[1]}",
                       encoding="utf-8")
-    print(f"wrote the layer diagram into {README}")
+    print(f"wrote the layer diagram into {DIAGRAM_PAGE}")
     return 0
 
 

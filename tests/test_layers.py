@@ -1,6 +1,6 @@
 """The core package's layers: imports run one way (tools -> integrations -> dispatch -> ops -> runtime),
 no module takes part in an import circle, no import inside a function hides one, every module imports,
-and the README's diagram of the layers is the one the sources give."""
+and the diagram of the layers in docs/architecture.md is the one the sources give."""
 
 import importlib
 
@@ -45,9 +45,9 @@ def test_every_module_imports(name):
     assert importlib.import_module(name).__name__ == name
 
 
-def test_readme_diagram_is_current(imports):
-    readme = import_graph.README.read_text(encoding="utf-8")
-    assert import_graph.readme_diagram(readme) == import_graph.layer_diagram(imports), (
+def test_architecture_page_diagram_is_current(imports):
+    page = import_graph.DIAGRAM_PAGE.read_text(encoding="utf-8")
+    assert import_graph.page_diagram(page) == import_graph.layer_diagram(imports), (
         "the layers changed: python -m tests.import_graph --write")
 
 
