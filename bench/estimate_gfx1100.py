@@ -282,7 +282,7 @@ def inner_loops(body: list[Insn], main: tuple[int, int], variant, peeled_steps: 
             loops.append(InnerLoop(f"head-dim loop (unroll {unroll})", s, e, (dim_frags - peeled_steps) // unroll))
         elif any(op.startswith("global_load") for op in ops):
             k_rows = any(op == "ds_store_b128" for op in ops)
-            # V^T's stores: pairs of keys in 32 bits, or (from stop 48) one key per 16-bit store
+            # V^T's stores: pairs of keys in 32 bits, or one key per 16-bit store
             vt = any(op.startswith(("ds_store_b32", "ds_store_2addr_b32", "ds_store_b16")) for op in ops)
             if k_rows and vt:
                 loops.append(InnerLoop("K+V^T copy batches -> LDS", s, e, copy_batches(variant)))

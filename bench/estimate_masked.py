@@ -94,7 +94,7 @@ SHAPES = (
     ("packed batch of 4 (varlen)", "bf16", 128, VARLEN, 4, 24, PACKED, PACKED, None, None),
     ("the same batch padded to 4608, key padding", "bf16", 128, KEY_PADDING, 4, 24, PACKED, PACKED, 4608, None),
     # Issue 23's model shapes without a mask, and the shapes the measured kernels of
-    # estimator_calibration.md were timed at (README: next to their published figures).
+    # estimator_calibration.md were timed at (docs/performance.md: next to their published figures).
     ("Flux", "bf16", 128, "none", 1, 24, (4608,), (4608,), None, None),
     ("SDXL", "f16", 64, "none", 2, 10, (4096,), (4096,), None, None),
     ("SD1.5", "f16", 40, "none", 2, 8, (4096,), (4096,), None, None),

@@ -5,8 +5,8 @@
 The test file is flash-attn's, not ours, and is not kept in this repository: pass the path of a copy (its
 repository and commit go in --source, recorded in the JSON). `import flash_attn` gets the stand-in
 (rdna_flash_attn/integrations/flash_attn_shim first on sys.path, as `launch --flash-attn` puts it). The few names
-the test file imports that the stand-in leaves out on purpose (README: "Not provided") are served by the harness
-for this run only, each listed in the output with what serves it (see _harness_names).
+the test file imports that the stand-in leaves out on purpose (docs/flash_attn.md: "Not provided") are served by
+the harness for this run only, each listed in the output with what serves it (see _harness_names).
 
 Every test case ends as one of
   passed, skipped, failed,

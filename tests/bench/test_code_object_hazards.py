@@ -4,7 +4,7 @@ A VALU instruction that reads a VGPR written by a transcendental one (v_exp_f32 
 VALU instructions (transcendental ones included) or 2 transcendental ones between them, or a va_vdst=0
 wait (`s_waitcnt_depctr 0xfff`) before it; a memory or export instruction between them ends the hazard
 too (LLVM's GCNHazardRecognizer, fixVALUTransUseHazard). Otherwise it can read a stale value. LLVM inserts
-the wait for the instructions it selects, but not for inline asm: stop 44's first `pack_probabilities`
+the wait for the instructions it selects, but not for inline asm: a first version of `pack_probabilities`
 rounded v_exp_f32 results with an asm v_fma_mix and read them unmitigated. gfx1150/1151 and gfx12 do not
 have the hazard.
 

@@ -282,8 +282,8 @@ def _forward_key_loop(target: str, symbol: str) -> list:
 def test_forward_key_tile_loads_take_their_scalar_base_form(target, symbol):
     """Every K and V load of the forward's key-tile loop is the tile's uniform base plus a 32-bit lane offset
     (load16_at), and no 64-bit address add is left in the loop: loop_variant (kernels/platform/amdgcn.h) keeps
-    the offsets that are the same on every tile next to their loads (stop 46's exact kernels took two VALU
-    per load for a 64-bit address)."""
+    the offsets that are the same on every tile next to their loads (a 64-bit address would take two VALU per
+    load)."""
     loop = _forward_key_loop(target, symbol)
     loads = [i for i in loop if i.op.startswith("global_load")]
     assert loads and not [i for i in loads if re.search(r", off\b", i.args)]
@@ -297,7 +297,7 @@ def test_forward_key_tile_loads_take_their_scalar_base_form(target, symbol):
 def test_forward_v_tiles_go_to_lds_transposed_by_16_bit_stores(target, dtype, d, masked):
     """The forward stores V^T one element per 16-bit store (store_transposed_pair, kernels/tiles.h: half of
     them in the d16_hi form), every element of the thread's key pairs, not as pairs packed by a v_perm_b32
-    each into 32-bit stores (stop 47's objects). An f16 kernel's loop then holds no v_perm_b32 at all (bf16
+    each into 32-bit stores. An f16 kernel's loop then holds no v_perm_b32 at all (bf16
     still packs its probabilities with one). The unmasked kernels' key-tile loop is read; a masked kernel, whose
     several tile loops the estimator does not tell apart, is read whole: its key biases are staged by
     ds_store_b32 and O by ds_store_b16, so there only the d16_hi stores are V^T's alone."""
@@ -330,7 +330,7 @@ def test_gfx1201_o_rescale_multiplications_pair_as_dual_issues(symbol):
     """O's rescale takes its odd accumulators' factor from a second register (unmerged_copy,
     kernels/platform/amdgcn.h): on gfx1201 at d128 at least half of its 64 multiplications (acc *= factor,
     each factor register multiplying at least 16 accumulators) pair with each other as dual issues, where
-    with one register (stop 46) none did."""
+    with one register none do."""
     loop = _forward_key_loop("gfx1201", symbol)
 
     def in_place_factor(half: str) -> str | None:  # the factor of "vA = vF * vA", else None
@@ -354,7 +354,7 @@ def test_gfx1201_o_rescale_multiplications_pair_as_dual_issues(symbol):
 def test_the_backward_transposed_tiles_go_to_lds_by_16_bit_stores(target, kind, dtype, d):
     """dQ's K^T, and dK/dV's Q^T and dO^T where kSixteenBitTransposeDkdv (kernels/fa_bwd.h) takes them, go to
     LDS one element per 16-bit store, half of them in the d16_hi form (load_transposed's SIXTEEN_BIT), and an
-    f16 main loop holds no v_perm_b32 (stop 48's objects packed every pair of rows by one into a 32-bit word)."""
+    f16 main loop holds no v_perm_b32 (the packed form spends one per pair of rows, into a 32-bit word)."""
     cfg, _ = _backward_cfg(target, kind, d, dtype)
     ops = Counter(cfg.ops(cfg.loops[estimate_gfx1100_backward.main_loop(cfg)]))
     assert ops["ds_store_b16_d16_hi"] > 0 and ops["ds_store_b16"] == ops["ds_store_b16_d16_hi"]
@@ -380,7 +380,7 @@ def test_the_dkdv_kernels_kept_packed_store_each_pair_as_one_permuted_word(targe
 def test_dq_reads_q_and_do_per_key_tile_without_zero_fill(target, dtype, d):
     """dQ's head-dim loop loads Q and dO by RepeatingRows (kernels/tiles.h) where kRepeatingQdo
     (kernels/fa_bwd.h) takes it: no exec mask saved for a row or column test and no register zeroed for
-    it. Stop 49's objects did both around every one of these loads."""
+    it. Guarded loads do both around every one of these loads."""
     cfg, variant = _backward_cfg(target, "dq", d, dtype)
     main = estimate_gfx1100_backward.main_loop(cfg)
     trips = estimate_gfx1100_backward.loop_trips(cfg, main, variant, target)
@@ -399,7 +399,7 @@ def test_dq_reads_q_and_do_once(target, dtype, d):
     registers (gfx12) or from the workgroup's LDS rows (gfx11), not from global memory: each traced path's
     global loads are the K, V (and K^T) copies alone, the paths together run every global load of the
     key-tile loop (none is left behind a guard the traces skipped), and no head-dim step loads from global
-    memory. Stop 52's objects re-read both per key tile."""
+    memory. Without them a dQ key tile re-reads both."""
     assert variants.dq_holds_qdo(target, d, False) != variants.dq_stages_qdo(target, d, False)
     cfg, variant = _backward_cfg(target, "dq", d, dtype)
     main = estimate_gfx1100_backward.main_loop(cfg)
@@ -420,8 +420,7 @@ def test_dq_reads_q_and_do_once(target, dtype, d):
 def test_fused_dkdv_copies_read_their_tiles_without_guards(target, dtype, d):
     """The fused dK/dV kernels copy Q, dO, Q^T and dO^T with repeated edges (kRepeatingCopiesDkdv in
     kernels/fa_bwd.h): where the threads cover the tiles whole, every 16-byte load of a query tile sits in
-    one block that no exec-mask branch leads into. Stop 50's objects guarded each load by its row and
-    column."""
+    one block that no exec-mask branch leads into. Guarded copies test each load's row and column."""
     if find_objdump() is None:
         pytest.skip("llvm-objdump (>= 19) not installed")
     for masked in (False, True):
@@ -443,8 +442,8 @@ def test_d128_dkdv_makes_both_gradients_from_staged_k_and_v(target, dtype):
     """The unmasked d128 dK/dV workgroup makes dK and dV from one S (kFusedDkdv, kStagedKv in
     kernels/fa_bwd.h): its traced query tile is the fused path, whose K and V operands come from the wave's
     LDS rows (no global load in the head-dim loop), and the tile's copies and row statistics share one
-    memory round trip (kStatsWithCopies). Stop 51's objects split dV and dK, re-read V from global memory
-    per query fragment on gfx11 and waited three times per tile."""
+    memory round trip (kStatsWithCopies). Split into dV and dK, the workgroup re-reads V from global memory
+    per query fragment on gfx11 and waits three times per tile."""
     cfg, variant = _backward_cfg(target, "dkdv", 128, dtype)
     assert variant.fused
     main = estimate_gfx1100_backward.main_loop(cfg)
@@ -463,7 +462,7 @@ def test_d128_dkdv_makes_both_gradients_from_staged_k_and_v(target, dtype):
 def test_backward_scores_take_one_subtraction_each(target, dtype, d):
     """A backward score's exponent takes an fma and a min: dividing by the row's probability sum is
     folded into its offset (RowExponent in kernels/fa_bwd.h), so the only f32 subtraction per
-    score (per exponential) is dS's dP - delta. Stop 50's objects took two on every path that makes dS."""
+    score (per exponential) is dS's dP - delta. Without the fold it takes two on every path that makes dS."""
     if find_objdump() is None:
         pytest.skip("llvm-objdump (>= 19) not installed")
     hw = estimate_gfx1100_backward.HARDWARE[target]
