@@ -518,8 +518,8 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
   constexpr int kDimUnroll = kDimFrags % 2 == 0 ? 2 : 1;  // a remainder iteration costs registers
   // The first steps of S and dP run ahead of their loop from a zero C operand, as the forward's S does
   // (fa_fwd.h, kPeeledScoreSteps): one trip of the loop, so that it keeps its parity. At gfx11's d64 one
-  // step, and the other three stay a loop: after two, the last two unroll completely and spill (bench/
-  // results, stop 37).
+  // step, and the other three stay a loop: after two, the last two unroll completely and spill (trial
+  // builds' static report).
   constexpr bool kOnePeeled = !Isa::kInlineZeroAccumulator && kDimFrags == 4;
   constexpr int kPeeledSteps = kOnePeeled ? 1 : kDimUnroll;
   constexpr bool kHoldQdo = kHeldQdo<D_PAD, HAS_MASK>, kStaged = kStagedQdo<D_PAD, HAS_MASK>;

@@ -203,13 +203,13 @@ struct FwdLoop {
   static constexpr int kDimFrags = D_PAD / kFrag;
   // V^T by 16-bit stores (no v_perm_b32 per key pair), except in gfx11's masked f16 d64 kernel: at 256 VGPRs
   // it spilled with them, and room made by not peeling S's steps in its key-padding loop cost that loop
-  // 1.7 % (stop 48).
+  // 1.7 % (static estimate).
   static constexpr bool kSixteenBitVt = !(HAS_MASK && !Isa::kInlineZeroAccumulator && kDimFrags == 4 && kIsF16<DT>);
   using Copy =
       TileCopy<BLOCK_N, D_PAD, D_CHUNK, Shape::kRow, Shape::kVtRow, Shape::kThreads, COPY_LOADS, kSixteenBitVt>;
   // A tile where no row of the wave meets a new maximum skips rescaling O, a multiplication by exactly 1
   // (about half the tiles of a long row; the first ones always rescale). Below 8 output fragments the
-  // branch costs the scheduler more than the multiplications it skips (bench/results, stop 36); past
+  // branch costs the scheduler more than the multiplications it skips (static estimate); past
   // 10 a wave's registers are too tight for it: they spill.
   static constexpr bool kSkipsRescale = kOutFrags >= 8 && kOutFrags <= 10;
   // An exponent fused into one fma of the unrounded product exceeds the rounded row maximum by up to half
@@ -223,7 +223,7 @@ struct FwdLoop {
   // gfx12; on gfx11 one zero block kept across tiles) rather than accumulators zeroed every tile. Two,
   // so that the loop keeps the parity of kDimFrags: clang unrolls an odd trip count away. Not on gfx11
   // past d256 (d320 cannot spare the zero block's 8 VGPRs), nor at d64, whose four steps then unroll
-  // completely, in the per-score mask loop or in bf16: those spill, or run slower (bench/results, stop 37).
+  // completely, in the per-score mask loop or in bf16: those spill, or run slower (trial builds, static estimate).
   // gfx11's masked f16 d64 kernel then holds 256 VGPRs: no headroom left there.
   template <int BIAS>
   static constexpr int kPeeledScoreSteps =

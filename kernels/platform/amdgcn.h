@@ -114,7 +114,7 @@ typedef __bf16 v2bf __attribute__((ext_vector_type(2)));
 
 // 1.0 in an SGPR that clang cannot fold away. With clang 19, which builds every shipped object, the move
 // is written in the asm: with clang writing it (`float one = 1.f; asm("" : "+s"(one))`) the forward key
-// loops came out slower, gfx1201 f16 d80 by 1.5 % (stop 48). Newer LLVM inserts waits for gfx12's SGPR
+// loops came out slower, gfx1201 f16 d80 by 1.5 % (static estimate). Newer LLVM inserts waits for gfx12's SGPR
 // read hazards in a pass that does not look into asm text (AMDGPUWaitSGPRHazards), so a rebuild with a
 // newer clang lets clang write the move, where that pass sees it.
 RDNA_DEV float unfoldable_one() {
