@@ -1,32 +1,24 @@
 #!/usr/bin/env bash
-# Packaging and reproducibility, on the CPU:
+# Packaging, on the CPU:
 #  - install.py --strict: every committed code object matches the manifest's sha256, and fast;
 #  - the universal wheel: its file list, `pip install .` and `pip install <wheel>` into a fresh virtual
 #    environment with the CPU torch, and doctor run from outside the repository (it must find the
 #    code objects inside the installed package);
-#  - reproducibility through the local-rebuild path: the installed package rebuilds gfx1100 from the
-#    kernel sources it ships, with Debian's clang-19, into a temporary user cache; both its code objects
-#    (v5, and v4 for older HIP runtimes) must equal prebuilt/'s byte for byte, and the manifest's source
-#    hash must equal the sources' hash.
-#    This one build replaces both `kernels/build.py --check` and the gfx1100 rebuild of .ci/run.
-set -euo pipefail
-cd "$(dirname "$0")/.."
+#  - the manifest's source hash equals the kernel sources' (prebuilt/ was built from them; the rebuild
+#    that proves it byte for byte is dev/verify_builds.sh).
+source "$(dirname "$0")/../dev/_venv.sh"
 repo=$PWD
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 started=$SECONDS
 step() { echo; echo "=== packaging [$((SECONDS - started)) s]: $* ==="; }
 
-step "clang-19 from Debian"
-if ! command -v clang-19 >/dev/null; then
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang-19 lld-19 llvm-19 >/dev/null
-fi
-clang-19 --version | head -1
-
 step "install.py --strict: sha256 of every committed code object (timed, python startup included)"
 TIMEFORMAT="install.py: %R s wall"
 time python3 install.py --strict
+
+step "kernels/build.py --check: the manifest's source hash is the kernel sources' and every file its sha256"
+python3 kernels/build.py --check
 
 step "build the wheel (hatchling, build isolation)"
 python3 -m pip wheel --no-deps -q -w "$work/dist" .
@@ -58,7 +50,7 @@ EOF
 step "fresh virtual environment: CPU torch, then pip install . (the source tree)"
 python3 -m venv "$work/venv"
 py="$work/venv/bin/python"
-"$py" -m pip install -q torch==2.13.0
+cpu_torch "$py"
 "$py" -m pip install -q "$repo"
 cd "$work"  # from here on, nothing can come from the checkout
 "$py" -m rdna_flash_attn doctor > doctor_source.txt
@@ -72,28 +64,6 @@ grep -qE "^prebuilt +$work/venv/lib/python[0-9.]+/site-packages/rdna_flash_attn/
   doctor.txt
 test -f "$work"/venv/lib/python*/site-packages/rdna_flash_attn_autoload.pth
 "$py" -c "import rdna_flash_attn, sys; assert rdna_flash_attn.__file__.startswith(sys.prefix), rdna_flash_attn.__file__"
-
-step "reproducibility: the installed package rebuilds gfx1100 with clang-19 into a temporary cache"
-RDNA_FA_CACHE_DIR="$work/cache" "$py" -m rdna_flash_attn rebuild --target gfx1100 --clang clang-19
-built=$(ls "$work"/cache/kernels/*/rdna_fa_gfx1100.hsaco)
-cmp "$built" "$repo/prebuilt/rdna_fa_gfx1100.hsaco"
-cmp "$(dirname "$built")/rdna_fa_gfx1100.cov4.hsaco" "$repo/prebuilt/rdna_fa_gfx1100.cov4.hsaco"
-echo "gfx1100 rebuilt from the wheel's sources is identical to prebuilt/rdna_fa_gfx1100.hsaco and .cov4.hsaco"
-"$py" - "$(dirname "$built")/manifest.json" "$repo/prebuilt/manifest.json" <<'EOF'
-import json, sys
-from rdna_flash_attn.runtime import build_facts as facts
-local, committed = (json.load(open(path)) for path in sys.argv[1:])
-assert local["source_hash"] == committed["source_hash"], "kernel sources changed since prebuilt/ was built: run python kernels/build.py"
-for version in facts.code_object_versions("gfx1100"):
-    table = facts.manifest_table(version)
-    assert local[table]["gfx1100"]["sha256"] == committed[table]["gfx1100"]["sha256"], table
-print(f"manifest source hash {committed['source_hash'][:12]} matches the sources")
-EOF
-RDNA_FA_CACHE_DIR="$work/cache" "$py" -c "
-from rdna_flash_attn.runtime import artifacts
-for artifact in artifacts.amd_artifacts('gfx1100'):
-    assert artifact.local and artifact.read_verified(), artifact
-    print(f'runtime picks the local build (code object v{artifact.code_object_version}):', artifact.path)"
 
 echo
 echo "packaging check passed in $((SECONDS - started)) s"

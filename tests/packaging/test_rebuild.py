@@ -1,6 +1,6 @@
 """The local rebuild without compiling for real: compiler search (ROCm, HIP SDK, system clang, too
 old, missing), target checks, the build into the user cache with progress, and its command line. The
-real clang-19 build, compared byte for byte with prebuilt/, runs in .ci/packaging_check.sh."""
+real clang-19 build, compared byte for byte with prebuilt/, is dev/verify_builds.sh."""
 
 from __future__ import annotations
 
