@@ -6,7 +6,11 @@ the kernels do not support.
     with rfa.patch_sdpa(): ...                          # or: route torch's SDPA itself, process-wide
     print(rfa.explain(q, k, v), rfa.stats())            # why, and how often
 
-Importing touches no GPU: devices are probed on their first attention call.
+Importing touches no GPU: devices are probed on their first attention call. Importing does not import
+torch either when torch is not imported yet (`python -m rdna_flash_attn --help` then starts in a
+fraction of a second): the names below then load, all at once, on the first use of any of them. Where
+torch is already imported (every host: ComfyUI, the WebUIs, trainers, diffusers) they load at import,
+so a broken install fails there, as it always did.
 
 The package is built in layers, each a subpackage whose modules import only their own layer and
 those below it (tests/test_layers.py checks it):
@@ -22,12 +26,63 @@ config (settings, logger) and version sit below them all, environment (the one r
 variables) below those; this module is the public API on top.
 """
 
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import TYPE_CHECKING
+
 from .config import Settings, settings
-from .dispatch.router import attention_or_reason, explain, precision, reset_stats, scaled_dot_product_attention, stats
-from .dispatch.sdpa_patch import disable_sdpa_patch, enable_sdpa_patch, patch_sdpa, sdpa_patch_enabled
-from .integrations.diffusers_attention import install_attention_processor, restore_attention_processors
-from .integrations.flash_attn_interface import flash_attn_func
 from .version import __version__
+
+if TYPE_CHECKING:  # what _load_api binds, spelled out for type checkers and tests/import_graph.py
+    from .dispatch.router import (attention_or_reason, explain, precision, reset_stats, scaled_dot_product_attention,
+                                  stats)
+    from .dispatch.sdpa_patch import disable_sdpa_patch, enable_sdpa_patch, patch_sdpa, sdpa_patch_enabled
+    from .integrations.diffusers_attention import install_attention_processor, restore_attention_processors
+    from .integrations.flash_attn_interface import flash_attn_func
+
+# Public name -> the module that defines it (tests/test_api.py checks this against the block above).
+_API = {
+    "attention_or_reason": "dispatch.router",
+    "explain": "dispatch.router",
+    "precision": "dispatch.router",
+    "reset_stats": "dispatch.router",
+    "scaled_dot_product_attention": "dispatch.router",
+    "stats": "dispatch.router",
+    "disable_sdpa_patch": "dispatch.sdpa_patch",
+    "enable_sdpa_patch": "dispatch.sdpa_patch",
+    "patch_sdpa": "dispatch.sdpa_patch",
+    "sdpa_patch_enabled": "dispatch.sdpa_patch",
+    "install_attention_processor": "integrations.diffusers_attention",
+    "restore_attention_processors": "integrations.diffusers_attention",
+    "flash_attn_func": "integrations.flash_attn_interface",
+}
+_SUBPACKAGES = ("dispatch", "integrations", "interpreter", "ops", "runtime", "tools")
+
+
+def _load_api() -> None:
+    """Binds every name of _API here (importing torch and the layers under them)."""
+    for name, module in _API.items():
+        globals()[name] = getattr(importlib.import_module(f".{module}", __name__), name)
+
+
+def __getattr__(name: str):
+    """The API's names, loaded on first use; a subpackage by its name, as after `import rdna_flash_attn.x`."""
+    if name in _API:
+        _load_api()
+        return globals()[name]
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_API))
+
+
+if "torch" in sys.modules:
+    _load_api()
 
 __all__ = [
     "Settings",

@@ -25,6 +25,46 @@ def test_public_names():
     assert rfa.__version__ == "0.1.0"
 
 
+def test_import_without_torch_imports_no_torch_until_the_api_is_used():
+    # `python -m rdna_flash_attn --help` imports the package: it must not pay for torch (seconds).
+    code = (
+        "import sys, rdna_flash_attn as rfa\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "assert rfa.settings is not None and rfa.__version__\n"
+        "assert 'torch' not in sys.modules\n"
+        "sdpa = rfa.scaled_dot_product_attention\n"
+        "assert 'rdna_flash_attn.integrations.flash_attn_interface' in sys.modules  # every name at once\n"
+        "assert rfa.dispatch is sys.modules['rdna_flash_attn.dispatch']\n"
+        "import torch\n"
+        "q = torch.randn(1, 1, 4, 8)\n"
+        "assert torch.allclose(sdpa(q, q, q), torch.nn.functional.scaled_dot_product_attention(q, q, q))\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_import_after_torch_loads_the_api_at_once():
+    # Every host imports torch first: a broken install must fail at its `import rdna_flash_attn`.
+    code = ("import sys, torch, rdna_flash_attn\n"
+            "assert 'scaled_dot_product_attention' in vars(rdna_flash_attn)\n"
+            "assert 'rdna_flash_attn.dispatch.sdpa_patch' in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_lazy_api_table_matches_its_type_checking_imports():
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(rfa))
+    block = next(node for node in tree.body
+                 if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING")
+    spelled = {alias.name: node.module for node in block.body for alias in node.names}
+    assert spelled == rfa._API
+    assert set(rfa._API) <= set(rfa.__all__) and set(rfa.__all__) <= set(rfa._API) | {"Settings", "settings",
+                                                                                       "__version__"}
+    with pytest.raises(AttributeError):
+        rfa.no_such_name
+
+
 def test_import_is_cheap_and_touches_no_gpu():
     code = (
         "import sys, torch, rdna_flash_attn\n"

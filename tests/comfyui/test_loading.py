@@ -81,7 +81,7 @@ def test_old_loader_naming_the_module_after_the_core_reuses_the_imported_core(cu
     out = run_python(f"""
         import sys
         sys.path.insert(0, {str(REPO_ROOT)!r})
-        import rdna_flash_attn                        # another node imported the core first
+        import torch, rdna_flash_attn                 # another node imported the core first, torch before it
         dispatch = sys.modules["rdna_flash_attn.dispatch"]
         sys.path.remove({str(REPO_ROOT)!r})
     """, OLD_STYLE_LOADER, f"""
