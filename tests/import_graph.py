@@ -55,6 +55,8 @@ DEFERRED_IMPORTS = {
         "the .pth hook loads autoload.py by its path before torch is imported; the package comes after torch",
     ("rdna_flash_attn.tools.selftest_cli", "rdna_flash_attn.interpreter"):
         "the interpreter needs numpy, an optional extra; the rest of the CLI must run without it",
+    ("rdna_flash_attn.tools.interpreted", "rdna_flash_attn.interpreter"):
+        "the interpreter needs numpy, an optional extra; the rest of the CLI must run without it",
 }
 
 

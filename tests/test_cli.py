@@ -231,3 +231,26 @@ def test_the_cli_imports_without_numpy():
             "assert cli.main(['doctor']) == 0\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_doctor_explains_the_numpy_warning_once_and_torch_does_not_print_it():
+    code = ("import sys, warnings; sys.modules['numpy'] = None\n"
+            "with warnings.catch_warnings():\n"
+            "    warnings.filterwarnings('ignore', message='Failed to initialize NumPy')\n"
+            "    from rdna_flash_attn.tools import cli\n"
+            "assert cli.main(['doctor']) == 0\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "Failed to initialize NumPy" not in result.stderr
+    assert re.search(r"CPU interpreter +not installed: numpy(, tinygrad)? missing \(torch's \"Failed to initialize "
+                     r"NumPy\" warning says the same\)", result.stdout), result.stdout
+
+
+def test_selftest_interpret_shows_progress_while_it_runs(capsys):
+    pytest.importorskip("tinygrad", reason="the interpreter decodes with tinygrad==0.14.0 (requirements-dev.txt)")
+    code, out, _ = run_cli(capsys, "selftest", "--interpret", "--target", "gfx1201")
+    lines = out.splitlines()
+    assert code == 0 and lines[0].startswith("gfx1201: the self-test's case") and "10 s to a minute" in lines[0]
+    assert lines[1] == " float16: forward and backward ..."
+    assert " rdna_fa_fwd_f16_d64: 2 workgroups of 128 threads ..." in lines
+    assert any(re.fullmatch(r" rdna_fa_bwd_dkdv_bf16_d64: done in \d+\.\d s", line) for line in lines)

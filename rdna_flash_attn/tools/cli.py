@@ -7,7 +7,7 @@ import sys
 
 from . import benchmark, coverage, rebuild, report
 from .doctor import doctor
-from .selftest_cli import run_selftest
+from .selftest_cli import INTERPRETER_DURATION, INTERPRETER_EXTRA, run_selftest
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -18,7 +18,7 @@ def _parser() -> argparse.ArgumentParser:
     test.add_argument("--device", help="one torch device, e.g. cuda:1 (default: every GPU)")
     test.add_argument("--interpret", action="store_true",
                       help="no GPU needed: run a shipped code object on the CPU, instruction by instruction "
-                           "(needs pip install tinygrad==0.14.0)")
+                           f"({INTERPRETER_DURATION}; needs {INTERPRETER_EXTRA})")
     test.add_argument("--target", help="with --interpret: the GPU target's code object (default gfx1100)")
     test.set_defaults(run=run_selftest, parser=test)
     bench = commands.add_parser("bench", help="time the kernels against PyTorch SDPA's backends")

@@ -5,34 +5,45 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
 
 from ..dispatch import router, selftest
 from ..runtime import artifacts, device as devices, loader
+from . import interpreted
 from .doctor import gpu_devices
 
 # The CPU interpreter's case: small, ragged, causal off-square, one tile of each kind, in both
 # dtypes; it takes seconds, not the minutes the GPU self-test's whole case list would.
 INTERPRET_CASE = (1, 2, 64, 77, 64, True)
-INTERPRETER_EXTRA = "pip install numpy tinygrad==0.14.0 (the package's `interpret` extra)"
+INTERPRETER_DURATION = "10 s to a minute, depending on the CPU"
+INTERPRETER_EXTRA = interpreted.INTERPRETER_EXTRA
 
 
-def run_interpreted(target: str) -> tuple[list[selftest.Check], float, str]:
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def run_interpreted(target: str, say: Callable[[str], None] | None = _say) -> tuple[list[selftest.Check], float, str]:
     """The self-test's forward and backward checks of INTERPRET_CASE run by the CPU interpreter on the
-    code object shipped for `target` (code object v5): (checks, seconds, code object path). Raises
-    ImportError without numpy, MissingDecoder without tinygrad, artifacts.ArtifactError without a
-    code object."""
-    # Here, not at the top: the interpreter needs numpy, an optional extra the rest of the CLI does without.
-    from ..interpreter import InterpretedLibrary
-
-    library = InterpretedLibrary.for_target(target)
+    code object shipped for `target` (code object v5), what it runs and each launch announced through
+    `say` (None: silent): (checks, seconds, code object path). Raises ImportError without numpy,
+    MissingDecoder without tinygrad, artifacts.ArtifactError without a code object."""
+    batch, heads, seq_q, seq_k, dim, causal = INTERPRET_CASE
+    library = interpreted.interpreted_library(target, say)
+    if say is not None:
+        say(f"{target}: the self-test's case (b{batch} h{heads} q{seq_q} k{seq_k} d{dim}{' causal' if causal else ''}, "
+            f"float16 and bfloat16) through the shipped code object on the CPU interpreter: {INTERPRETER_DURATION}")
     generator = torch.Generator().manual_seed(0)
     start = time.perf_counter()
+    checks = []
     with loader.explicit_library(library):
-        checks = [check for dtype in selftest.DTYPES
-                  for check in selftest.case_checks(torch.device("cpu"), dtype, INTERPRET_CASE, generator,
-                                                    selftest.direct_gradients)]
+        for dtype in selftest.DTYPES:
+            if say is not None:
+                say(f"  {str(dtype).removeprefix('torch.')}: forward and backward ...")
+            checks += selftest.case_checks(torch.device("cpu"), dtype, INTERPRET_CASE, generator,
+                                           selftest.direct_gradients)
     return checks, time.perf_counter() - start, str(library.artifact.path)
 
 
@@ -40,7 +51,7 @@ def run_interpreted_selftest(target: str) -> int:
     """The shipped code object for `target`, run on the CPU by the ISA interpreter; 0 passed,
     1 failed, 2 nothing tested (no numpy, no decoder or no code object)."""
     try:
-        from ..interpreter import InterpreterError, MissingDecoder  # needs numpy: see run_interpreted
+        from ..interpreter import InterpreterError, MissingDecoder  # needs numpy: see interpreted.interpreted_library
     except ImportError as error:
         print(f"cannot interpret the {target} code object: {error}; {INTERPRETER_EXTRA}")
         return 2
