@@ -57,6 +57,9 @@ DEFERRED_IMPORTS = {
         "the interpreter needs numpy, an optional extra; the rest of the CLI must run without it",
     ("rdna_flash_attn.tools.interpreted", "rdna_flash_attn.interpreter"):
         "the interpreter needs numpy, an optional extra; the rest of the CLI must run without it",
+    **{("rdna_flash_attn.tools.cli", f"rdna_flash_attn.tools.{verb}"):
+       "a verb's module (and torch) loads only when that verb runs: --help answers without torch"
+       for verb in ("doctor", "selftest_cli", "benchmark", "coverage", "rebuild", "report")},
 }
 
 

@@ -49,8 +49,26 @@ SGM_FAMILIES = (*SGM_UNETS, SDXL_VAE)
 RELEASED = {SDXL_VAE: VAE}  # whose released head dims a family has
 
 
+# What A1111's ldm model code imports beyond torch when a model is built (its UNet reads omegaconf's
+# ListConfig), and the package that brings each.
+LDM_REQUIREMENTS = {"omegaconf": "omegaconf"}
+
+
 def ldm_available() -> bool:
     return importlib.util.find_spec("ldm") is not None
+
+
+def missing_requirements() -> list[str]:
+    """The pip packages of LDM_REQUIREMENTS that cannot be imported here."""
+    missing = []
+    for module, package in LDM_REQUIREMENTS.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a module set to None in sys.modules, a broken parent
+            found = False
+        if not found:
+            missing.append(package)
+    return missing
 
 
 def sgm_available() -> bool:

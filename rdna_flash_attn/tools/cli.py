@@ -1,44 +1,106 @@
-"""`python -m rdna_flash_attn doctor | selftest | bench | coverage | rebuild | report`."""
+"""rdna_flash_attn's command line, `python -m rdna_flash_attn VERB` (or `rdna-flash-attn VERB`);
+`VERB --help` gives a verb's options.
+
+A verb's module is imported only when that verb runs: `--help`, no verb or a mistyped one answer
+without importing torch (which alone takes seconds)."""
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
 
-from . import benchmark, coverage, rebuild, report
-from .doctor import doctor
-from .selftest_cli import INTERPRETER_DURATION, INTERPRETER_EXTRA, run_selftest
+# torch warns so at import when numpy is missing or broken; nothing the CLI runs needs numpy except the
+# interpreter, which says so itself (doctor prints a line about numpy).
+NUMPY_WARNING = "Failed to initialize NumPy"
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m rdna_flash_attn", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("doctor", help="show what is detected and why anything is off").set_defaults(run=doctor)
-    test = commands.add_parser("selftest", help="re-run the kernels' self-test on each GPU")
-    test.add_argument("--device", help="one torch device, e.g. cuda:1 (default: every GPU)")
-    test.add_argument("--interpret", action="store_true",
-                      help="no GPU needed: run a shipped code object on the CPU, instruction by instruction "
-                           f"({INTERPRETER_DURATION}; needs {INTERPRETER_EXTRA})")
-    test.add_argument("--target", help="with --interpret: the GPU target's code object (default gfx1100)")
-    test.set_defaults(run=run_selftest, parser=test)
-    bench = commands.add_parser("bench", help="time the kernels against PyTorch SDPA's backends")
-    benchmark.add_arguments(bench)
-    bench.set_defaults(run=benchmark.run)
-    measure = commands.add_parser(
-        "coverage", help="the share of each ComfyUI model family's attention that reaches the kernels")
-    coverage.add_arguments(measure)
-    measure.set_defaults(run=coverage.run)
-    local_build = commands.add_parser("rebuild", help="build code objects for your GPU target locally (clang >= 19)")
-    rebuild.add_arguments(local_build)
-    local_build.set_defaults(run=rebuild.run)
-    # Listed for --help only: main() hands everything after "report" to report.main.
-    commands.add_parser("report", help="static resource report of the prebuilt code objects (see report --help)")
-    return parser
+def _doctor() -> ModuleType:
+    from . import doctor
+    return doctor
+
+
+def _selftest() -> ModuleType:
+    from . import selftest_cli
+    return selftest_cli
+
+
+def _bench() -> ModuleType:
+    from . import benchmark
+    return benchmark
+
+
+def _coverage() -> ModuleType:
+    from . import coverage
+    return coverage
+
+
+def _rebuild() -> ModuleType:
+    from . import rebuild
+    return rebuild
+
+
+def _report() -> ModuleType:
+    from . import report
+    return report
+
+
+@dataclass(frozen=True)
+class Verb:
+    help: str
+    load: Callable[[], ModuleType]  # the module: add_arguments(parser) (optional) and run(args) -> exit code
+
+
+VERBS = {
+    "doctor": Verb("show what is detected and why anything is off", _doctor),
+    "selftest": Verb("re-run the kernels' self-test on each GPU, or (--interpret) on the CPU interpreter", _selftest),
+    "bench": Verb("time the kernels against PyTorch SDPA's backends", _bench),
+    "coverage": Verb("the share of each model family's attention that reaches the kernels in a host: "
+                     "ComfyUI, A1111, diffusers, Forge, reForge, Forge Classic, SD.Next or kohya sd-scripts", _coverage),
+    "rebuild": Verb("build code objects for your GPU target locally (clang >= 19)", _rebuild),
+    # report parses its own command line: main() hands it everything after "report".
+    "report": Verb("static resource report of the prebuilt code objects (see report --help)", _report),
+}
+
+
+def load(verb: str) -> ModuleType:
+    """The verb's module, torch's warning about numpy silenced while it imports (torch is imported then)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=NUMPY_WARNING)
+        return VERBS[verb].load()
+
+
+def _description(module: ModuleType) -> str:
+    """The module docstring's first paragraph, without its "`python -m rdna_flash_attn VERB`:" heading."""
+    first = " ".join((module.__doc__ or "").strip().split("\n\n")[0].split())
+    first = re.sub(r"^`python -m [^`]*`[:,]\s*", "", first)
+    return first[:1].upper() + first[1:]
+
+
+def parser(verb: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser; only `verb`'s module is imported, to add its arguments."""
+    top = argparse.ArgumentParser(prog="python -m rdna_flash_attn", description=__doc__.split("\n\n")[0])
+    commands = top.add_subparsers(dest="command", required=True)
+    for name, entry in VERBS.items():
+        if name != verb:
+            commands.add_parser(name, help=entry.help)
+            continue
+        module = load(name)
+        sub = commands.add_parser(name, help=entry.help, description=_description(module))
+        if hasattr(module, "add_arguments"):
+            module.add_arguments(sub)
+        sub.set_defaults(run=module.run, parser=sub)
+    return top
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["report"]:  # its own parser takes the rest of the line
-        return report.main(argv[1:])
-    args = _parser().parse_args(argv)
+        return load("report").main(argv[1:])
+    verb = argv[0] if argv and argv[0] in VERBS else None
+    args = parser(verb).parse_args(argv)
     return args.run(args)

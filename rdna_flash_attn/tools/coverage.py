@@ -549,6 +549,10 @@ def _a1111_measurer(args, device: torch.device) -> Measurer:
     """A1111's ldm (and sgm) model code."""
     if not a1111_harness.ldm_available():
         raise Unavailable("A1111's ldm is not importable (pip install --no-deps stable-diffusion-sdkit==2.1.5)")
+    missing = a1111_harness.missing_requirements()
+    if missing:
+        raise Unavailable(f"A1111's ldm model code needs {', '.join(missing)}, not installed: "
+                          f"pip install {' '.join(missing)}")
     fields = {}
     if args.sgm is not None:
         if not (args.sgm / "sgm" / "__init__.py").is_file():

@@ -134,7 +134,7 @@ def _flash_attn_line() -> None:
                             "on the kernels")
 
 
-def doctor(_args: argparse.Namespace) -> int:
+def run(_args: argparse.Namespace) -> int:
     """Everything detected, and why anything is off."""
     _line("rdna_flash_attn", __version__)
     _line("python", f"{platform.python_version()} on {platform.platform()}")

@@ -398,7 +398,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="Registers, LDS, scratch, spills, occupancy and WMMA counts of AMDGPU code objects.",
     )
     parser.add_argument("hsaco", nargs="*", type=Path, help="code objects (default: those in the manifest)")
-    parser.add_argument("--manifest", type=Path, default=DEFAULT_MANIFEST, help="default: %(default)s")
+    parser.add_argument("--manifest", type=Path, default=DEFAULT_MANIFEST,
+                        help=f"the manifest whose code objects to report (default: prebuilt/{MANIFEST_FILE} "
+                             "of this installation)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the report as JSON")
     parser.add_argument("--check", action="store_true", help="exit 1 on scratch, spills, LDS > 64 KiB or LDS "
                         "different from variants.py")

@@ -71,7 +71,15 @@ def run_interpreted_selftest(target: str) -> int:
     return 0 if passed else 1
 
 
-def run_selftest(args: argparse.Namespace) -> int:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", help="one torch device, e.g. cuda:1 (default: every GPU)")
+    parser.add_argument("--interpret", action="store_true",
+                        help="no GPU needed: run a shipped code object on the CPU, instruction by instruction "
+                             f"({INTERPRETER_DURATION}; needs {INTERPRETER_EXTRA})")
+    parser.add_argument("--target", help="with --interpret: the GPU target's code object (default gfx1100)")
+
+
+def run(args: argparse.Namespace) -> int:
     """Re-run the self-test (ignoring the cache) on each GPU; 0 passed, 1 failed, 2 nothing tested."""
     if args.interpret:
         return run_interpreted_selftest(args.target or "gfx1100")
