@@ -1,0 +1,209 @@
+#!/usr/bin/env python3
+"""The expected speed of the kernels on each RDNA GPU the static estimator models, beside published
+measurements of other kernels, as the package data file `python -m rdna_flash_attn bench` shows
+without an RDNA GPU (bench/ is not part of the installed package; this file is).
+
+    python bench/expected_speed.py            # writes rdna_flash_attn/tools/expected_speed.json
+    python bench/expected_speed.py --check    # exit 1 when that file is not what the records give
+
+Every figure of ours is a static estimate, not a measurement: the estimators' recorded outputs
+(bench/estimate_gfx1100.py -> bench/results/forward_estimate_gfx1100.json, bench/estimate_gfx1100_backward.py
+-> backward_estimate_gfx1100.json, bench/estimate_masked.py -> masked_estimate.json at the models' shapes),
+each a pessimistic-optimistic band of the instruction-count model, multiplied by the calibration factor
+of bench/estimate_external.py (estimator_calibration.json: the same model over-predicts published
+kernels by that much). The published figures are other kernels' measurements: the calibration's own
+(estimator_calibration.json) and those of DESIGN.md section 3 listed in PUBLISHED below.
+
+The file's `provenance` names the estimators (sha256 of each script), the records (sha256 and the commit
+that last wrote each) and the code objects the estimates were made from (sha256, source hash); the bench
+compares those with the code objects it ships. It reads the records rather than running the estimators
+because they take minutes and llvm-objdump; regenerate the records first (their scripts' docstrings say
+how), then run this. tests/bench/test_expected_speed.py regenerates the file from the records and
+compares, so it cannot drift from them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+RESULTS = BENCH / "results"
+OUTPUT = REPO / "rdna_flash_attn" / "tools" / "expected_speed.json"
+SCHEMA = 1
+
+ESTIMATORS = ("bench/estimate_gfx1100.py", "bench/estimate_gfx1100_backward.py", "bench/estimate_masked.py",
+              "bench/estimate_external.py", "bench/expected_speed.py")
+FORWARD = "bench/results/forward_estimate_gfx1100.json"
+BACKWARD = "bench/results/backward_estimate_gfx1100.json"
+SHAPES = "bench/results/masked_estimate.json"
+CALIBRATION = "bench/results/estimator_calibration.json"
+RECORDS = (FORWARD, BACKWARD, SHAPES, CALIBRATION)
+
+# The models' shapes of masked_estimate.json's `shapes` (no mask), in the order shown: (its name, label,
+# tokens: bench/estimate_masked.py's SHAPES; build() checks them against the record's useful FLOPs).
+WORKLOADS = (("SD1.5", "SD1.5 self-attention, 512 px", 4096), ("SDXL", "SDXL self-attention, 1024 px", 4096),
+             ("Flux", "Flux joint attention, 1024 px", 4608),
+             ("Wan 2.x self-attention", "Wan 2.x self-attention", 32760))
+# masked_estimate.json's rows at the shapes published kernels were measured at: its name -> the calibration
+# kernel (estimator_calibration.json `name`) measured there.
+AT_PUBLISHED_SHAPES = {"gcnasm v201's (RX 9070 XT: 117.9)": "gcnasm v201 (hand-written assembly)",
+                       "gcnasm v153's (RX 9070 XT: 94.8)": "gcnasm v153 (HIP)",
+                       "aiter Triton's (RX 7900 XTX: 60.84)": "aiter Triton flash attention (fwd_prefill)"}
+BACKWARD_HEAD_DIMS = (40, 64, 80, 128, 160)
+
+# Published measurements without a code object built here (DESIGN.md section 3, "Measured attention
+# figures (published, 2026)"; README's table of the models' shapes). tflops: [low, high].
+PUBLISHED = (
+    {"target": "gfx1100", "pass": "forward", "kernel": "PyTorch SDPA (AOTriton)", "dtype": "f16", "head_dim": 128,
+     "shape": None, "tflops": [66.0, 67.0], "where": "DESIGN.md section 3: published without a reproducible shape"},
+    {"target": "gfx1100", "pass": "forward", "kernel": "CK WMMA kernel (ROCm/flash-attention, navi branch)",
+     "dtype": "f16", "head_dim": 64, "shape": [4, 32, 4096, 64], "tflops": [42.1, 47.6],
+     "where": "ROCm/flash-attention issue #27 (README, table of the models' shapes)"},
+    {"target": "gfx1100", "pass": "backward", "kernel": "Triton (2024)", "dtype": "f16", "head_dim": None,
+     "shape": None, "tflops": [24.9, 24.9], "where": "DESIGN.md section 3: best published gfx1100 backward"},
+    {"target": "gfx1201", "pass": "forward", "kernel": "AOTriton 0.14 FlyDSL", "dtype": "f16", "head_dim": 128,
+     "shape": None, "tflops": [92.5, 92.5], "where": "DESIGN.md section 3 (in PyTorch's SDPA once a torch build "
+                                                    "pins AOTriton 0.14)"},
+    {"target": "gfx1201", "pass": "forward", "kernel": "FlyDSL (ROCm/aiter PR #4188)", "dtype": "bf16", "head_dim": 128,
+     "shape": [1, 24, 4096, 128], "tflops": [99.8, 99.8], "where": "README, table of the models' shapes"},
+    {"target": "gfx1201", "pass": "forward", "kernel": "PyTorch SDPA, torch 2.14 (AOTriton 0.13b)", "dtype": None,
+     "head_dim": 128, "shape": None, "tflops": [66.0, 69.0], "where": "DESIGN.md section 3"},
+    {"target": "gfx1201", "pass": "backward", "kernel": "AOTriton 0.14 FlyDSL (dK/dV + dQ)", "dtype": None,
+     "head_dim": 128, "shape": [1, 8, 4096, 128], "tflops": [53.0, 60.0], "where": "DESIGN.md section 3"},
+)
+
+sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(REPO))
+import estimate_gfx1100 as estimator  # noqa: E402
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _load(relative: str) -> dict:
+    return json.loads((REPO / relative).read_text(encoding="utf-8"))
+
+
+def last_commit(relative: str) -> str | None:
+    """The commit that last changed a file (None outside a git checkout, or for a file never committed)."""
+    try:
+        out = subprocess.run(["git", "log", "-1", "--format=%H", "--", relative], cwd=REPO, capture_output=True,
+                             text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out or None
+
+
+def _band(model: dict) -> list[float]:
+    return [model["tflops_pess"], model["tflops_opt"]]
+
+
+def _code_objects(forward: dict, backward: dict, shapes: dict) -> dict:
+    """target -> the code object every record was made from; an error if the records disagree."""
+    found: dict[str, dict] = {}
+    seen = [(k["target"], k["code_object"]) for k in forward["kernels"]]
+    seen += [(r["target"], r["code_object"]) for r in backward["results"]]
+    seen += [(Path(c["file"]).stem.removeprefix("rdna_fa_"), c) for c in shapes["code_objects"]]
+    for target, code_object in seen:
+        entry = found.setdefault(target, {"sha256": code_object["sha256"], "source_hash": None})
+        if entry["sha256"] != code_object["sha256"]:
+            raise SystemExit(f"the records were made from different {target} code objects: "
+                             f"{entry['sha256']} and {code_object['sha256']}: regenerate them")
+        entry["source_hash"] = entry["source_hash"] or code_object.get("source_hash")
+    return found
+
+
+def _published(calibration: dict, target: str, shape_rows: dict) -> list[dict]:
+    """The measurements of other kernels on `target`: those the calibration fits (their own source built
+    and measured on that GPU) and PUBLISHED's; `ours`: our estimate at the same shape, where one was made."""
+    rows = []
+    for kernel in calibration["kernels"]:
+        if kernel["target"] != target or not kernel["in_fit"]:
+            continue
+        backward = "backward" in kernel["name"]
+        rows.append({"target": target, "pass": "backward" if backward else "forward", "kernel": kernel["name"],
+                     "dtype": kernel["dtype"], "head_dim": kernel["shape"][-1], "shape": kernel["shape"],
+                     "tflops": [kernel["published_tflops"]] * 2, "where": kernel["published_where"], "ours": None})
+        ours = next((shape_rows[name] for name, measured in AT_PUBLISHED_SHAPES.items()
+                     if measured == kernel["name"] and name in shape_rows), None)
+        if ours is not None and ours["batch"] == kernel["shape"][0] and ours["heads"] == kernel["shape"][1]:
+            rows[-1]["ours"] = [ours["tflops_pess"], ours["tflops_opt"]]
+    rows += [dict(row, ours=None) for row in PUBLISHED if row["target"] == target]
+    return rows
+
+
+def build() -> dict:
+    """The data file's content, from the records."""
+    forward, backward, shapes, calibration = (_load(r) for r in RECORDS)
+    code_objects = _code_objects(forward, backward, shapes)
+    gpus = {}
+    for target, hw in estimator.HARDWARE.items():
+        shape_rows = {s["shape"]: s for s in shapes["shapes"] if s["target"] == target and s["mask"] == "none"}
+        workloads = []
+        for name, label, tokens in WORKLOADS:
+            s = shape_rows[name]
+            if abs(4 * s["batch"] * s["heads"] * tokens**2 * s["d"] / 1e9 - s["useful_gflop"]) > 0.05:
+                raise SystemExit(f"{SHAPES}: {name} is not {tokens} tokens any more: update WORKLOADS")
+            workloads.append({"workload": label, "dtype": s["dtype"], "head_dim": s["d"],
+                              "shape": [s["batch"], s["heads"], tokens, s["d"]],
+                              "tflops": [s["tflops_pess"], s["tflops_opt"]]})
+        gpus[target] = {
+            "gpu": hw.gpu,
+            "peak_tflops": hw.peak_tflops,
+            "calibration": {"factor": estimator.CALIBRATION[target], "source": estimator.CALIBRATION_SOURCE[target]},
+            "forward_workloads": workloads,
+            "forward_by_head_dim": [{"dtype": k["dtype"], "head_dim": k["d"], "tflops": _band(k["model"])}
+                                    for k in forward["kernels"] if k["target"] == target],
+            "backward_by_head_dim": [{"dtype": r["dtype"], "head_dim": r["d"], "tflops": _band(r["estimate"]["now"])}
+                                     for r in backward["results"]
+                                     if r["target"] == target and r["d"] in BACKWARD_HEAD_DIMS],
+            "published": _published(calibration, target, shape_rows),
+        }
+    return {
+        "schema": SCHEMA,
+        "what": "static estimate of the kernels' throughput on RDNA GPUs: a model of the code objects' "
+                "instructions, calibrated against published measurements of other kernels; not a measurement",
+        "units": "TFLOP/s on useful FLOPs: forward 4*B*H*Sq*Sk*d, backward 2.5x that",
+        "band": "[pessimistic, optimistic] of the model, both times the target's calibration factor",
+        "by_head_dim": f"{forward['constants']['seq']} tokens, batch x heads {forward['constants']['batch_heads']}, "
+                       "non-causal; the backward as training runs it (one dQ sweep)",
+        "not_estimated": "gfx1101-gfx1103, gfx1150, gfx1151, gfx1200: the estimator models the RX 7900 XTX (gfx1100) "
+                         "and the RX 9070 XT (gfx1201) only",
+        "provenance": {
+            "generated_by": "python bench/expected_speed.py",
+            "estimators": {name: _sha256(REPO / name) for name in ESTIMATORS},
+            "records": {name: {"sha256": _sha256(REPO / name), "commit": last_commit(name)} for name in RECORDS},
+            "code_objects": code_objects,
+        },
+        "gpus": gpus,
+    }
+
+
+def text(data: dict) -> str:
+    return json.dumps(data, indent=1) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help=f"compare with {OUTPUT.relative_to(REPO)}, write nothing")
+    parser.add_argument("--out", type=Path, default=OUTPUT, help=f"default: {OUTPUT.relative_to(REPO)}")
+    args = parser.parse_args(argv)
+    content = text(build())
+    if args.check:
+        same = args.out.is_file() and args.out.read_text(encoding="utf-8") == content
+        print(f"{args.out}: {'up to date' if same else 'differs from the records: python bench/expected_speed.py'}")
+        return 0 if same else 1
+    args.out.write_text(content, encoding="utf-8")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""The package's expected_speed.json (what `bench` shows without an RDNA GPU) is what
+bench/expected_speed.py makes of the estimators' records, says where it came from, and is read as an
+estimate by the bench."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+
+import pytest
+
+from bench import expected_speed
+from rdna_flash_attn.tools import estimates, interpreted
+
+from .conftest import REPO
+
+
+def shipped() -> dict:
+    return json.loads(expected_speed.OUTPUT.read_text(encoding="utf-8"))
+
+
+def without_commits(data: dict) -> dict:
+    """The file but the commits that last wrote each record: git history, which a shallow clone lacks."""
+    data = copy.deepcopy(data)
+    for record in data["provenance"]["records"].values():
+        record.pop("commit")
+    return data
+
+
+def test_the_shipped_file_is_what_the_records_give():
+    assert without_commits(expected_speed.build()) == without_commits(shipped()), (
+        "the estimators' records changed: python bench/expected_speed.py")
+
+
+def test_a_changed_record_would_show(monkeypatch):
+    records = {name: expected_speed._load(name) for name in expected_speed.RECORDS}
+    sdxl = next(s for s in records[expected_speed.SHAPES]["shapes"] if (s["shape"], s["target"]) == ("SDXL", "gfx1201"))
+    sdxl["tflops_pess"] += 1.0
+    monkeypatch.setattr(expected_speed, "_load", lambda name: records[name])
+    assert without_commits(expected_speed.build()) != without_commits(shipped())
+
+
+def test_provenance_names_the_estimators_records_and_code_objects():
+    provenance = shipped()["provenance"]
+    for name, sha256 in provenance["estimators"].items():
+        assert hashlib.sha256((REPO / name).read_bytes()).hexdigest() == sha256, name
+    for name, record in provenance["records"].items():
+        assert hashlib.sha256((REPO / name).read_bytes()).hexdigest() == record["sha256"], name
+        assert record["commit"] is None or len(record["commit"]) == 40
+    forward = json.loads((REPO / expected_speed.FORWARD).read_text())
+    assert {k["target"]: k["code_object"]["sha256"] for k in forward["kernels"]} == {
+        target: entry["sha256"] for target, entry in provenance["code_objects"].items()}
+
+
+def test_every_figure_is_an_estimate_band_below_the_peak():
+    data = shipped()
+    assert "not a measurement" in data["what"] and "pessimistic" in data["band"]
+    for target, gpu in data["gpus"].items():
+        rows = gpu["forward_workloads"] + gpu["forward_by_head_dim"] + gpu["backward_by_head_dim"]
+        assert rows and all(0 < r["tflops"][0] <= r["tflops"][1] < gpu["peak_tflops"] for r in rows), target
+        assert gpu["published"] and all(p["where"] for p in gpu["published"])
+    assert data["gpus"]["gfx1201"]["gpu"] == "RX 9070 XT" and data["gpus"]["gfx1100"]["gpu"] == "RX 7900 XTX"
+
+
+def test_the_bench_says_when_the_estimates_come_from_other_code_objects():
+    data = shipped()
+    made = {t: e["sha256"] for t, e in data["provenance"]["code_objects"].items()}
+    assert estimates.code_objects_note(data, made) is None
+    note = estimates.code_objects_note(data, dict(made, gfx1201="f" * 64))
+    assert note.startswith("estimated on an earlier build of the gfx1201 code objects")
+    now = {t: interpreted.shipped_sha256(t) for t in made}
+    assert (estimates.code_objects_note(data, now) is None) == (now == made)
+
+
+@pytest.mark.parametrize("values, text", [([40.4, 49.9], "40-50"), ([117.9, 117.9], "118"), ([66.0, 66.4], "66")])
+def test_bands_print_as_whole_tflops(values, text):
+    assert estimates.band(values) == text
