@@ -4,6 +4,7 @@ faked ZLUDA device."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import torch
 
 from rdna_flash_attn.dispatch import router as dispatch, selftest
 from rdna_flash_attn.runtime import artifacts, device, driver, loader
-from rdna_flash_attn.tools import benchmark, cli, report
+from rdna_flash_attn.tools import benchmark, cli, interpreted, report, results_folder
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -162,18 +163,106 @@ def test_selftest_without_kernels(untested_fake_gpu, monkeypatch, capsys):
 # --- bench --------------------------------------------------------------------------------------------
 
 
-def test_bench_on_the_cpu_writes_json_and_png(tmp_path, capsys):
-    code, out, err = run_cli(capsys, "bench", "--shapes", "sd15-mid-64", "--budget", "0.01", "--out", str(tmp_path))
+def bench_json(folder: Path) -> dict:
+    (path,) = folder.glob("*.json")
+    return json.loads(path.read_text())
+
+
+def test_bench_without_a_gpu_shows_the_code_objects_on_the_interpreter_and_the_expected_speed(tmp_path, capsys):
+    # The main job as most readers meet it: no RDNA GPU. Runs the real interpreter (about 15 s here).
+    pytest.importorskip("tinygrad", reason="the interpreter decodes with tinygrad==0.14.0 (requirements-dev.txt)")
+    code, out, err = run_cli(capsys, "bench", "--out", str(tmp_path))
     assert code == 0
-    (json_path,) = tmp_path.glob("bench-*.json")
-    assert (tmp_path / (json_path.stem + ".png")).stat().st_size > 1000
-    data = json.loads(json_path.read_text())
-    assert data["meta"]["device"]["backend"] == "cpu" and data["meta"]["quick"] is True
-    rows = data["results"]
-    assert {r["provider"] for r in rows} >= {"sdpa-math"} and {r["pass"] for r in rows} == {"forward", "backward"}
-    assert all(r["ms"] > 0 and r["tflops"] > 0 for r in rows if r["provider"] == "sdpa-math")
-    assert "kernels not benchmarked: CPU tensors" in err and "[####################]" in err
-    assert "sd15-mid-64" in out and "TFLOP/s" in out
+    lines = out.splitlines()
+    assert lines[0] == f"results: {tmp_path}"
+    assert "the kernels do not run on cpu: CPU tensors" in lines[1]
+    data = bench_json(tmp_path)
+    assert (tmp_path / "bench-no-rdna-gpu.png").stat().st_size > 20_000
+    results = data["interpreted"]["results"]
+    assert [r["target"] for r in results] == ["gfx1100", "gfx1201"] and data["interpreted"]["problem"] is None
+    for result in results:
+        assert result["sha256"] == artifacts.prebuilt_artifact(result["target"]).sha256
+        assert [(c["pass"], c["tensor"]) for c in result["checks"]] == [
+            ("forward", "out"), ("backward", "dq"), ("backward", "dk"), ("backward", "dv")]
+        assert all(c["passed"] and 0 < c["ours"] <= c["bound"] and c["sdpa_math"] > 0 for c in result["checks"])
+        assert result["seconds"]["forward"] > 0 and result["seconds"]["backward"] > 0
+    expected = data["expected_speed"]
+    assert set(expected["gpus"]) == {"gfx1100", "gfx1201"} and "not a measurement" in expected["what"]
+    sdxl = expected["gpus"]["gfx1201"]["forward_workloads"][1]
+    assert sdxl["shape"] == [2, 10, 4096, 64] and 0 < sdxl["tflops"][0] <= sdxl["tflops"][1] < 194.6
+    # What a reader sees: the errors beside SDPA's, the interpreter named as no speed, estimates as estimates.
+    assert "[1/2]" in out and "gfx1201 backward dv" in out and "not how fast a GPU runs them" in out
+    assert "[2/2] expected speed" in out and "not a measurement" in out and "RX 9070 XT (gfx1201)" in out
+    assert "gcnasm v201 (hand-written assembly)" in out and "FAILED" not in out
+    assert "rdna_fa_bwd_dkdv_f16_d64: done in" in err  # progress while the interpreter works
+
+
+def test_bench_without_the_interpreter_still_shows_the_expected_speed(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "rdna_flash_attn.interpreter", None)  # numpy / tinygrad not installed
+    code, out, _ = run_cli(capsys, "bench", "--out", str(tmp_path))
+    assert code == 0
+    assert "the interpreter cannot run here" in out and "pip install numpy tinygrad==0.14.0" in out
+    data = bench_json(tmp_path)
+    assert data["interpreted"]["results"] == [] and set(data["expected_speed"]["gpus"]) == {"gfx1100", "gfx1201"}
+    assert (tmp_path / "bench-no-rdna-gpu.png").is_file()
+
+
+def test_bench_fails_when_an_interpreted_check_fails(tmp_path, monkeypatch, capsys):
+    def wrong(target, say):
+        check = {"pass": "forward", "tensor": "out", "ours": 0.5, "sdpa_math": 1e-4, "bound": 2e-4,
+                 "rule": "2x math SDPA's", "passed": False}
+        return {"target": target, "gpu": None, "code_object": "x.hsaco", "sha256": "0" * 64,
+                "seconds": {"forward": 1.0, "backward": 2.0}, "checks": [check]}
+    monkeypatch.setattr(interpreted, "run_call", wrong)
+    code, out, _ = run_cli(capsys, "bench", "--targets", "gfx1100", "--out", str(tmp_path))
+    assert code == 1 and "gfx1100 forward out" in out and "FAILED" in out
+
+
+def test_bench_fails_when_the_interpreter_stops_on_a_code_object(tmp_path, monkeypatch, capsys):
+    def stop(target, say):
+        raise RuntimeError("rdna_fa_fwd_f16_d64 pc 0x40: v_sin_f32_e32 is not implemented")
+    monkeypatch.setattr(interpreted, "run_call", stop)
+    code, out, _ = run_cli(capsys, "bench", "--out", str(tmp_path))
+    assert code == 1 and "gfx1100: the interpreter stopped: rdna_fa_fwd_f16_d64 pc 0x40" in out
+    assert "[2/2] expected speed" in out  # the rest still shown
+
+
+def test_bench_names_its_results_folder_first_and_defaults_to_a_dated_folder_here(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run_cli(capsys, "bench", "--no-interpret")
+    assert code == 0
+    first = out.splitlines()[0]
+    assert re.fullmatch(rf"results: {re.escape(str(tmp_path))}/rdna_fa_results/\d{{8}}-\d{{6}}", first), first
+    folder = Path(first.removeprefix("results: "))
+    assert sorted(p.name for p in folder.iterdir()) == ["bench-no-rdna-gpu.json", "bench-no-rdna-gpu.png"]
+    assert [p.name for p in tmp_path.iterdir()] == ["rdna_fa_results"]  # nothing else in the folder it ran in
+
+
+def test_the_default_results_folder_is_ignored_by_git():
+    assert "/rdna_fa_results/" in (REPO / ".gitignore").read_text().splitlines()
+
+
+def test_bench_refuses_an_unwritable_results_folder_before_any_work(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    # A subprocess, as a user runs it: one line, exit 2, no traceback, nothing measured or written.
+    result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "bench", "--out", str(blocker / "results")],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    assert result.stderr.strip() == f"bench: cannot write results to {blocker / 'results'}: Not a directory"
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
+
+
+def test_results_folder_reports_why_it_cannot_write(tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+    with monkeypatch.context() as patch:
+        patch.setattr(results_folder.tempfile, "NamedTemporaryFile", refuse)  # a read-only folder, even as root
+        with pytest.raises(results_folder.FolderError, match=r"cannot write results to .*/out: Permission denied$"):
+            results_folder.prepare(tmp_path / "out")
+    assert results_folder.prepare(tmp_path / "ok") == tmp_path / "ok" and not list((tmp_path / "ok").iterdir())
 
 
 def test_bench_includes_the_kernels_where_they_run(fake_gpu, tmp_path, capsys):
@@ -187,6 +276,8 @@ def test_bench_includes_the_kernels_where_they_run(fake_gpu, tmp_path, capsys):
         ("sd15-cross-1024", "forward", None), ("sd15-cross-1024", "backward", None),
     ]
     assert fake_gpu.launches and fake_gpu.differentiable_launches
+    # SDPA's backends this CPU lacks are named in a few words, not with torch's error text
+    assert "sdpa-efficient: not offered for cpu float16" in err and "No viable backend" not in err
 
 
 def test_bench_shape_table_follows_design_section_4():

@@ -58,9 +58,12 @@ class Verb:
 VERBS = {
     "doctor": Verb("show what is detected and why anything is off", _doctor),
     "selftest": Verb("re-run the kernels' self-test on each GPU, or (--interpret) on the CPU interpreter", _selftest),
-    "bench": Verb("time the kernels against PyTorch SDPA's backends", _bench),
+    "bench": Verb("the main job: kernels vs PyTorch SDPA on an RDNA GPU; without one, a Stable Diffusion "
+                  "attention call through the shipped code objects on the CPU interpreter, and the "
+                  "expected speed per RDNA GPU", _bench),
     "coverage": Verb("the share of each model family's attention that reaches the kernels in a host: "
-                     "ComfyUI, A1111, diffusers, Forge, reForge, Forge Classic, SD.Next or kohya sd-scripts", _coverage),
+                     "ComfyUI, A1111, diffusers, Forge, reForge, Forge Classic, SD.Next or kohya sd-scripts",
+                     _coverage),
     "rebuild": Verb("build code objects for your GPU target locally (clang >= 19)", _rebuild),
     # report parses its own command line: main() hands it everything after "report".
     "report": Verb("static resource report of the prebuilt code objects (see report --help)", _report),
