@@ -37,6 +37,7 @@ cpu_torch() {
 }
 
 make_venv() {
+  command -v python3 >/dev/null || apt_install python3 python3-venv  # a bare Debian/Ubuntu image has none
   python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' || {
     echo "Python >= 3.10 needed; python3 is $(python3 --version 2>&1)" >&2; exit 1; }
   if [ ! -x "$PY" ]; then
