@@ -11,19 +11,24 @@ code objects themselves, so the exact bytes users get are executed and checked w
 
 Modules: program (kernel code and descriptor from the ELF), decode (tinygrad's encodings), wave
 (register state, operand access), scalar / vector / valu_ops / matrix / memory (instruction
-semantics by family), executor (per-instruction closures, the wave loop), dispatch (kernarg
-segment, initial state, workgroups and barriers), trace (instruction counts), library (the
-KernelLibrary launch interface). Needs tinygrad==0.14.0 for decoding (the `interpret` extra).
+semantics by family), waits (memory operations in flight and the waits that retire them),
+executor (per-instruction closures, the wave loop), dispatch (kernarg segment, initial state,
+workgroups and barriers), trace (instruction counts), library (the KernelLibrary launch
+interface). Needs tinygrad==0.14.0 for decoding (the `interpret` extra).
 
 What it checks on every launch: each global/flat access lies inside one of the launch's tensors,
 each SMEM load inside the kernarg segment (or a tensor), each LDS access inside the allocation a real
 launch gets (the descriptor's static size), no two waves touch the same LDS byte between barriers
 unless both only read it, the argument block has exactly the size of the kernel's explicit
-arguments, gfx11 WMMA operands agree between the half-waves, and every executed instruction is
-implemented (an unknown one is an error naming it). Registers and LDS start as NaN patterns.
+arguments, gfx11 WMMA operands agree between the half-waves, no register a load (global, flat,
+LDS or scalar) has yet to write is read or overwritten before the s_waitcnt / s_wait_*cnt that
+retires the load (the counters modelled as LLVM's SIInsertWaitcnts assumes them: waits.py), and
+every executed instruction is implemented (an unknown one is an error naming it). Registers and
+LDS start as NaN patterns.
 
-Where it is not the hardware: instructions complete in program order, so s_waitcnt / s_wait_* and
-s_delay_alu are no-ops and a missing wait cannot show; v_exp_f32, v_log_f32, v_rcp_f32 and the
+Where it is not the hardware: memory accesses are performed at issue, in program order (the wait
+check poisons the destinations until the wait instead), s_delay_alu is a no-op (the hardware
+interlocks ALU dependencies; it is a scheduling hint); v_exp_f32, v_log_f32, v_rcp_f32 and the
 other transcendentals are correctly rounded (the hardware is within about 1 ulp); WMMA sums its 16
 exact products in f64 and rounds once to f32 (the hardware's order is undocumented); v_dot2*_f32
 adds its two exact products to the f32 accumulator one at a time, each add rounded (the order of

@@ -15,9 +15,10 @@ from .memory import AddressSpace, LocalDataShare, compile_memory
 from .program import KernelProgram
 from .scalar import compile_scalar
 from .vector import compile_vector
+from .waits import VECTOR_LOAD, check_hazard, compile_wait, counter_model, memory_operation, operand_masks, with_issue
 from .wave import Wave
 
-_COMPILERS = (compile_scalar, compile_memory, compile_matrix, compile_vector)
+_COMPILERS = (compile_wait, compile_scalar, compile_memory, compile_matrix, compile_vector)
 
 
 class LaunchContext:
@@ -39,6 +40,10 @@ class Step:
     run: Callable[[Wave], int | None]
     next_offset: int
     decoded: Decoded
+    reads: int = 0  # registers read and written, as waits.py's bit masks
+    writes: int = 0
+    touches: int = 0  # reads | writes
+    in_order_load: bool = False  # gfx11 global load: may overwrite another's destination in flight
 
 
 def _unsupported(d: Decoded, ctx: LaunchContext, reason: str):
@@ -54,8 +59,15 @@ class CompiledKernel:
         self.instructions = decode_kernel(program.code, program.arch, program.name)
         self.steps: dict[int, Step] = {}
         self.unsupported: list[Decoded] = []
+        loads_in_order = counter_model(program.arch).loads_write_in_order
         for offset, d in self.instructions.items():
-            self.steps[offset] = Step(self._compile(d), offset + d.size, d)
+            reads, writes = operand_masks(d, program.arch)
+            run = with_issue(self._compile(d), d, self.context, writes)
+            operation = memory_operation(d, program.arch)
+            # LLVM lets a global load overwrite another's destination in flight, not a flat load (LDS, maybe).
+            in_order_load = (loads_in_order and operation is not None and operation[1] == VECTOR_LOAD
+                             and d.encoding.split("_LIT")[0] in ("GLOBAL", "VGLOBAL", "MUBUF"))
+            self.steps[offset] = Step(run, offset + d.size, d, reads, writes, reads | writes, in_order_load)
 
     def _compile(self, d: Decoded):
         for compile_instruction in _COMPILERS:
@@ -80,6 +92,8 @@ class CompiledKernel:
                     raise InterpreterError(f"jump to 0x{pc:x}, outside the kernel's {len(self.program.code)} bytes",
                                            self.program.name, pc)
                 hits[pc] = hits.get(pc, 0) + 1
+                if wave.poison & step.touches:
+                    check_hazard(wave, step, self.context)
                 target = step.run(wave)
                 pc = step.next_offset if target is None else target
                 if wave.ended:

@@ -159,11 +159,14 @@ _SAVEEXEC = {
     "and_not1": lambda e, s: s & ~e, "or_not1": lambda e, s: s | ~e,
 }
 
+# The counter waits (s_waitcnt, s_wait_*cnt) are waits.py's. s_delay_alu, s_waitcnt_depctr and
+# s_wait_alu are not checked: gfx11/gfx12 hardware interlocks ALU dependencies itself, and
+# s_delay_alu only says where to stall early (a performance hint; a missing one costs time, not
+# correctness). The depctr counters that do matter (VA_VDST, VM_VSRC) exist only in gfx12's expert
+# scheduling mode, which the kernels do not enable.
 _NO_EFFECT_SOPP = {
-    "s_nop", "s_waitcnt", "s_waitcnt_depctr", "s_delay_alu", "s_clause", "s_set_inst_prefetch_distance",
-    "s_wait_dscnt", "s_wait_kmcnt", "s_wait_loadcnt", "s_wait_storecnt", "s_wait_samplecnt", "s_wait_bvhcnt",
-    "s_wait_expcnt", "s_wait_loadcnt_dscnt", "s_wait_storecnt_dscnt", "s_wait_alu", "s_sleep", "s_icache_inv",
-    "s_sendmsg", "s_ttracedata", "s_waitcnt_vscnt", "s_waitcnt_vmcnt", "s_waitcnt_lgkmcnt", "s_waitcnt_expcnt",
+    "s_nop", "s_waitcnt_depctr", "s_delay_alu", "s_clause", "s_set_inst_prefetch_distance", "s_wait_alu", "s_sleep",
+    "s_icache_inv", "s_sendmsg", "s_ttracedata",
 }
 _BRANCHES = {
     "s_branch": lambda w: True,
@@ -234,8 +237,6 @@ def compile_scalar(d, ctx):
             wave.scc = int(compare(convert(read_a(wave)), convert(read_b(wave))))
         return run
     if encoding == "SOPK":
-        if name in _NO_EFFECT_SOPP:  # s_waitcnt_vscnt and friends are SOPK on gfx11
-            return lambda wave: None
         simm = inst.simm16
         simm_signed = simm - 0x10000 if simm & 0x8000 else simm
         parts = name.split("_")

@@ -75,6 +75,11 @@ class Wave:
         self.barrier_signalled = False  # gfx12: s_barrier_signal seen, s_barrier_wait pending
         self._exec_value = -1
         self._exec_lanes = None
+        # Memory operations in flight (waits.py): counter name -> operations oldest first, and the
+        # registers they have yet to write as one bit mask (VGPR i: bit i, SGPR j: bit 256 + j).
+        self.outstanding: dict[str, list] = {}
+        self.poison = 0
+        self.issued = 0
 
     @property
     def exec_mask(self) -> int:
