@@ -1,6 +1,6 @@
 """The edge grid: every kernel family at the shapes where tiles degenerate, with the checks a result
 cannot show by itself. Run on the shipped code objects by the CPU interpreter (tests/interpreter/
-test_edge_grid.py, in CI, its LDS race check and bounds checks on) and on the NVIDIA emulation of both
+test_edge_grid.py, in CI, its LDS race, bounds and wait checks on) and on the NVIDIA emulation of both
 layers (tests/gpu/test_edge_grid_gpu.py, with compute-sanitizer in bench/gpu_kernel_checks.sh).
 
 Each case checks:

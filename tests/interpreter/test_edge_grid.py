@@ -1,10 +1,12 @@
 """The edge grid (tests/edge_grid.py) on the shipped code objects, run by the CPU interpreter: its LDS race
-check sees one wave write or read LDS bytes another wave wrote with no barrier between, and its bounds
-check sees every load and store outside the launch's tensors. Each shape runs once per target, with head
-dims and dtypes cycling so that every one meets both targets.
+check sees one wave write or read LDS bytes another wave wrote with no barrier between, its bounds check
+sees every load and store outside the launch's tensors, and its wait check sees a register read or
+overwritten before the s_waitcnt / s_wait_*cnt that retires the load writing it. Each shape runs once per
+target, with head dims and dtypes cycling so that every one meets both targets.
 
 What it cannot prove: the interpreter runs a workgroup's waves one after another between barriers, so
-timing-dependent hazards of real hardware stay unseen, and so do code paths no case reaches.
+timing-dependent hazards of real hardware beyond the wait counters stay unseen, and so do code paths no
+case reaches.
 """
 
 from __future__ import annotations
