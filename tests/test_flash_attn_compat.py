@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import venv
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,8 @@ import rdna_flash_attn as rfa
 from rdna_flash_attn.integrations import autoload, launch
 from rdna_flash_attn.integrations import flash_attn_interface as fa
 from rdna_flash_attn.integrations.bert_padding import index_first_axis, pad_input, unpad_input
+
+from .child_venv import venv_seeing_this_one
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHIM_DIR = REPO_ROOT / "rdna_flash_attn" / "integrations" / "flash_attn_shim"
@@ -865,13 +866,9 @@ def test_without_the_opt_in_there_is_no_flash_attn(tmp_path):
 
 @pytest.fixture(scope="module")
 def hooked_python(tmp_path_factory):
-    """A virtual environment (system site-packages visible, for torch) whose site-packages holds the .pth hook."""
-    home = tmp_path_factory.mktemp("venv")
-    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(home)
-    python = home / ("Scripts/python.exe" if sys.platform == "win32" else "bin/python")
-    purelib = run_python(["-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], dict(os.environ),
-                         python=python).stdout.strip()
-    (Path(purelib) / "rdna_flash_attn_autoload.pth").write_text((REPO_ROOT / "rdna_flash_attn_autoload.pth").read_text())
+    """A virtual environment (this one's packages visible, for torch) whose site-packages holds the .pth hook."""
+    python, purelib = venv_seeing_this_one(tmp_path_factory.mktemp("venv"))
+    (purelib / "rdna_flash_attn_autoload.pth").write_text((REPO_ROOT / "rdna_flash_attn_autoload.pth").read_text())
     return python
 
 

@@ -8,15 +8,13 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import subprocess
-import sys
-import venv
 
 import pytest
 
 from rdna_flash_attn.integrations import autoload
 from rdna_flash_attn.dispatch import sdpa_patch
 
+from ..child_venv import venv_seeing_this_one
 from .conftest import REPO_ROOT, run_child
 
 HOOK = REPO_ROOT / "rdna_flash_attn_autoload.pth"
@@ -36,12 +34,8 @@ print(json.dumps(seen))
 
 @pytest.fixture(scope="module")
 def hooked_python(tmp_path_factory):
-    """A virtual environment (system site-packages visible, for torch) whose site-packages holds the hook."""
-    home = tmp_path_factory.mktemp("venv")
-    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(home)
-    python = home / ("Scripts/python.exe" if sys.platform == "win32" else "bin/python")
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+    """A virtual environment (this one's packages visible, for torch) whose site-packages holds the hook."""
+    python, purelib = venv_seeing_this_one(tmp_path_factory.mktemp("venv"))
     shutil.copy(HOOK, purelib)
     return str(python)
 
