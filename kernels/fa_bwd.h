@@ -543,15 +543,15 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
   const u16* k = a.k + batch * a.k_stride_b + kv_head * a.k_stride_h + seq.k_row0 * a.k_stride_s;
   const u16* v = a.v + batch * a.v_stride_b + kv_head * a.v_stride_h + seq.k_row0 * a.v_stride_s;
   const u16* dout = a.dout + batch * a.do_stride_b + head * a.do_stride_h + seq.q_row0 * a.do_stride_s;
+  const int wave_q0 = q0 + wave * kFrag;
   const MaskView mask = MaskView::of(a.mask, a.mask_kind, a.mask_stride_b, a.mask_stride_h, a.mask_stride_q,
-                                     a.mask_stride_k, batch, head, seq);
+                                     a.mask_stride_k, batch, head, seq).rows_from(wave_uniform(wave_q0));
   u16* k_lds = lds + Shape::kKOffset;
   u16* v_lds = lds + Shape::kVOffset;
   u16* kt_lds = lds + Shape::kKtOffset;
 
-  const int wave_q0 = q0 + wave * kFrag;
   const int query = wave_q0 + (lane & 15);
-  const int mask_row = mask.row(query);
+  const int mask_row = mask.row(lane & 15);
   const bool valid_query = query < seq.seqlen_q;
   const i64 stats = batch * a.lse_stride_b + head * a.lse_stride_h + seq.q_row0 + query;
   const float neg_offset = valid_query ? -(a.lse[stats] * a.lse_to_log2) : -__builtin_inff();

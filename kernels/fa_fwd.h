@@ -441,9 +441,10 @@ RDNA_DEV void fwd_body(const FwdArgs& a, u16* lds) {
       store16(p, t);
     }
 
-  const int query = q0 + wave * kFrag + (lane & 15);
+  const int wave_q0 = q0 + wave * kFrag;
+  const int query = wave_q0 + (lane & 15);
   const MaskView mask = MaskView::of(a.mask, a.mask_kind, a.mask_stride_b, a.mask_stride_h, a.mask_stride_q,
-                                     a.mask_stride_k, batch, head, seq);
+                                     a.mask_stride_k, batch, head, seq).rows_from(wave_uniform(wave_q0));
   Loop loop{a,
             a.k + batch * a.k_stride_b + kv_head * a.k_stride_h + seq.k_row0 * a.k_stride_s,
             a.v + batch * a.v_stride_b + kv_head * a.v_stride_h + seq.k_row0 * a.v_stride_s,
@@ -455,7 +456,7 @@ RDNA_DEV void fwd_body(const FwdArgs& a, u16* lds) {
             lane,
             col0,
             seq.seqlen_k,
-            mask.row(query),
+            mask.row(query - wave_q0),
             seq.visible_keys(a.causal, query),
             a.scale_log2 < 0.f ? -a.scale_log2 : a.scale_log2,
             float(probability_shift(dt, seq.seqlen_k)),

@@ -49,9 +49,11 @@ constexpr float kBiasFloor = -1073741824.f;  // -2^30, in log2 units
 constexpr float kBiasCeiling = 1073741824.f;
 
 // An attention mask or bias of one (batch, head) in any dtype SDPA takes, read as an additive bias in
-// the kernels' log2 units: a bool mask's False is -inf, a float bias is scaled by log2(e). Offsets
-// within a (batch, head) are 32-bit (the launcher checks they fit): fewer registers beside the
-// accumulators.
+// the kernels' log2 units: a bool mask's False is -inf, a float bias is scaled by log2(e). Element
+// offsets are 32-bit: fewer registers beside the accumulators. The forward and dQ kernels count them
+// from their wave's first query (rows_from), so there a (batch, head) may span more than 2^31 elements
+// as long as 16 rows do not; dK/dV counts them from the (batch, head)'s first row (a 64-bit base per
+// query tile spilled SGPRs at d128 on gfx11). The launcher checks both.
 struct MaskView {
   const unsigned char* base;  // element (0, 0) of this (batch, head); null: no mask
   int stride_q, stride_k;     // in elements; 0 along broadcast dimensions
@@ -63,10 +65,19 @@ struct MaskView {
     // Null without a mask. The select also makes the pointer generic: its flat loads take a 64-bit
     // VGPR address, where global loads of the four mask dtypes keep their bases in SGPRs and spill
     // 40 of them on gfx11 (report --check).
-    const int bytes = kind == kMaskBool ? 1 : kind == kMaskF32 ? 4 : 2;
     const unsigned char* base =
-        mask ? static_cast<const unsigned char*>(mask) + (batch * stride_b + head * stride_h) * bytes : nullptr;
+        mask ? static_cast<const unsigned char*>(mask) + (batch * stride_b + head * stride_h) * element_bytes(kind)
+             : nullptr;
     return MaskView{base, int(stride_q), int(stride_k), kind, seq.seqlen_q - 1, seq.seqlen_k - 1};
+  }
+
+  static RDNA_DEV int element_bytes(int kind) { return kind == kMaskBool ? 1 : kind == kMaskF32 ? 4 : 2; }
+
+  // This view from query `first` on (clamped to the last row): query first + r is its row r.
+  RDNA_DEV MaskView rows_from(int first) const {
+    const int skipped = min_int(first, last_q);
+    return MaskView{base ? base + i64(skipped) * stride_q * element_bytes(kind) : nullptr, stride_q, stride_k, kind,
+                    last_q - skipped, last_k};
   }
 
   // The offset of a query's row, for bias_log2.

@@ -106,8 +106,9 @@ class FakeKernels:
         self.error = 0.0  # added to every output: a broken kernel
         self.raises: Exception | None = None
 
-    def forward_refusal(self, q, k, v, is_causal=False, scale=None, attn_mask=None):
-        return _real_forward_refusal(_as_gpu(q), _as_gpu(k), _as_gpu(v), is_causal, scale, _as_gpu(attn_mask))
+    def forward_refusal(self, q, k, v, is_causal=False, scale=None, attn_mask=None, backward=False):
+        return _real_forward_refusal(_as_gpu(q), _as_gpu(k), _as_gpu(v), is_causal, scale, _as_gpu(attn_mask),
+                                     backward)
 
     def flash_attention_forward(self, q, k, v, is_causal=False, scale=None, *, attn_mask=None, bottom_right=False):
         assert self.forward_refusal(q, k, v, is_causal, scale, attn_mask) is None, "launched on refused input"

@@ -669,6 +669,20 @@ def test_mask_that_needs_a_gradient_falls_back(fake_gpu):
     assert "requires grad" in only_reason() and bias.grad is not None
 
 
+def test_masks_past_2_31_elements_are_taken_by_the_forward_while_a_waves_rows_fit():
+    """The forward and dQ kernels count a mask's offsets from a wave's first query (MaskView::rows_from):
+    a (B, 1, 50k, 50k) mask passes 2^31 elements and the forward takes it; rows 2^31 elements apart
+    within 16 queries it does not. The dK/dV kernels count from the (batch, head)'s first row, so the
+    backward does not take the large mask either. Meta tensors: only shapes and strides matter here."""
+    q = k = torch.empty(1, 2, 50_000, 64, dtype=torch.float16, device="meta")
+    large = torch.empty(1, 1, 50_000, 50_000, dtype=torch.bool, device="meta")
+    assert ops.mask_refusal(large, q, k) is None
+    assert ops.mask_refusal(large, q, k, backward=True) == (
+        "attn_mask's rows span 2^31 elements within 50000 queries (the backward's dK/dV kernels take less)")
+    wide = torch.empty(50_000, 2**28, dtype=torch.bool, device="meta")[:, :50_000]  # row stride 2^28
+    assert ops.mask_refusal(wide, q, k) == "attn_mask's rows span 2^31 elements within 16 queries"
+
+
 def test_grouped_heads_run_on_the_kernels_only_with_enable_gqa(fake_gpu):
     q, (k, v) = qkv(heads=4)[0], qkv(heads=2)[1:]
     with torch.no_grad():

@@ -374,7 +374,7 @@ def _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
     if run_dtype is not None:
         query, key, value = query.to(run_dtype), key.to(run_dtype), value.to(run_dtype)
     scale = None if scale is None else float(scale)
-    refusal = attention.forward_refusal(query, key, value, is_causal, scale, attn_mask)
+    refusal = attention.forward_refusal(query, key, value, is_causal, scale, attn_mask, backward)
     if refusal:
         return refusal
     if tracing:

@@ -51,14 +51,15 @@ def _sub_i32(a, b):
     return r & M32, int(r != _s32(r))
 
 
-def _bfe(a, b, signed):
-    offset, width = b & 31, (b >> 16) & 0x7F
+def _bfe(a, b, signed, bits=32):
+    """s_bfe_[iu](32|64): the field of `a` at offset b[4:0] (b[5:0] for 64 bits), b[22:16] bits wide."""
+    offset, width = b & (bits - 1), (b >> 16) & 0x7F
     if width == 0:
         return 0, 0
     field = (a >> offset) & ((1 << width) - 1)
     if signed and field >> (width - 1) & 1:
         field -= 1 << width
-    return field & M32, int(field != 0)
+    return field & (M32 if bits == 32 else M64), int(field != 0)
 
 
 # SOP2 / SOPC style: (a, b, scc) -> (result, scc or None)
@@ -94,6 +95,8 @@ _BINARY = {
     "s_cselect_b64": lambda a, b, c: (a if c else b, None),
     "s_bfe_u32": lambda a, b, c: _bfe(a, b, False),
     "s_bfe_i32": lambda a, b, c: _bfe(a, b, True),
+    "s_bfe_u64": lambda a, b, c: _bfe(a, b, False, 64),
+    "s_bfe_i64": lambda a, b, c: _bfe(a, b, True, 64),
     "s_bfm_b32": lambda a, b, c: ((((1 << (a & 31)) - 1) << (b & 31)) & M32, None),
     "s_pack_ll_b32_b16": lambda a, b, c: ((a & 0xFFFF) | (b & 0xFFFF) << 16, None),
     "s_pack_lh_b32_b16": lambda a, b, c: ((a & 0xFFFF) | (b & 0xFFFF0000), None),

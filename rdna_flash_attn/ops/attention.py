@@ -42,8 +42,10 @@ _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 KERNEL_DEVICE_TYPE = "cuda"  # ROCm and ZLUDA builds of torch name AMD GPUs "cuda" as well
 
 
-def forward_refusal(q, k, v, is_causal: bool = False, scale: float | None = None, attn_mask=None) -> str | None:
-    """Why the forward kernel cannot take these arguments, or None. Metadata only, no GPU work."""
+def forward_refusal(q, k, v, is_causal: bool = False, scale: float | None = None, attn_mask=None,
+                    backward: bool = False) -> str | None:
+    """Why the forward kernel (with `backward`, the backward's too) cannot take these arguments, or None.
+    Metadata only, no GPU work."""
     tensors = (("query", q), ("key", k), ("value", v))
     for name, t in tensors:
         if not isinstance(t, torch.Tensor):
@@ -80,11 +82,12 @@ def forward_refusal(q, k, v, is_causal: bool = False, scale: float | None = None
             return reason
     if scale is not None and not math.isfinite(scale):
         return "softmax scale is not finite"
-    return mask_refusal(attn_mask, q, k)
+    return mask_refusal(attn_mask, q, k, backward)
 
 
-def mask_refusal(attn_mask, q, k) -> str | None:
-    """Why the kernels cannot take this attn_mask for (B, H, Sq, D) q and (B, Hk, Sk, D) k, or None.
+def mask_refusal(attn_mask, q, k, backward: bool = False) -> str | None:
+    """Why the kernels (the forward's, with `backward` the backward's too) cannot take this attn_mask for
+    (B, H, Sq, D) q and (B, Hk, Sk, D) k, or None.
     SDPA's rules: bool (True takes part) or an additive bias in float32 or the query's dtype,
     broadcastable to (B, H, Sq, Sk); anything else falls back to SDPA, which gives its own error."""
     if attn_mask is None:
@@ -107,8 +110,12 @@ def mask_refusal(attn_mask, q, k) -> str | None:
     if q.shape[3] not in variants.MASKED_HEAD_DIMS:
         return f"attn_mask with head dim {q.shape[3]} (masked kernels take head dims up to {variants.MASKED_HEAD_DIMS[-1]})"
     mask = kernel_mask(attn_mask, q, k)
-    if sum(abs(stride) * (size - 1) for stride, size in zip(mask.stride()[2:], target[2:])) >= 2**31:
-        return "attn_mask rows span more than 2^31 elements"  # the kernels' offsets in a (batch, head) are 32-bit
+    # 32-bit element offsets (kernels/sequence.h MaskView): the forward and dQ kernels count them from a
+    # wave's first query, dK/dV from the (batch, head)'s first row.
+    rows = target[2] if backward else min(target[2], variants.FRAG)
+    if mask.stride(2) * (rows - 1) + mask.stride(3) * (target[3] - 1) >= 2**31:
+        return (f"attn_mask's rows span 2^31 elements within {rows} queries"
+                + (" (the backward's dK/dV kernels take less)" if backward else ""))
     return None
 
 
@@ -461,7 +468,7 @@ def flash_attention_backward(dout, q, k, v, lse, is_causal: bool = False, scale:
     block. With the forward's `out` and `saved` (see flash_attention_forward) delta comes from them
     and dQ sweeps the keys once; without them, twice. No workgroup writes memory another one reads or
     writes within a launch, so the result is bitwise reproducible."""
-    reason = forward_refusal(q, k, v, is_causal, scale, attn_mask) or forward_refusal(dout, k, v)
+    reason = forward_refusal(q, k, v, is_causal, scale, attn_mask, backward=True) or forward_refusal(dout, k, v)
     if reason is None and dout.shape != q.shape:
         reason = "dout must match the query's shape"
     if reason is None and (lse.shape != q.shape[:3] or lse.dtype != torch.float32 or not lse.is_contiguous()):

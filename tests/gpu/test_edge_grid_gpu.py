@@ -6,7 +6,9 @@ How the kernels keep addresses 64-bit where they must: a (batch, head) base is f
 64-bit strides of the argument block; within it, a tile's rows are addressed as 32-bit offsets from the
 tile's first row, which the launcher keeps below 2^31 bytes (ops/attention.py's _MAX_SEQ_STRIDE: a
 sequence stride below 2^23 elements, 64 rows a tile), and row indices are 32-bit ints below 2^31 - 1024
-(_MAX_SEQLEN). The outputs are written through 64-bit addresses.
+(_MAX_SEQLEN). An attention mask's elements are 32-bit offsets: in the forward and dQ kernels from a
+wave's first query (16 rows), whose own address is formed in 64 bits; in dK/dV from the (batch, head)'s
+first row (ops/attention.py's mask_refusal checks both). The outputs are written through 64-bit addresses.
 """
 
 from __future__ import annotations
@@ -103,6 +105,28 @@ def test_tensors_past_2_31_elements_forward_and_backward(emulated_layer, long_si
         ref_dv = probs[..., tail].transpose(-1, -2) @ dout.double()
         assert max_error(dv[:, :, tail], ref_dv) <= 2e-2 * ref_dv.abs().max().item()
         assert torch.isfinite(dk[:, :, tail]).all()
+
+
+@pytest.mark.parametrize("dtype", (torch.bool, torch.float16), ids=str)
+def test_masks_whose_rows_span_past_2_31_elements_forward(emulated_layer, dtype):
+    """A (300, 700) mask, broadcast over batch and heads, whose rows lie 2^23 elements apart in a
+    (300, 2^23) buffer: its last rows are past element 2^31 of the buffer (2.5 GB bool, 5 GB float16).
+    The forward counts offsets from a wave's first query (MaskView::rows_from), so it takes the mask;
+    the backward's dK/dV kernels count from the (batch, head)'s first row and refuse it."""
+    seq_q, seq_k, row_stride = 300, 700, 2**23
+    generator = torch.Generator(device=GPU).manual_seed(11)
+    q = torch.randn(2, 2, seq_q, 64, generator=generator, device=GPU, dtype=torch.float16)
+    k, v = (torch.randn(2, 2, seq_k, 64, generator=generator, device=GPU, dtype=torch.float16) for _ in range(2))
+    buffer = torch.zeros(seq_q, row_stride, dtype=dtype, device=GPU)
+    values = torch.rand(seq_q, seq_k, generator=generator, device=GPU)
+    buffer[:, :seq_k] = values > 0.3 if dtype == torch.bool else (values * 8 - 4).to(dtype)
+    mask = buffer[:, :seq_k]
+    assert mask.stride(0) * (seq_q - 1) >= 2**31 and ops.mask_refusal(mask, q, k) is None
+    assert "dK/dV" in ops.mask_refusal(mask, q, k, backward=True)
+    out, lse = ops.flash_attention_forward(q, k, v, attn_mask=mask)
+    dense_mask = mask.contiguous()
+    del buffer, mask
+    grid.check_forward(out, lse, q, k, v, False, dense_mask)
 
 
 @pytest.mark.parametrize("batch,heads,kv_heads", ((70000, 1, 1), (1, 70000, 35000)), ids=("batch", "heads"))

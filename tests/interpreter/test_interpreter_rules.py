@@ -417,3 +417,22 @@ def test_maxmin_and_minmax_clamp_and_pass_nan_over(target):
                                ins.VOP3(getattr(ops_enum, "V_MINMAX" + suffix), v[4], v[0], v[2], v[1])], wave)
     assert wave.vgpr[3][:4].view(np.float32).tolist() == [2.0, -2.0, -2.0, 0.5]
     assert wave.vgpr[4][:4].view(np.float32).tolist() == [2.0, -2.0, 2.0, 0.5]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_64_bit_scalar_bitfield_extract(target):
+    """s_bfe_i64 / s_bfe_u64 (a mask view's 64-bit row base sign-extends an int with it): the field at
+    S1[5:0], S1[22:16] bits wide, from a 64-bit source; signed sign-extends from the field's top bit."""
+    from tinygrad.renderer.amd.dsl import s
+    ins, ops_enum = _isa(target, "ins"), _isa(target, "enum").SOP2Op
+    wave = Wave(8, 0)
+    source = 0x8000_0001_F000_0000
+    wave.sgpr[0], wave.sgpr[1] = source & 0xFFFFFFFF, source >> 32
+    wave.sgpr[2] = 32 << 16  # the low 32 bits, offset 0
+    wave.sgpr[3] = (8 << 16) | 28  # 8 bits from bit 28: 0x1F
+    _run_instructions(target, [ins.SOP2(ops_enum.S_BFE_I64, s[4:5], s[0:1], s[2]),
+                               ins.SOP2(ops_enum.S_BFE_U64, s[6:7], s[0:1], s[2]),
+                               ins.SOP2(ops_enum.S_BFE_I64, s[8:9], s[0:1], s[3])], wave)
+    assert (wave.sgpr[4], wave.sgpr[5]) == (0xF000_0000, 0xFFFF_FFFF)  # sign-extended
+    assert (wave.sgpr[6], wave.sgpr[7]) == (0xF000_0000, 0)
+    assert (wave.sgpr[8], wave.sgpr[9]) == (0x1F, 0)
