@@ -82,7 +82,7 @@ def test_quantized_forward_matches_its_float64_model(case, gfx12):
     out = quantized.quantized_attention_forward(q, k, v, scale=scale)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride() == q.stride()
     reference, _ = attention_fp64(q, k, v, scale=scale)
-    variant = variants.fwd8_variant(quantized._DTYPES[q.dtype], case["dim"])
+    variant = variants.fwd8_variant(attention.DTYPE_NAMES[q.dtype], case["dim"])
     modelled = dequantized_attention(reference_q_codes(q, scale, variant), quantized.quantize_inputs(k, v, variant),
                                      case["seq_k"], case["dim"])
     kernel, ideal = _errors(out, reference), _errors(modelled.to(q.dtype), reference)
@@ -99,7 +99,7 @@ def test_quantizing_pass_matches_the_torch_reference(case, gfx12):
     boundary: at most one in a thousand, by one step."""
     generator = torch.Generator(device="cuda").manual_seed(7000 + case["index"])
     q, k, v = _inputs(case, generator)
-    variant = variants.fwd8_variant(quantized._DTYPES[q.dtype], case["dim"])
+    variant = variants.fwd8_variant(attention.DTYPE_NAMES[q.dtype], case["dim"])
     ours = quantized.quantize_inputs(k, v, variant)
     theirs = reference_quantize(k, v, variant)
     for name, a, b in zip(quantized.QuantizedInputs._fields, ours, theirs):
