@@ -7,10 +7,10 @@ without importing torch (which alone takes seconds)."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
 import sys
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -19,54 +19,29 @@ from types import ModuleType
 NUMPY_WARNING = "Failed to initialize NumPy"
 
 
-def _doctor() -> ModuleType:
-    from . import doctor
-    return doctor
-
-
-def _selftest() -> ModuleType:
-    from . import selftest_cli
-    return selftest_cli
-
-
-def _bench() -> ModuleType:
-    from . import benchmark
-    return benchmark
-
-
-def _coverage() -> ModuleType:
-    from . import coverage
-    return coverage
-
-
-def _rebuild() -> ModuleType:
-    from . import rebuild
-    return rebuild
-
-
-def _report() -> ModuleType:
-    from . import report
-    return report
-
-
 @dataclass(frozen=True)
 class Verb:
     help: str
-    load: Callable[[], ModuleType]  # the module: add_arguments(parser) (optional) and run(args) -> exit code
+    module: str  # in this package: add_arguments(parser) (optional) and run(args) -> exit code
+
+    def load(self) -> ModuleType:
+        """Imported only when the verb runs: `--help` and the other verbs never import torch."""
+        return importlib.import_module(f"{__package__}.{self.module}")
 
 
 VERBS = {
-    "doctor": Verb("show what is detected and why anything is off", _doctor),
-    "selftest": Verb("re-run the kernels' self-test on each GPU, or (--interpret) on the CPU interpreter", _selftest),
+    "doctor": Verb("show what is detected and why anything is off", "doctor"),
+    "selftest": Verb("re-run the kernels' self-test on each GPU, or (--interpret) on the CPU interpreter",
+                     "selftest_cli"),
     "bench": Verb("the main job: kernels vs PyTorch SDPA on an RDNA GPU; without one, a Stable Diffusion "
                   "attention call through the shipped code objects on the CPU interpreter, and the "
-                  "expected speed per RDNA GPU", _bench),
+                  "expected speed per RDNA GPU", "benchmark"),
     "coverage": Verb("the share of each model family's attention that reaches the kernels in a host: "
                      "ComfyUI, A1111, diffusers, Forge, reForge, Forge Classic, SD.Next or kohya sd-scripts",
-                     _coverage),
-    "rebuild": Verb("build code objects for your GPU target locally (clang >= 19)", _rebuild),
+                     "coverage"),
+    "rebuild": Verb("build code objects for your GPU target locally (clang >= 19)", "rebuild"),
     # report parses its own command line: main() hands it everything after "report".
-    "report": Verb("static resource report of the prebuilt code objects (see report --help)", _report),
+    "report": Verb("static resource report of the prebuilt code objects (see report --help)", "report"),
 }
 
 
