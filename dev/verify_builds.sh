@@ -2,7 +2,7 @@
 # The builds, proven: gfx1100's code objects (v5, and v4 for older HIP runtimes) rebuilt from the
 # kernel sources with Debian's clang-19 through the package's local-rebuild path must equal prebuilt/'s
 # byte for byte; and, where nvcc is installed, the NVIDIA emulation builds of both layers compile.
-# About 25 minutes on 2 cores (CI runs it after dev/test.sh). Uses ./.venv from dev/test.sh.
+# About 8 minutes on 2 cores, 1 without nvcc (CI runs it after dev/test.sh). Uses ./.venv from dev/test.sh.
 source "$(dirname "$0")/_venv.sh"
 [ -x "$PY" ] || { echo "run dev/test.sh first: it makes $VENV" >&2; exit 1; }
 apt_install clang-19 lld-19 llvm-19
