@@ -244,13 +244,9 @@ def copy_batches(variant) -> int:
 
 
 def peeled_score_steps(target: str, variant) -> int:
-    """S's head-dim steps ahead of its loop in an unmasked kernel, kPeeledScoreSteps in kernels/fa_fwd.h:
-    two (one at a single fragment), none on gfx11 past 16 fragments and in its bf16 kernel of 4. (The
+    """S's head-dim steps ahead of its loop in an unmasked kernel: its traits' peeled_score_steps. (The
     masked kernels are priced from interpreter-executed counts: bench/estimate_masked.py.)"""
-    dim_frags = variant.d_pad // 16
-    if target.startswith("gfx11") and (dim_frags > 16 or (dim_frags == 4 and variant.dtype != "f16")):
-        return 0
-    return min(dim_frags, 2)
+    return variant.traits(target).peeled_score_steps
 
 
 def inner_loops(body: list[Insn], main: tuple[int, int], variant, peeled_steps: int) -> list[InnerLoop]:
@@ -358,7 +354,7 @@ RESCALE_REGION = "O rescale (a row's maximum rose)"
 def count_tile(body: list[Insn], main: tuple[int, int], loops: list[InnerLoop],
                rescale_share: float | None = None) -> TileCounts:
     """One key tile's instructions per wave. rescale_share: the forward's skipped block, if it has one, is
-    its O rescale (kSkipsRescale in kernels/fa_fwd.h), counted as run on that share of the tiles; a
+    its O rescale (the traits' skips_rescale), counted as run on that share of the tiles; a
     kernel without it passes None, and any skipped block is then an error. The huge-score rounding
     (is_huge_score_rounding) is counted as never run."""
     blocks = rescale_blocks(body, main, loops)
@@ -383,7 +379,7 @@ def count_tile(body: list[Insn], main: tuple[int, int], loops: list[InnerLoop],
 
 
 def rescaled_tile_share(block_n: int, keys: int = SEQ, rows: int = 16) -> float:
-    """The share of a wave's key tiles that rescale O (kSkipsRescale in kernels/fa_fwd.h): those where one
+    """The share of a wave's key tiles that rescale O (the traits' skips_rescale): those where one
     of the wave's 16 rows meets a new maximum. With keys in random order, drawn independently, tile t of
     a row holds its running maximum with probability 1/t, whatever the scores' distribution; rows taken
     as independent. Scores that trend upwards along the keys rescale more, up to every tile."""
@@ -505,7 +501,7 @@ def analyse(path: Path, objdump: str) -> list[dict]:
             body = functions[variant.symbol]
             main = main_loop(body)
             loops = inner_loops(body, main, variant, peeled_score_steps(co.target, variant))
-            # A kernel without the skipped rescale block (kSkipsRescale) rescales every tile.
+            # A kernel without the skipped rescale block (skips_rescale) rescales every tile.
             share = rescaled_tile_share(variant.block_n) if rescale_blocks(body, main, loops) else 1.0
             counts = count_tile(body, main, loops, share)
             # S^T takes d_pad/16 x block_n/16 WMMAs per tile, O^T d_chunk/16 x block_n/16.

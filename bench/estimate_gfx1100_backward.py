@@ -130,12 +130,12 @@ def loop_trips(cfg: Cfg, main: int, v, target: str) -> dict[int, int]:
         ops = cfg.ops(blocks)
         inner_wmma = any(g != h and g in blocks and blocks > cfg.loops[g] and
                          any(op.startswith("v_wmma") for op in cfg.ops(cfg.loops[g])) for g in cfg.loops)
-        resident_k = v.kind == "dkdv" and variants.dkdv_holds_k(v.d_pad, v.masked)
+        resident_k = v.kind == "dkdv" and v.traits(target).resident_k
         if inner_wmma or (resident_k and any(op.startswith("v_wmma") for op in ops)):
             # dK/dV: the 16-query fragment loop (#pragma unroll 1); with K held in registers the
             # head-dim loop inside it is unrolled completely
             trips[h] = v.block_tile // FRAG
-        elif any(op.startswith("v_wmma") for op in ops):  # head-dim loop: kDimUnroll (dQ: kLoopUnroll)
+        elif any(op.startswith("v_wmma") for op in ops):  # head-dim loop: dim_unroll's trips
             trips[h] = (dim_frags - peeled_steps(v, target)) // dim_unroll(v, target)
         elif any(op.startswith("ds_store") and op != "ds_store_b128" for op in ops):
             # load_transposed (32-bit or 16-bit stores): (rows / 2) key pairs x (cols / 8), a thread's
@@ -151,33 +151,15 @@ def loop_trips(cfg: Cfg, main: int, v, target: str) -> dict[int, int]:
 
 
 def peeled_steps(v, target: str) -> int:
-    """Head-dim steps ahead of the loop (kPeeledSteps in kernels/fa_bwd.h): the dQ kernel's first pair
-    (kDimUnroll; at gfx11's d64 one step, its loop rolled); the dK/dV kernels peel none."""
-    if v.kind != "dq":
-        return 0
-    return 1 if one_peeled(v, target) else pair_unroll(v)
-
-
-def one_peeled(v, target: str) -> bool:
-    """gfx11's d64 dQ kernel: one head-dim step ahead of a rolled loop (kOnePeeled in kernels/fa_bwd.h)."""
-    return v.kind == "dq" and target.startswith("gfx11") and v.d_pad // FRAG == 4
+    """Head-dim steps ahead of the loop: the dQ kernel's traits' peeled_steps; the dK/dV kernels peel none."""
+    return v.traits(target).peeled_steps if v.kind == "dq" else 0
 
 
 def dim_unroll(v, target: str) -> int:
-    """The head-dim loop's unroll factor (kDimUnroll, for dQ kLoopUnroll, in kernels/fa_bwd.h): pair_unroll's
-    (a remainder iteration costs registers); 1 in gfx11's d64 dQ kernel, whose loop runs the three steps
-    after the peeled one; every step where dQ holds Q and dO in registers (no loop is left)."""
-    if one_peeled(v, target):
-        return 1
-    if v.kind == "dq" and variants.dq_holds_qdo(target, v.d_pad, v.masked):
-        return v.d_pad // FRAG
-    return pair_unroll(v)
-
-
-def pair_unroll(v) -> int:
-    """kDimUnroll in kernels/fa_bwd.h: 2 over an even number of fragments (dK/dV: up to d128), else 1."""
-    even = (v.d_pad // FRAG) % 2 == 0
-    return 2 if even and (v.kind == "dq" or v.d_pad <= 128) else 1
+    """The head-dim loop's unroll factor: the traits' loop_unroll (dQ: every step where Q and dO are held, no
+    loop left) or dim_unroll (dK/dV)."""
+    choices = v.traits(target)
+    return choices.loop_unroll if v.kind == "dq" else choices.dim_unroll
 
 
 def row_loads(v, dim_frags: int) -> int:
@@ -332,7 +314,7 @@ def paths(v, hw) -> dict[str, tuple[int, int]]:
     trans = 2 * transposed_trips(v, out)  # load_transposed: two loads per trip
     if v.kind == "dq":  # per key tile: K, V rows; the Q and dO operands unless held or staged once
         target = target_of(hw)
-        once = variants.dq_holds_qdo(target, v.d_pad, v.masked) or variants.dq_stages_qdo(target, v.d_pad, v.masked)
+        once = v.traits(target).held_qdo or v.traits(target).staged_qdo
         base = rows * 2 + (0 if once else 2 * operand)
         return {"sweep 0 (delta)": (2 * dim * tile // FRAG, base),
                 "sweep 1 (dQ)": (2 * dim * tile // FRAG + out * tile // FRAG, base + trans)}
@@ -343,8 +325,9 @@ def paths(v, hw) -> dict[str, tuple[int, int]]:
     if v.fused:  # S and dP once, then dV and dK: Q, dO rows and both transposed chunks; K and V held
         # in registers or staged in LDS (unmasked: a masked fused kernel past d48 re-reads V)
         return {"dK+dV": (frags * (2 * dim + 2 * out), 2 * rows + 2 * trans + stats)}
-    k_loads = 0 if variants.dkdv_holds_k(v.d_pad, v.masked) else operand
-    v_loads = 0 if v.d_pad <= variants.bwd_resident_v_max_d(target_of(hw)) else operand
+    choices = v.traits(target_of(hw))
+    k_loads = 0 if choices.resident_k else operand
+    v_loads = 0 if choices.resident_v else operand
     return {"dV": (frags * (dim + out), rows + trans + stats + frags * k_loads),
             "dK": (frags * (2 * dim + out), 2 * rows + trans + stats + frags * (k_loads + v_loads))}
 
@@ -360,7 +343,7 @@ def tile_loops(cfg: Cfg) -> dict[int, set[int]]:
 def main_loop(cfg: Cfg) -> int:
     """The loop that runs the tiles every query sees whole (dK/dV: query tiles; dQ: key tiles).
 
-    The innermost tile_loops run the tiles. dK/dV has one. dQ has two where kOpenKeyTiles (kernels/fa_bwd.h)
+    The innermost tile_loops run the tiles. dK/dV has one. dQ has two where the traits' open_key_tiles
     holds: one for the tiles every query sees whole and one for the tiles whose scores are each tested (the
     ragged last tile, the causal diagonal); the first is the shorter one, without the tests. At 4096 tokens, non-causal,
     every tile is of the first kind. The one-sweep dQ's delta, once per wave before them, is in neither."""

@@ -16,14 +16,15 @@
 // dS turn into B operands in registers for dV^T += dO^T P and dK^T += Q^T dS. Up to padded head dim
 // 64, and unmasked at d128, a workgroup makes both from one S (1 + 1 + 2 + 2 units); elsewhere both
 // accumulator sets do not fit beside the operands (or did no better), so a workgroup makes either dV or
-// dK and S is computed twice per key block (kFusedDkdv).
+// dK and S is computed twice per key block (the traits' kFused).
 // dQ: each wave owns 16 queries, like the forward pass: S^T, dP^T with one query per lane; one sweep
 // over the keys makes dS^T and dQ^T += K^T dS^T (two where delta is summed first).
 // Grouped-query attention: a dK/dV workgroup sums over its key/value head's query heads in order,
 // so dK and dV stay deterministic without atomics. Masks and packed batches: see sequence.h.
 // K and V (dK/dV) or Q and dO (dQ) are private to a wave and read straight from global memory: K and
 // V once per kernel into registers where they fit (kResidentK, kResidentV) or into the wave's own LDS
-// rows (kStagedKv), the rest per use; the operands shared by the workgroup go through LDS.
+// rows (kStagedKv), the rest per use, as the instance's traits choose (rdna_flash_attn/runtime/tuning.py);
+// the operands shared by the workgroup go through LDS.
 #pragma once
 #include "sequence.h"
 
@@ -122,16 +123,6 @@ struct RowExponent {
     return FOLD ? RowExponent{neg_offset - log2_sum, 0.f} : RowExponent{neg_offset, log2_sum};
   }
 };
-// dK/dV folds where unmasked, but at d112, where gfx11's kernels spill SGPRs by it (all but gfx1100's).
-template <int D_PAD, bool HAS_MASK>
-constexpr bool kFoldedLog2SumDkdv = !HAS_MASK && D_PAD != 112;
-// dK/dV reads each query tile's row statistics ahead of its copies, in their memory round trip, past d64
-// where the log2 sum is folded. The others read them after the copies, one branch per row: in trial builds
-// the masked kernels and d112 spilled SGPRs by it (gfx11 at d64 to d128, gfx12 past d128), and the fused
-// kernels up to d64 lost up to 1 %.
-template <int D_PAD, bool HAS_MASK>
-constexpr bool kStatsWithCopies = kFoldedLog2SumDkdv<D_PAD, HAS_MASK> && D_PAD > 64;
-
 // A score's base-2 exponent relative to its row's offset (RowExponent), capped. A masked score is biased
 // first, rounded as the forward rounds it (at a huge bias the offset is a maximum of such values); an
 // unmasked one takes one fma for its multiply and subtraction.
@@ -141,93 +132,12 @@ RDNA_DEV float capped_exponent(float s, float scale_log2, float bias, float offs
   return min_f32(x, kMaxExponent);
 }
 
-// One dK/dV workgroup makes both gradients up to padded head dim 64, and unmasked at d128 (mirrored by
-// variants.BwdVariant.fused); elsewhere each makes one, and S is computed twice. Up to d64 a wave's K
-// and V operands, the same for every query tile, stay in registers beside both accumulator sets. At d128
-// the accumulators leave no room for them on gfx11 (its operands hold every value twice): each wave stages
-// its 16 K and V rows in LDS once (kStagedKv) and reads the operands from there per query fragment;
-// gfx12 stages them too (trial builds: 3.38 -> 2.40 ms against re-reading them from global memory). In
-// trial builds of every instance d80 to d112 lost by fusing so (their split kernels keep K and, up to
-// d96 on gfx11 and d128 on gfx12, V in registers), and the masked d128 kernel spilled on gfx11.
-template <int D_PAD, bool HAS_MASK>
-constexpr bool kFusedDkdv = D_PAD <= 64 || (D_PAD == 128 && !HAS_MASK);
-template <int D_PAD, bool HAS_MASK>
-constexpr bool kStagedKv = kFusedDkdv<D_PAD, HAS_MASK> && D_PAD > 64;
-// The split workgroups keep K in registers up to d128 and V up to d96 on gfx11 and d128 on gfx12, whose
-// operands hold each value once; past that they re-read them from global memory (cache hits) per use. A
-// masked fused workgroup also holds the mask's reads: its V stays resident only up to d48 (at d64
-// gfx1100 would spill). Mirrored by variants.BWD_RESIDENT_K_MAX_D and bwd_resident_v_max_d.
-template <int D_PAD, bool HAS_MASK>
-constexpr bool kResidentK = D_PAD <= 128 && !kStagedKv<D_PAD, HAS_MASK>;
-constexpr int kResidentVMaxD = Isa::kOperandElems == 8 ? 128 : 96;
-template <int D_PAD, bool HAS_MASK>
-constexpr bool kResidentV = HAS_MASK && kFusedDkdv<D_PAD, HAS_MASK>
-                                ? D_PAD <= 48
-                                : D_PAD <= kResidentVMaxD && !kStagedKv<D_PAD, HAS_MASK>;
-// A key-padding mask's bias is read once per dK/dV lane (its key's), where a register is left for it:
-// not in gfx11's masked d64 and d128 workgroups, which would spill.
-template <int D_PAD, bool HAS_MASK>
-constexpr bool kKeyBiasOnce = HAS_MASK && (Isa::kOperandElems == 8 || (D_PAD != 64 && D_PAD != 128));
-
-// The tile copies' uniform-base addressing (tiles.h) keeps per-thread offsets and tile bases live
-// across the query or key loop. gfx11's masked workgroups have no registers to spare for them at one
-// head dim each: dK/dV at d128 would spill SGPRs, dQ at d32 VGPRs. Those keep 64-bit addresses.
-template <int D_PAD, bool HAS_MASK>
-constexpr bool kUniformBaseDkdv = !(HAS_MASK && Isa::kOperandElems == 16 && D_PAD == 128);
-template <int D_PAD, bool HAS_MASK>
-constexpr bool kUniformBaseDq = !(HAS_MASK && Isa::kOperandElems == 16 && D_PAD == 32);
-
-// Where dQ reads Q and dO from global memory (not kHeldQdo or kStagedQdo below), it reads them by
-// RepeatingRows (tiles.h), without the zero fill, except where that spills VGPRs (trial builds of every dQ
-// instance): gfx11's d32 kernels and masked d128 kernel, gfx12's d64 kernels.
-template <int D_PAD, bool HAS_MASK>
-constexpr bool kRepeatingQdo = Isa::kOperandElems == 16 ? !(D_PAD == 32 || (HAS_MASK && D_PAD == 128)) : D_PAD != 64;
-
-// dQ's Q and dO operands are the same for every key tile. gfx12 holds them in registers (its operands
-// hold each value once) from d48 to d96; gfx11 stages the workgroup's Q and dO rows in LDS once at d128,
-// where re-reading them bound its key tile by the global cache; elsewhere each key tile re-reads them from
-// global memory (cache hits). Trial builds of every unmasked instance chose these: gfx12 spills at d112
-// and d128 holding them and loses staging them; gfx11 loses staging them at d32 and d80 to d112, gains
-// nothing a key tile at d16 and at most 1.1 % at d48 and d64, for half the waves
-// (bench/results/backward_estimate_gfx1100.md, update 22). Mirrored by variants.dq_holds_qdo and
-// dq_stages_qdo.
-template <int D_PAD, bool HAS_MASK>
-constexpr bool kHeldQdo = Isa::kOperandElems == 8 && !HAS_MASK && D_PAD >= 48 && D_PAD <= 96;
-template <int D_PAD, bool HAS_MASK>
-constexpr bool kStagedQdo = Isa::kOperandElems == 16 && !HAS_MASK && D_PAD == 128;
-
-// dQ's key tiles that every query of the workgroup sees whole run in a loop of their own, without the
-// per-score test (three VALU per score). The second copy of the loop body costs registers: gfx12's d64
-// would spill, and the masked kernels, which test and bias each score anyway, keep one loop.
-template <int D_PAD, bool HAS_MASK>
-constexpr bool kOpenKeyTiles = !HAS_MASK && !(Isa::kOperandElems == 8 && D_PAD == 64);
-
-// dK/dV's tile copies repeat their edges (load_rows' REPEAT_EDGES) in the fused workgroups: in trial
-// builds of every instance the split ones lost by it, at d80 and at gfx12's d128 before it was fused
-// (their copies' partial tiles and loads under lane tests take more memory round trips).
-template <int D_PAD, bool HAS_MASK>
-constexpr bool kRepeatingCopiesDkdv = kFusedDkdv<D_PAD, HAS_MASK>;
-
 // acc[f] += A_f x, A_f the f-th 16-row fragment of an LDS tile.
 template <int FRAGS, int LDS_ROW, class DT>
 RDNA_DEV void accumulate(DT dt, v8f (&acc)[FRAGS], const u16* tile, int col0, const Isa::Operand& x, int lane) {
   #pragma unroll
   for (int f = 0; f < FRAGS; ++f) Isa::mma(dt, acc[f], load_operand<LDS_ROW>(tile + f * kFrag * LDS_ROW, col0, lane), x);
 }
-
-// gfx11's bf16 d64 fused dK/dV kernel holds 255 VGPRs (bf16 rounding takes more than f16's): it spills
-// with any register-costing choice of dK/dV below (fetch-inactive exchanges, held zeros, 16-bit
-// transposed stores), which the other dK/dV kernels take wherever it applies.
-template <class DT, int D_PAD>
-constexpr bool kDkdvNoSpareVgprs = Isa::kOperandElems == 16 && !kIsF16<DT> && D_PAD == 64;
-
-// dK/dV's Q^T and dO^T go to LDS by 16-bit stores (load_transposed's SIXTEEN_BIT; dQ's K^T always
-// does), except where trial builds of every instance lost by them: at d80 to d112 the dK/dV loops wait
-// longer for the copy's loads held together (gfx11's d96 spills), as on gfx12 at d48
-// (bench/results/backward_estimate_gfx1100.md, update 18).
-template <class DT, int D_PAD>
-constexpr bool kSixteenBitTransposeDkdv = !((D_PAD >= 80 && D_PAD <= 112) ||
-                                            (Isa::kOperandElems == 8 ? D_PAD == 48 : kDkdvNoSpareVgprs<DT, D_PAD>));
 
 // x, an accumulator tile whose rows are keys (or queries) in Isa::acc_key order, as the B operand of a
 // product over them, each value rounded once to 16 bits. FETCH_INACTIVE (other_half's) saves a move per
@@ -243,16 +153,10 @@ RDNA_DEV Isa::Operand rounded_operand(DT dt, const v8f& x, int lane) {
   return Isa::keys_to_operand<FETCH_INACTIVE>(bits, lane);
 }
 
-// The first product of each dK/dV query fragment takes a zero C operand. gfx11 has no inline zero for
-// it, and clang re-creates the zeros per fragment (8 moves) unless they are held in 8 VGPRs across the
-// query tiles. Only where K is resident: there the head-dim loop unrolls completely and the held zeros
-// feed that product; a rolled loop copies them into its accumulators anyway.
-template <class DT, int D_PAD, bool HAS_MASK>
-constexpr bool kHeldZeroC = !Isa::kInlineZeroAccumulator && kResidentK<D_PAD, HAS_MASK> && !kDkdvNoSpareVgprs<DT, D_PAD>;
-
-// LDS of the dK/dV kernel; rdna_flash_attn/runtime/variants.py computes the same size.
-template <int D_PAD, int WAVES, int BLOCK_M, int D_CHUNK, bool HAS_MASK>
+// LDS of the dK/dV kernel of traits T; rdna_flash_attn/runtime/variants.py computes the same size.
+template <class T>
 struct DkdvShape {
+  static constexpr int D_PAD = T::kHeadDim, WAVES = T::kWaves, BLOCK_M = T::kBlockM, D_CHUNK = T::kChunk;
   static constexpr int kBlockN = kFrag * WAVES;
   static constexpr int kThreads = 32 * WAVES;
   static constexpr int kRow = D_PAD + kRowPad;      // Q and dO rows
@@ -263,28 +167,26 @@ struct DkdvShape {
   static constexpr int kQtOffset = kDoOffset + BLOCK_M * kRow;
   static constexpr int kDotOffset = kQtOffset + D_CHUNK * kTRow;
   // float offset[BLOCK_M], delta[BLOCK_M], and where it is not folded into the offset log2_sum[BLOCK_M]
-  static constexpr int kRowStats = kFoldedLog2SumDkdv<D_PAD, HAS_MASK> ? 2 : 3;
+  static constexpr int kRowStats = T::kFoldedLog2Sum ? 2 : 3;
   static constexpr int kStatsOffset = kDotOffset + D_CHUNK * kTRow;
-  // kStagedKv: per wave its 16 K rows, then its 16 V rows
+  // T::kStagedKv: per wave its 16 K rows, then its 16 V rows
   static constexpr int kKvOffset = kStatsOffset + 2 * kRowStats * BLOCK_M;
   static constexpr int kWaveKvElems = 2 * kFrag * kRow;
-  static constexpr int kLdsElems = kKvOffset + (kStagedKv<D_PAD, HAS_MASK> ? WAVES * kWaveKvElems : 0);
+  static constexpr int kLdsElems = kKvOffset + (T::kStagedKv ? WAVES * kWaveKvElems : 0);
   static_assert(2 * kLdsElems <= 65536, "LDS over 64 KiB");
   static_assert(kBlockN * kStageRow <= kLdsElems, "gradient staging must fit in the LDS tiles");
 };
 
-template <class DT, int D_PAD, int WAVES, int BLOCK_M, int D_CHUNK, bool HAS_MASK>
+// T: the instance's traits, generated from rdna_flash_attn/runtime/tuning.py.
+template <class DT, class T>
 RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
-  using Shape = DkdvShape<D_PAD, WAVES, BLOCK_M, D_CHUNK, HAS_MASK>;
+  constexpr int D_PAD = T::kHeadDim, BLOCK_M = T::kBlockM, D_CHUNK = T::kChunk;
+  constexpr bool HAS_MASK = T::kMasked;
+  using Shape = DkdvShape<T>;
   constexpr int kQueryFrags = BLOCK_M / kFrag;
   constexpr int kOutFrags = D_CHUNK / kFrag;
   constexpr int kDimFrags = D_PAD / kFrag;
   constexpr int kChunks = (D_PAD + D_CHUNK - 1) / D_CHUNK;
-  constexpr int kDimUnroll = kDimFrags % 2 == 0 && D_PAD <= 128 ? 2 : 1;  // more costs registers
-  constexpr bool kUniformBase = kUniformBaseDkdv<D_PAD, HAS_MASK>;
-  constexpr bool kSixteenBit = kSixteenBitTransposeDkdv<DT, D_PAD>;
-  constexpr bool kRepeat = kRepeatingCopiesDkdv<D_PAD, HAS_MASK>;
-  constexpr bool kFold = kFoldedLog2SumDkdv<D_PAD, HAS_MASK>;
   const DT dt{};
   const float kInf = __builtin_inff();
 
@@ -293,11 +195,9 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
   const int wave = tid >> 5;
   // A fused workgroup makes dK and dV of one column chunk. Otherwise each makes one of them: one
   // accumulator set in registers, and the dV workgroups skip dP altogether.
-  constexpr bool kBoth = kFusedDkdv<D_PAD, HAS_MASK>;
-  constexpr int kJobs = kBoth ? kChunks : 2 * kChunks;
-  constexpr bool kFetchInactive = !kDkdvNoSpareVgprs<DT, D_PAD>;
+  constexpr int kJobs = T::kFused ? kChunks : 2 * kChunks;
   const int job = block_id_x() % kJobs;
-  const bool make_dk = kBoth || job >= kChunks;
+  const bool make_dk = T::kFused || job >= kChunks;
   const int chunk = job % kChunks;
   const int k0 = block_id_x() / kJobs * Shape::kBlockN;  // block 0 sees the most queries when causal: first
   const int col0 = chunk * D_CHUNK;
@@ -312,36 +212,36 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
   u16* dot_lds = lds + Shape::kDotOffset;
   float* offset_lds = reinterpret_cast<float*>(lds + Shape::kStatsOffset);  // RowExponent's
   float* delta_lds = offset_lds + BLOCK_M;
-  float* log2_sum_lds = kFold ? nullptr : delta_lds + BLOCK_M;  // kRowStats
+  float* log2_sum_lds = T::kFoldedLog2Sum ? nullptr : delta_lds + BLOCK_M;  // kRowStats
 
   const int wave_key0 = k0 + wave * kFrag;
   const int key = wave_key0 + (lane & 15);
   const int key_seen_from = seq.first_query(a.causal, key);  // the first query that sees this lane's key
 
   v8f acc[kOutFrags];  // dK, or dV when the workgroup makes dV only
-  v8f dv_acc[kBoth ? kOutFrags : 1];
+  v8f dv_acc[T::kFused ? kOutFrags : 1];
   #pragma unroll
   for (int f = 0; f < kOutFrags; ++f) acc[f] = zero_v8f();
   #pragma unroll
-  for (int f = 0; f < (kBoth ? kOutFrags : 1); ++f) dv_acc[f] = zero_v8f();
+  for (int f = 0; f < (T::kFused ? kOutFrags : 1); ++f) dv_acc[f] = zero_v8f();
 
   // This wave's K (and for dK its V) operands, loaded once where they stay in registers; or its K and V
   // rows, zero past seqlen and head_dim as load_operand_global reads them, staged in LDS (the first query
   // tile's barrier orders them before their reads).
-  constexpr bool kHoldK = kResidentK<D_PAD, HAS_MASK>, kHoldV = kResidentV<D_PAD, HAS_MASK>;
-  constexpr bool kStaged = kStagedKv<D_PAD, HAS_MASK>;
-  constexpr int kDimSteps = kHoldK ? kDimFrags : kDimUnroll;  // register arrays need constant indices
-  Isa::Operand k_ops[kHoldK ? kDimFrags : 1], v_ops[kHoldV ? kDimFrags : 1];
+  constexpr int kDimSteps = T::kResidentK ? kDimFrags : T::kDimUnroll;  // register arrays need constant indices
+  Isa::Operand k_ops[T::kResidentK ? kDimFrags : 1], v_ops[T::kResidentV ? kDimFrags : 1];
   #pragma unroll
   for (int d = 0; d < kDimFrags; ++d) {
-    if constexpr (kHoldK) k_ops[d] = load_operand_global(k, a.k_stride_s, wave_key0, seq.seqlen_k, d * kFrag, a.head_dim, lane);
-    if constexpr (kHoldV) {
-      if (make_dk) v_ops[d] = load_operand_global(v, a.v_stride_s, wave_key0, seq.seqlen_k, d * kFrag, a.head_dim, lane);
+    if constexpr (T::kResidentK)
+      k_ops[d] = load_operand_global(k, a.k_stride_s, wave_key0, seq.seqlen_k, d * kFrag, a.head_dim, lane);
+    if constexpr (T::kResidentV) {
+      if (make_dk)
+        v_ops[d] = load_operand_global(v, a.v_stride_s, wave_key0, seq.seqlen_k, d * kFrag, a.head_dim, lane);
     }
   }
   u16* k_rows_lds = lds + Shape::kKvOffset + wave * Shape::kWaveKvElems;
   u16* v_rows_lds = k_rows_lds + kFrag * Shape::kRow;
-  if constexpr (kStaged) {
+  if constexpr (T::kStagedKv) {
     load_rows<kFrag, D_PAD, Shape::kRow, 32>(k_rows_lds, k, a.k_stride_s, wave_key0, seq.seqlen_k, a.head_dim, lane);
     load_rows<kFrag, D_PAD, Shape::kRow, 32>(v_rows_lds, v, a.v_stride_s, wave_key0, seq.seqlen_k, a.head_dim, lane);
   }
@@ -359,51 +259,52 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
     const MaskView mask = MaskView::of(a.mask, a.mask_kind, a.mask_stride_b, a.mask_stride_h, a.mask_stride_q,
                                        a.mask_stride_k, batch, head, seq);
     // A key-padding mask (one bias per key) gives this lane's key one bias for every query: read once.
-    const bool key_padding = kKeyBiasOnce<D_PAD, HAS_MASK> && a.mask_stride_q == 0;
+    const bool key_padding = T::kKeyBiasOnce && a.mask_stride_q == 0;
     const float key_bias = key_padding ? mask.bias_log2(0, key) : 0.f;
-    const v8f first_c = kHeldZeroC<DT, D_PAD, HAS_MASK> ? held_zero_v8f() : zero_v8f();
+    const v8f first_c = T::kHeldZeroC ? held_zero_v8f() : zero_v8f();
     for (int q0 = q_begin; q0 < seq.seqlen_q; q0 += BLOCK_M) {
       block_barrier();
-      // kStatsWithCopies: the tile's row statistics, read by every thread at a row clamped into the tile and
-      // the sequence: without a branch their loads join the copies' and share their memory round trip.
+      // T::kStatsWithCopies: the tile's row statistics, read by every thread at a row clamped into the tile
+      // and the sequence: without a branch their loads join the copies' and share their memory round trip.
       float row_lse = 0.f, row_log2_sum = 0.f, row_delta = 0.f;
-      if constexpr (kStatsWithCopies<D_PAD, HAS_MASK>) {
+      if constexpr (T::kStatsWithCopies) {
         static_assert(BLOCK_M <= Shape::kThreads, "one thread per row's statistics");
         const i64 stat_row = stats + min_int(q0 + min_int(tid, BLOCK_M - 1), seq.seqlen_q - 1);
         row_lse = a.lse[stat_row];
         row_log2_sum = a.row_log2_sum[stat_row];
         row_delta = a.delta[stat_row];
       }
-      // Edges may repeat (kRepeat): S = Q K^T and dP = dO V^T take K and V zero past head_dim; the
-      // queries past seqlen have P = dS = 0 (offset -inf); the rows of Q^T and dO^T past head_dim make
+      // Edges may repeat (T::kRepeatingCopies): S = Q K^T and dP = dO V^T take K and V zero past head_dim;
+      // the queries past seqlen have P = dS = 0 (offset -inf); the rows of Q^T and dO^T past head_dim make
       // gradient columns that are not stored.
-      load_rows<BLOCK_M, D_PAD, Shape::kRow, Shape::kThreads, true, kUniformBase, kRepeat>(q_lds, q, a.q_stride_s, q0,
-                                                                                        seq.seqlen_q, a.head_dim, tid);
+      load_rows<BLOCK_M, D_PAD, Shape::kRow, Shape::kThreads, true, T::kUniformBase, T::kRepeatingCopies>(
+          q_lds, q, a.q_stride_s, q0, seq.seqlen_q, a.head_dim, tid);
       if (make_dk) {
-        load_rows<BLOCK_M, D_PAD, Shape::kRow, Shape::kThreads, true, kUniformBase, kRepeat>(
+        load_rows<BLOCK_M, D_PAD, Shape::kRow, Shape::kThreads, true, T::kUniformBase, T::kRepeatingCopies>(
             do_lds, dout, a.do_stride_s, q0, seq.seqlen_q, a.head_dim, tid);
-        load_transposed<BLOCK_M, D_CHUNK, Shape::kTRow, Shape::kThreads, kUniformBase, kSixteenBit, kRepeat>(
-            qt_lds, q, a.q_stride_s, q0, seq.seqlen_q, col0, a.head_dim, tid);
+        load_transposed<BLOCK_M, D_CHUNK, Shape::kTRow, Shape::kThreads, T::kUniformBase, T::kSixteenBitTranspose,
+                        T::kRepeatingCopies>(qt_lds, q, a.q_stride_s, q0, seq.seqlen_q, col0, a.head_dim, tid);
       }
-      if (!make_dk || kBoth) {
-        load_transposed<BLOCK_M, D_CHUNK, Shape::kTRow, Shape::kThreads, kUniformBase, kSixteenBit, kRepeat>(
-            dot_lds, dout, a.do_stride_s, q0, seq.seqlen_q, col0, a.head_dim, tid);
+      if (!make_dk || T::kFused) {
+        load_transposed<BLOCK_M, D_CHUNK, Shape::kTRow, Shape::kThreads, T::kUniformBase, T::kSixteenBitTranspose,
+                        T::kRepeatingCopies>(dot_lds, dout, a.do_stride_s, q0, seq.seqlen_q, col0, a.head_dim, tid);
       }
       // -inf: padding rows get probability 0
-      if constexpr (kStatsWithCopies<D_PAD, HAS_MASK>) {
+      if constexpr (T::kStatsWithCopies) {
         if (tid < BLOCK_M) {
           const bool valid = q0 + tid < seq.seqlen_q;
-          offset_lds[tid] = valid ? RowExponent<kFold>::of(-(row_lse * a.lse_to_log2), row_log2_sum).offset : -kInf;
+          offset_lds[tid] =
+              valid ? RowExponent<T::kFoldedLog2Sum>::of(-(row_lse * a.lse_to_log2), row_log2_sum).offset : -kInf;
           delta_lds[tid] = valid ? row_delta : 0.f;
         }
       } else {
         for (int i = tid; i < BLOCK_M; i += Shape::kThreads) {
           const bool valid = q0 + i < seq.seqlen_q;
-          offset_lds[i] = valid ? RowExponent<kFold>::of(-(a.lse[stats + q0 + i] * a.lse_to_log2),
+          offset_lds[i] = valid ? RowExponent<T::kFoldedLog2Sum>::of(-(a.lse[stats + q0 + i] * a.lse_to_log2),
                                                         a.row_log2_sum[stats + q0 + i]).offset
                                 : -kInf;
           delta_lds[i] = valid ? a.delta[stats + q0 + i] : 0.f;
-          if constexpr (!kFold) log2_sum_lds[i] = valid ? a.row_log2_sum[stats + q0 + i] : 0.f;
+          if constexpr (!T::kFoldedLog2Sum) log2_sum_lds[i] = valid ? a.row_log2_sum[stats + q0 + i] : 0.f;
         }
       }
       block_barrier();
@@ -414,16 +315,16 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
         v8f s_acc = first_c, dp_acc = first_c;
         #pragma unroll kDimSteps
         for (int d = 0; d < kDimFrags; ++d) {
-          const Isa::Operand k_op = kHoldK   ? k_ops[kHoldK ? d : 0]
-                                    : kStaged ? load_operand<Shape::kRow>(k_rows_lds, d * kFrag, lane)
-                                              : load_operand_global(k, a.k_stride_s, wave_key0, seq.seqlen_k, d * kFrag,
-                                                                    a.head_dim, lane);
+          const Isa::Operand k_op = T::kResidentK ? k_ops[T::kResidentK ? d : 0]
+                                    : T::kStagedKv ? load_operand<Shape::kRow>(k_rows_lds, d * kFrag, lane)
+                                                   : load_operand_global(k, a.k_stride_s, wave_key0, seq.seqlen_k,
+                                                                         d * kFrag, a.head_dim, lane);
           Isa::mma(dt, s_acc, load_operand<Shape::kRow>(q_lds + qf * kFrag * Shape::kRow, d * kFrag, lane), k_op);
           if (make_dk) {
-            const Isa::Operand v_op = kHoldV   ? v_ops[kHoldV ? d : 0]
-                                      : kStaged ? load_operand<Shape::kRow>(v_rows_lds, d * kFrag, lane)
-                                                : load_operand_global(v, a.v_stride_s, wave_key0, seq.seqlen_k, d * kFrag,
-                                                                      a.head_dim, lane);
+            const Isa::Operand v_op = T::kResidentV ? v_ops[T::kResidentV ? d : 0]
+                                      : T::kStagedKv ? load_operand<Shape::kRow>(v_rows_lds, d * kFrag, lane)
+                                                     : load_operand_global(v, a.v_stride_s, wave_key0, seq.seqlen_k,
+                                                                           d * kFrag, a.head_dim, lane);
             Isa::mma(dt, dp_acc, load_operand<Shape::kRow>(do_lds + qf * kFrag * Shape::kRow, d * kFrag, lane), v_op);
           }
         }
@@ -435,7 +336,7 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
           const bool visible = !decltype(tested)::value || s >= first_s;
           const float bias = !HAS_MASK ? 0.f : key_padding ? key_bias : mask.bias_log2(mask.row(q0 + row), key);
           const float exponent = capped_exponent<HAS_MASK>(s_acc[s], a.scale_log2, bias, offset_lds[row]);
-          return visible ? exp2_approx(kFold ? exponent : exponent - log2_sum_lds[row]) : 0.f;
+          return visible ? exp2_approx(T::kFoldedLog2Sum ? exponent : exponent - log2_sum_lds[row]) : 0.f;
         };
         const auto dS = [&](int s, float p) { return p * (dp_acc[s] - delta_lds[qf * kFrag + Isa::acc_key(lane, s)]); };
         // P, or for dK alone dS. Fragments whose queries all see the wave's keys skip the per-score test
@@ -443,7 +344,7 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
         // probability into it, one exec-masked block per score (the split and masked kernels), which
         // serializes the statistics' LDS reads. Their choice between P and dS is taken once, not per score,
         // for the same reason (the tested fragments keep it per score: a fourth copy spilled SGPRs in gfx11's
-        // d112 kernel and its d128 kernel before it was fused).
+        // split d112 and d128 kernels).
         const auto scores = [&](auto tested, bool ds) {
           #pragma unroll
           for (int s = 0; s < 8; ++s) {
@@ -451,22 +352,22 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
             s_acc[s] = ds ? dS(s, p) : p;
           }
         };
-        const bool ds_only = make_dk && !kBoth;  // dK alone: the scores turn into dS straight away
+        const bool ds_only = make_dk && !T::kFused;  // dK alone: the scores turn into dS straight away
         if (any_lane(first_s > 0))
           scores(Flag<true>{}, ds_only);
         else if (ds_only)
           scores(Flag<false>{}, true);
         else
           scores(Flag<false>{}, false);
-        if constexpr (kBoth) {  // dV^T += dO^T P, then P turns into dS
+        if constexpr (T::kFused) {  // dV^T += dO^T P, then P turns into dS
           accumulate<kOutFrags, Shape::kTRow>(dt, dv_acc, dot_lds, qf * kFrag,
-                                              rounded_operand<kFetchInactive, true>(dt, s_acc, lane), lane);
+                                              rounded_operand<T::kFetchInactive, true>(dt, s_acc, lane), lane);
           #pragma unroll
           for (int s = 0; s < 8; ++s) s_acc[s] = dS(s, s_acc[s]);
         }
         // P (for dV) or dS (for dK)
         accumulate<kOutFrags, Shape::kTRow>(dt, acc, make_dk ? qt_lds : dot_lds, qf * kFrag,
-                                            rounded_operand<kFetchInactive, false>(dt, s_acc, lane), lane);
+                                            rounded_operand<T::kFetchInactive, false>(dt, s_acc, lane), lane);
       }
     }
   }
@@ -480,7 +381,7 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
                        : a.dv + batch * a.dv_stride_b + kv_head * a.dv_stride_h) + seq.k_row0 * grad_stride;
   store_rows<Shape::kBlockN, D_CHUNK, Shape::kStageRow, Shape::kThreads>(grad, grad_stride, lds, k0, seq.seqlen_k, col0,
                                                                          a.head_dim, tid);
-  if constexpr (kBoth) {
+  if constexpr (T::kFused) {
     block_barrier();
     stage_transposed<DT, kOutFrags, Shape::kStageRow>(dt, lds + wave * kFrag * Shape::kStageRow, dv_acc, 1.f, lane);
     block_barrier();
@@ -490,9 +391,10 @@ RDNA_DEV void dkdv_body(const BwdArgs& a, u16* lds) {
   }
 }
 
-// LDS of the dQ kernel; rdna_flash_attn/runtime/variants.py computes the same size.
-template <int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK, bool HAS_MASK>
+// LDS of the dQ kernel of traits T; rdna_flash_attn/runtime/variants.py computes the same size.
+template <class T>
 struct DqShape {
+  static constexpr int D_PAD = T::kHeadDim, WAVES = T::kWaves, BLOCK_N = T::kBlockN, D_CHUNK = T::kChunk;
   static constexpr int kBlockM = kFrag * WAVES;
   static constexpr int kThreads = 32 * WAVES;
   static constexpr int kRow = D_PAD + kRowPad;      // K and V rows
@@ -501,31 +403,22 @@ struct DqShape {
   static constexpr int kKOffset = 0;
   static constexpr int kVOffset = BLOCK_N * kRow;
   static constexpr int kKtOffset = kVOffset + BLOCK_N * kRow;
-  // kStagedQdo: the workgroup's Q rows, then its dO rows
+  // T::kStagedQdo: the workgroup's Q rows, then its dO rows
   static constexpr int kQdoOffset = kKtOffset + D_CHUNK * kTRow;
-  static constexpr int kLdsElems = kQdoOffset + (kStagedQdo<D_PAD, HAS_MASK> ? 2 * kBlockM * kRow : 0);
+  static constexpr int kLdsElems = kQdoOffset + (T::kStagedQdo ? 2 * kBlockM * kRow : 0);
   static_assert(2 * kLdsElems <= 65536, "LDS over 64 KiB");
   static_assert(kBlockM * kStageRow <= kLdsElems, "gradient staging must fit in the LDS tiles");
 };
 
-template <class DT, int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK, bool HAS_MASK>
+template <class DT, class T>
 RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
-  using Shape = DqShape<D_PAD, WAVES, BLOCK_N, D_CHUNK, HAS_MASK>;
+  constexpr int D_PAD = T::kHeadDim, BLOCK_N = T::kBlockN, D_CHUNK = T::kChunk;
+  constexpr bool HAS_MASK = T::kMasked;
+  using Shape = DqShape<T>;
   constexpr int kKeyFrags = BLOCK_N / kFrag;
   constexpr int kOutFrags = D_CHUNK / kFrag;
   constexpr int kDimFrags = D_PAD / kFrag;
   constexpr int kChunks = (D_PAD + D_CHUNK - 1) / D_CHUNK;
-  constexpr int kDimUnroll = kDimFrags % 2 == 0 ? 2 : 1;  // a remainder iteration costs registers
-  // The first steps of S and dP run ahead of their loop from a zero C operand, as the forward's S does
-  // (fa_fwd.h, kPeeledScoreSteps): one trip of the loop, so that it keeps its parity. At gfx11's d64 one
-  // step, and the other three stay a loop: after two, the last two unroll completely and spill (trial
-  // builds' static report).
-  constexpr bool kOnePeeled = !Isa::kInlineZeroAccumulator && kDimFrags == 4;
-  constexpr int kPeeledSteps = kOnePeeled ? 1 : kDimUnroll;
-  constexpr bool kHoldQdo = kHeldQdo<D_PAD, HAS_MASK>, kStaged = kStagedQdo<D_PAD, HAS_MASK>;
-  // Static: the unroll pragma in key_tile reads it. Held operands need constant indices: no loop.
-  static constexpr int kLoopUnroll = kHoldQdo ? kDimFrags : kOnePeeled ? 1 : kDimUnroll;
-  constexpr bool kUniformBase = kUniformBaseDq<D_PAD, HAS_MASK>;
   const DT dt{};
 
   const int tid = thread_id();
@@ -560,16 +453,16 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
   // queries past seqlen (their offset is -inf), so Q and dO may repeat their edges (RepeatingRows).
   const RepeatingRows q_rows = RepeatingRows::of(q, a.q_stride_s, q0, wave_q0, seq.seqlen_q, lane);
   const RepeatingRows do_rows = RepeatingRows::of(dout, a.do_stride_s, q0, wave_q0, seq.seqlen_q, lane);
-  // This wave's Q or dO operand at head-dim step d, by kRepeatingQdo's choice.
+  // This wave's Q or dO operand at head-dim step d, by T::kRepeatingQdo.
   const auto wave_operand = [&](const RepeatingRows& rows, const u16* src, i64 stride, int d) {
-    return kRepeatingQdo<D_PAD, HAS_MASK>
+    return T::kRepeatingQdo
                ? rows.load(d * kFrag, a.head_dim)
                : load_operand_global(src, stride, wave_q0, seq.seqlen_q, d * kFrag, a.head_dim, lane);
   };
-  // kHeldQdo: this wave's operands, loaded once. kStagedQdo: the workgroup's rows, zero past seqlen and
+  // T::kHeldQdo: this wave's operands, loaded once. T::kStagedQdo: the workgroup's rows, zero past seqlen and
   // head_dim (the first key tile's barrier orders them before their reads).
-  Isa::Operand q_ops[kHoldQdo ? kDimFrags : 1], do_ops[kHoldQdo ? kDimFrags : 1];
-  if constexpr (kHoldQdo) {
+  Isa::Operand q_ops[T::kHeldQdo ? kDimFrags : 1], do_ops[T::kHeldQdo ? kDimFrags : 1];
+  if constexpr (T::kHeldQdo) {
     #pragma unroll
     for (int d = 0; d < kDimFrags; ++d) {
       q_ops[d] = wave_operand(q_rows, q, a.q_stride_s, d);
@@ -578,7 +471,7 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
   }
   const u16* q_wave_lds = lds + Shape::kQdoOffset + wave * kFrag * Shape::kRow;
   const u16* do_wave_lds = q_wave_lds + Shape::kBlockM * Shape::kRow;
-  if constexpr (kStaged) {
+  if constexpr (T::kStagedQdo) {
     u16* q_rows_lds = lds + Shape::kQdoOffset;
     load_rows<Shape::kBlockM, D_PAD, Shape::kRow, Shape::kThreads>(q_rows_lds, q, a.q_stride_s, q0, seq.seqlen_q,
                                                                    a.head_dim, tid);
@@ -621,27 +514,27 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
     }
     const RowExponent<!HAS_MASK> row = RowExponent<!HAS_MASK>::of(neg_offset, norm);
     // One key tile. MASKED: some key of the tile is past seqlen_k or (causal) past a query of this
-    // workgroup, so each score is tested; the other tiles skip the test. Where kOpenKeyTiles is false,
+    // workgroup, so each score is tested; the other tiles skip the test. Where T::kOpenKeyTiles is false,
     // every tile is tested.
     const auto key_tile = [&](auto masked, int key0) {
       block_barrier();
-      load_rows<BLOCK_N, D_PAD, Shape::kRow, Shape::kThreads, true, kUniformBase>(k_lds, k, a.k_stride_s, key0,
+      load_rows<BLOCK_N, D_PAD, Shape::kRow, Shape::kThreads, true, T::kUniformBase>(k_lds, k, a.k_stride_s, key0,
                                                                                   seq.seqlen_k, a.head_dim, tid);
-      load_rows<BLOCK_N, D_PAD, Shape::kRow, Shape::kThreads, true, kUniformBase>(v_lds, v, a.v_stride_s, key0,
+      load_rows<BLOCK_N, D_PAD, Shape::kRow, Shape::kThreads, true, T::kUniformBase>(v_lds, v, a.v_stride_s, key0,
                                                                                   seq.seqlen_k, a.head_dim, tid);
       if (sweep == 1)
-        load_transposed<BLOCK_N, D_CHUNK, Shape::kTRow, Shape::kThreads, kUniformBase, true>(
+        load_transposed<BLOCK_N, D_CHUNK, Shape::kTRow, Shape::kThreads, T::kUniformBase, true>(
             kt_lds, k, a.k_stride_s, key0, seq.seqlen_k, col0, a.head_dim, tid);
       block_barrier();
 
       v8f s_acc[kKeyFrags], dp_acc[kKeyFrags];
       const auto product_step = [&](int d) {
-        const Isa::Operand q_op = kHoldQdo ? q_ops[kHoldQdo ? d : 0]
-                                  : kStaged ? load_operand<Shape::kRow>(q_wave_lds, d * kFrag, lane)
-                                            : wave_operand(q_rows, q, a.q_stride_s, d);
-        const Isa::Operand do_op = kHoldQdo ? do_ops[kHoldQdo ? d : 0]
-                                   : kStaged ? load_operand<Shape::kRow>(do_wave_lds, d * kFrag, lane)
-                                             : wave_operand(do_rows, dout, a.do_stride_s, d);
+        const Isa::Operand q_op = T::kHeldQdo ? q_ops[T::kHeldQdo ? d : 0]
+                                  : T::kStagedQdo ? load_operand<Shape::kRow>(q_wave_lds, d * kFrag, lane)
+                                                  : wave_operand(q_rows, q, a.q_stride_s, d);
+        const Isa::Operand do_op = T::kHeldQdo ? do_ops[T::kHeldQdo ? d : 0]
+                                   : T::kStagedQdo ? load_operand<Shape::kRow>(do_wave_lds, d * kFrag, lane)
+                                                   : wave_operand(do_rows, dout, a.do_stride_s, d);
         #pragma unroll
         for (int j = 0; j < kKeyFrags; ++j) {
           Isa::mma(dt, s_acc[j], load_operand<Shape::kRow>(k_lds + j * kFrag * Shape::kRow, d * kFrag, lane), q_op);
@@ -651,9 +544,9 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
       #pragma unroll
       for (int j = 0; j < kKeyFrags; ++j) s_acc[j] = dp_acc[j] = zero_v8f();
       #pragma unroll
-      for (int d = 0; d < kPeeledSteps; ++d) product_step(d);
-      #pragma unroll kLoopUnroll
-      for (int d = kPeeledSteps; d < kDimFrags; ++d) product_step(d);
+      for (int d = 0; d < T::kPeeledSteps; ++d) product_step(d);
+      #pragma unroll T::kLoopUnroll
+      for (int d = T::kPeeledSteps; d < kDimFrags; ++d) product_step(d);
       // K and V rows lie in key_slot order, so accumulator value s is key acc_key(lane, s).
       #pragma unroll
       for (int j = 0; j < kKeyFrags; ++j) {
@@ -682,7 +575,7 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
     };
     // Tiles every query of the workgroup sees whole, then the rest.
     int key0 = 0;
-    if constexpr (kOpenKeyTiles<D_PAD, HAS_MASK>)
+    if constexpr (T::kOpenKeyTiles)
       for (; key0 + BLOCK_N <= open_end; key0 += BLOCK_N) key_tile(Flag<false>{}, key0);
     for (; key0 < key_end; key0 += BLOCK_N) key_tile(Flag<true>{}, key0);
   }

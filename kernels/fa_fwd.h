@@ -195,42 +195,30 @@ constexpr float kHugeScore = 0x1p24f;  // in log2 units: a scaled score whose ul
 // biases are all zero (a padding mask's kept keys: nearly every tile) runs as without a mask.
 enum BiasMode : int { kNoBias, kScoreBias, kKeyBias };
 
-template <class DT, int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK, int COPY_LOADS, bool HAS_MASK>
+// T: the instance's traits, generated from rdna_flash_attn/runtime/tuning.py.
+template <class DT, class T>
 struct FwdLoop {
-  using Shape = FwdShape<D_PAD, WAVES, BLOCK_N, D_CHUNK, HAS_MASK>;
+  static constexpr int D_PAD = T::kHeadDim, BLOCK_N = T::kBlockN, D_CHUNK = T::kChunk;
+  static constexpr bool HAS_MASK = T::kMasked;
+  using Shape = FwdShape<D_PAD, T::kWaves, BLOCK_N, D_CHUNK, HAS_MASK>;
   static constexpr int kKeyFrags = BLOCK_N / kFrag;
   static constexpr int kOutFrags = D_CHUNK / kFrag;
   static constexpr int kDimFrags = D_PAD / kFrag;
-  // V^T by 16-bit stores (no v_perm_b32 per key pair), except in gfx11's masked f16 d64 kernel: at 256 VGPRs
-  // it spilled with them, and room made by not peeling S's steps in its key-padding loop cost that loop
-  // 1.7 % (static estimate).
-  static constexpr bool kSixteenBitVt = !(HAS_MASK && !Isa::kInlineZeroAccumulator && kDimFrags == 4 && kIsF16<DT>);
+  // T::kSixteenBitVt: V^T by 16-bit stores (no v_perm_b32 per key pair).
   using Copy =
-      TileCopy<BLOCK_N, D_PAD, D_CHUNK, Shape::kRow, Shape::kVtRow, Shape::kThreads, COPY_LOADS, kSixteenBitVt>;
-  // A tile where no row of the wave meets a new maximum skips rescaling O, a multiplication by exactly 1
-  // (about half the tiles of a long row; the first ones always rescale). Below 8 output fragments the
-  // branch costs the scheduler more than the multiplications it skips (static estimate); past
-  // 10 a wave's registers are too tight for it: they spill.
-  static constexpr bool kSkipsRescale = kOutFrags >= 8 && kOutFrags <= 10;
-  // An exponent fused into one fma of the unrounded product exceeds the rounded row maximum by up to half
-  // an ulp, and exp2 of that overflows once the maximum nears 2^31: bf16 scores can (Q and K of 3e4 at the
-  // default scale), f16 ones cannot where SDPA's own f16 products stay finite. So bf16 tiles whose scaled
-  // maximum reaches kHugeScore round their scores first, as SDPA does; below it the excess is under 1/2.
-  // Not with 11 or 13 output fragments (d176 and d208 in one chunk): the branch spills there (report
-  // --check), and those kernels keep the fused exponent (NaN for scores near 2^31).
-  static constexpr bool kRoundsHugeScores = !kIsF16<DT> && kOutFrags != 11 && kOutFrags != 13;
+      TileCopy<BLOCK_N, D_PAD, D_CHUNK, Shape::kRow, Shape::kVtRow, Shape::kThreads, T::kCopyLoads, T::kSixteenBitVt>;
+  // T::kSkipsRescale: a tile where no row of the wave meets a new maximum skips rescaling O, a
+  // multiplication by exactly 1 (about half the tiles of a long row; the first ones always rescale).
+  // T::kRoundsHugeScores: an exponent fused into one fma of the unrounded product exceeds the rounded row
+  // maximum by up to half an ulp, and exp2 of that overflows once the maximum nears 2^31: bf16 scores can
+  // (Q and K of 3e4 at the default scale), f16 ones cannot where SDPA's own f16 products stay finite. So
+  // bf16 tiles whose scaled maximum reaches kHugeScore round their scores first, as SDPA does; below it the
+  // excess is under 1/2. Kernels without it keep the fused exponent (NaN for scores near 2^31).
   // S's first head-dim steps run ahead of its loop, so that their C operand is a zero constant (inline on
-  // gfx12; on gfx11 one zero block kept across tiles) rather than accumulators zeroed every tile. Two,
-  // so that the loop keeps the parity of kDimFrags: clang unrolls an odd trip count away. Not on gfx11
-  // past d256 (d320 cannot spare the zero block's 8 VGPRs), nor at d64, whose four steps then unroll
-  // completely, in the per-score mask loop or in bf16: those spill, or run slower (trial builds, static estimate).
-  // gfx11's masked f16 d64 kernel then holds 256 VGPRs: no headroom left there.
+  // gfx12; on gfx11 one zero block kept across tiles) rather than accumulators zeroed every tile: two, so
+  // that the loop keeps the parity of kDimFrags (clang unrolls an odd trip count away), or as the traits say.
   template <int BIAS>
-  static constexpr int kPeeledScoreSteps =
-      !Isa::kInlineZeroAccumulator &&
-              (kDimFrags > 16 || (kDimFrags == 4 && (BIAS == kScoreBias || !kIsF16<DT>)))
-          ? 0
-          : kDimFrags > 1 ? 2 : 1;
+  static constexpr int kPeeledScoreSteps = BIAS == kScoreBias ? T::kPeeledScoreStepsScoreBias : T::kPeeledScoreSteps;
 
   const FwdArgs& a;
   const u16* k;
@@ -351,9 +339,9 @@ struct FwdLoop {
     tile_max = max_f32(tile_max, other_half(tile_max));
     const float tile_top = tile_max == kNegInf ? kNegInf : tile_max * step_scale;
     // Scores near their dtype's range (|scaled score| >= 2^24) are scaled and rounded first, as SDPA does
-    // (kRoundsHugeScores). A row without a key in the tile (-inf) takes the branch too, harmlessly: -inf
+    // (T::kRoundsHugeScores). A row without a key in the tile (-inf) takes the branch too, harmlessly: -inf
     // times the positive scale stays -inf.
-    if (kRoundsHugeScores && BIAS != kScoreBias && step_scale > 0.f && any_lane(abs_f32(tile_top) >= kHugeScore)) {
+    if (T::kRoundsHugeScores && BIAS != kScoreBias && step_scale > 0.f && any_lane(abs_f32(tile_top) >= kHugeScore)) {
       #pragma unroll
       for (int j = 0; j < kKeyFrags; ++j)
         #pragma unroll
@@ -363,12 +351,12 @@ struct FwdLoop {
     // Wave-uniform: the whole wave rescales, or none of it. The sums take the factor below, in the same
     // operations whether it is 1 or not.
     float rescale = 1.f;
-    if (!kSkipsRescale || any_lane(tile_top > row_max)) {
+    if (!T::kSkipsRescale || any_lane(tile_top > row_max)) {
       const float new_max = max_f32(row_max, tile_top);
       // a fully masked row must not give inf - inf
       rescale = exp2_approx(row_max - (new_max == kNegInf ? 0.f : new_max));
       row_max = new_max;
-      if constexpr (kSkipsRescale) scale_output(rescale);
+      if constexpr (T::kSkipsRescale) scale_output(rescale);
     }
     const float bias = (row_max == kNegInf ? 0.f : row_max) + prob_shift;
 
@@ -393,7 +381,7 @@ struct FwdLoop {
       }
     row_sum = row_sum * rescale + tile_sum;
     exact_sum = exact_sum * rescale + (exact_even + exact_odd);
-    if constexpr (!kSkipsRescale) scale_output(rescale);  // after P, as the scheduler handles best there
+    if constexpr (!T::kSkipsRescale) scale_output(rescale);  // after P, as the scheduler handles best there
 
     #pragma unroll
     for (int j = 0; j < kKeyFrags; ++j) {
@@ -405,9 +393,11 @@ struct FwdLoop {
   }
 };
 
-template <class DT, int D_PAD, int WAVES, int BLOCK_N, int D_CHUNK, int COPY_LOADS, bool HAS_MASK>
+template <class DT, class T>
 RDNA_DEV void fwd_body(const FwdArgs& a, u16* lds) {
-  using Loop = FwdLoop<DT, D_PAD, WAVES, BLOCK_N, D_CHUNK, COPY_LOADS, HAS_MASK>;
+  using Loop = FwdLoop<DT, T>;
+  constexpr int D_PAD = T::kHeadDim, BLOCK_N = T::kBlockN, D_CHUNK = T::kChunk;
+  constexpr bool HAS_MASK = T::kMasked;
   using Shape = typename Loop::Shape;
   constexpr int kChunks = D_PAD / D_CHUNK;
   const DT dt{};

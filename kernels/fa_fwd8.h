@@ -121,16 +121,16 @@ RDNA_DEV void copy_byte_rows(u32* dst, const u32* src, u32 tile_bytes, int strid
   }
 }
 
-template <class DT, int D_PAD, int WAVES, int BLOCK_N>
+// T: the instance's traits, generated from rdna_flash_attn/runtime/tuning.py.
+template <class DT, class T>
 RDNA_DEV void fwd8_body(const Fwd8Args& a, u32* lds) {
-  using Shape = Fwd8Shape<D_PAD, WAVES, BLOCK_N>;
+  constexpr int D_PAD = T::kHeadDim, BLOCK_N = T::kBlockN;
+  using Shape = Fwd8Shape<D_PAD, T::kWaves, BLOCK_N>;
   constexpr int kKeyFrags = BLOCK_N / kFrag;
   constexpr int kDimFrags = D_PAD / kFrag;
   constexpr int kWordsPerRow = D_PAD / 4;
-  // A tile where no row of the wave meets a new maximum skips rescaling O (a multiplication by exactly
-  // 1), as fa_fwd.h's kSkipsRescale. Below 8 output fragments the branch saves nothing (d64, d96: the
-  // same VALU count per tile with it).
-  constexpr bool kSkipsRescale = kDimFrags >= 8;
+  // T::kSkipsRescale: a tile where no row of the wave meets a new maximum skips rescaling O (a
+  // multiplication by exactly 1), as fa_fwd.h's.
   const DT dt{};
   const float kNegInf = -__builtin_inff();
 
@@ -215,11 +215,11 @@ RDNA_DEV void fwd8_body(const Fwd8Args& a, u32* lds) {
         for (int e = 0; e < 8; ++e) o_acc[f][e] *= e & 1 ? twin : rescale;
     };
     float rescale = 1.f;
-    if (!kSkipsRescale || any_lane(tile_max > row_max)) {  // wave-uniform
+    if (!T::kSkipsRescale || any_lane(tile_max > row_max)) {  // wave-uniform
       const float new_max = max_f32(row_max, tile_max);  // finite: every tile has a key below seqlen_k
       rescale = exp2_approx(row_max - new_max);
       row_max = new_max;
-      if constexpr (kSkipsRescale) scale_output(rescale);
+      if constexpr (T::kSkipsRescale) scale_output(rescale);
     }
     // P = exp2(s - bias) <= 448, or the conversion turns values above 464 into NaN. Each exponent is one
     // fma of the unrounded product, which can exceed the rounded maximum by half an ulp (more than
@@ -243,7 +243,7 @@ RDNA_DEV void fwd8_body(const Fwd8Args& a, u32* lds) {
       p_op[j] = Isa::keys_to_operand8(pack_fp8x4(p[0], p[1], p[2], p[3]), pack_fp8x4(p[4], p[5], p[6], p[7]));
     }
     row_sum = row_sum * rescale + (half_sums[0] + half_sums[1]);
-    if constexpr (!kSkipsRescale) scale_output(rescale);
+    if constexpr (!T::kSkipsRescale) scale_output(rescale);
 
     #pragma unroll
     for (int j = 0; j < kKeyFrags; ++j)

@@ -8,8 +8,6 @@ namespace rdna {
 
 struct Isa {
   static constexpr int kOperandElems = 16;
-  // Whether a WMMA takes a zero C operand as an inline constant (else it is read from VGPRs).
-  static constexpr bool kInlineZeroAccumulator = false;
   struct Operand { u32 w[kOperandElems / 2]; };
 
   // First k index of the contiguous run an operand lane holds.

@@ -7,8 +7,6 @@ namespace rdna {
 
 struct Isa {
   static constexpr int kOperandElems = 8;
-  // Whether a WMMA takes a zero C operand as an inline constant (else it is read from VGPRs).
-  static constexpr bool kInlineZeroAccumulator = true;
   struct Operand { u32 w[kOperandElems / 2]; };
 
   static RDNA_DEV int operand_k0(int lane) { return 8 * (lane >> 4); }

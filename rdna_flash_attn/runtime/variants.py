@@ -1,74 +1,30 @@
-"""The table of compiled kernel variants: one place that the build, the launcher and the static
-report all read, so the tile shapes the kernel is compiled with are the ones the host launches.
+"""The compiled kernel variants: their symbols, launch geometry and LDS, from the tuning table
+(tuning.py), which the build writes into each instance's traits (instantiation_lines). The build, the
+launcher and the static report read them here, so the shapes the kernels are compiled with are the ones
+the host launches.
 
-A variant is fixed by its dtype and padded head dim. The real head dim (any multiple of 8) is a
-runtime argument; the kernel zero-fills the columns between it and the padded one. Each LDS size
-below mirrors the kernel's *Shape struct; the static report checks the two agree.
+A variant is fixed by its kernel, dtype, padded head dim and whether it reads a mask; its choices may differ
+per matrix ISA (`traits(target)`), its launch geometry may not. The real head dim (any multiple of 8) is a
+runtime argument; the kernel zero-fills the columns between it and the padded one. Each LDS size below
+mirrors the kernel's *Shape struct; the static report checks the two agree.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import tuning
+
 ABI_VERSION = 5
 DTYPES = ("f16", "bf16")
 WAVE_SIZE = 32
-FRAG = 16  # WMMA tile edge on both gfx11 and gfx12
+FRAG = tuning.FRAG
 LDS_LIMIT = 64 * 1024
 LDS_ROW_PAD = 8  # elements added to every LDS row so rows start on different banks
 MAX_O_CHUNK = 256  # output columns one forward workgroup accumulates in registers
 MAX_GRAD_CHUNK = 128  # gradient columns one backward workgroup accumulates in registers
 BWD_WAVES = 4
-# Padded head dims up to which a dK/dV wave whose K is not staged in LDS (dkdv_staged_kv) holds its K
-# (resp. V) operands in registers for the whole kernel instead of re-reading them per query fragment;
-# mirrors kResidentK / kResidentVMaxD in fa_bwd.h.
-BWD_RESIDENT_K_MAX_D = 128
-
-
-def is_gfx12(target: str) -> bool:
-    """Whether `target` ("gfx1201", "emulated-gfx12", ...) has gfx12's WMMA, whose operands hold each
-    value once (gfx11's twice)."""
-    return target.removeprefix("emulated-").startswith("gfx12")
-
-
-def bwd_resident_v_max_d(target: str) -> int:
-    """V's limit (unfused dK/dV): gfx12's WMMA operands hold each value once, gfx11's twice."""
-    return 128 if is_gfx12(target) else 96
-
-
-# One dK/dV workgroup makes both gradients from one S up to this padded head dim, with K (and V, in the
-# masked kernels up to d48) in registers, and unmasked at BWD_STAGED_KV_D, each wave's K and V rows staged
-# in LDS (kFusedDkdv, kStagedKv in fa_bwd.h); elsewhere the two accumulator sets do not fit beside the
-# operands, or the split kernels were faster.
-BWD_FUSED_RESIDENT_MAX_D = 64
-BWD_STAGED_KV_D = 128
-
-
-def dkdv_staged_kv(d_pad: int, masked: bool) -> bool:
-    """Whether a dK/dV kernel is fused with its waves' K and V rows staged in LDS (kStagedKv)."""
-    return d_pad == BWD_STAGED_KV_D and not masked
-
-
-def dkdv_holds_k(d_pad: int, masked: bool) -> bool:
-    """Whether a dK/dV wave holds its K operands in registers for the whole kernel (kResidentK)."""
-    return d_pad <= BWD_RESIDENT_K_MAX_D and not dkdv_staged_kv(d_pad, masked)
-
-
-# Padded head dims whose unmasked dQ kernels read each wave's Q and dO operands, the same for every key
-# tile, once: gfx12 holds them in registers, gfx11 stages the workgroup's rows in LDS; elsewhere each key
-# tile re-reads them from global memory. Mirrors kHeldQdo / kStagedQdo in fa_bwd.h.
-_DQ_HELD_QDO_GFX12 = (48, 64, 80, 96)
-_DQ_STAGED_QDO_GFX11 = (128,)
-
-
-def dq_holds_qdo(target: str, d_pad: int, masked: bool) -> bool:
-    """Whether a dQ wave holds its Q and dO operands in registers for the whole kernel (kHeldQdo)."""
-    return not masked and is_gfx12(target) and d_pad in _DQ_HELD_QDO_GFX12
-
-
-def dq_stages_qdo(target: str, d_pad: int, masked: bool) -> bool:
-    """Whether a dQ workgroup stages its Q and dO rows in LDS once (kStagedQdo)."""
-    return not masked and not is_gfx12(target) and d_pad in _DQ_STAGED_QDO_GFX11
+ISA_NAMES = tuple(tuning.ISAS)
 
 
 SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8)) + (320, 384, 512)
@@ -107,14 +63,12 @@ def kernel_head_dim(head_dim: int, masked: bool = False) -> int:
 _TILE_PREFERENCE = ((4, 64), (4, 32), (2, 32), (2, 16), (1, 16))
 
 
-# Global loads a forward thread keeps in flight per K/V copy batch (4 VGPRs each): as many as fit
-# beside the O accumulators without spilling. The exceptions are what `python -m rdna_flash_attn report
-# --check` found spilling at 8 on gfx1100 with clang 19 (320: at 2 since the packed-batch arguments).
-_FWD_COPY_LOADS_EXCEPTIONS = {224: 4, 320: 1}
-
-
-def fwd_copy_loads(d_pad: int, d_chunk: int) -> int:
-    return 16 if d_chunk <= 64 else _FWD_COPY_LOADS_EXCEPTIONS.get(d_pad, 8)
+def _same_on_every_isa(kernel: str, dtype: str, d_pad: int, masked: bool, knob: str, out_frags: int = 0):
+    """A tuning choice that shapes the launch, which must not differ between matrix ISAs."""
+    values = {getattr(tuning.traits(isa, kernel, dtype, d_pad, masked, out_frags), knob) for isa in ISA_NAMES}
+    if len(values) != 1:
+        raise ValueError(f"{kernel} {dtype} d{d_pad}: {knob} differs between ISAs, but it shapes the launch")
+    return values.pop()
 
 
 def lds_elems_fwd(waves: int, block_n: int, d_pad: int, d_chunk: int, masked: bool = False) -> int:
@@ -155,6 +109,9 @@ class FwdVariant(_WaveTiled):
     def symbol(self) -> str:
         return f"rdna_fa_fwd_{self.dtype}_d{self.d_pad}" + _MASKED_SUFFIX * self.masked
 
+    def traits(self, target: str) -> tuning.Traits:
+        return tuning.traits(target, "fwd", self.dtype, self.d_pad, self.masked, self.d_chunk // FRAG)
+
     def lds_bytes(self, target: str) -> int:
         """The LDS its kernel declares in code objects for `target`: the same on every target."""
         return 2 * lds_elems_fwd(self.waves, self.block_n, self.d_pad, self.d_chunk, self.masked)
@@ -165,7 +122,8 @@ def _fwd_variant(dtype: str, d_pad: int, masked: bool = False) -> FwdVariant:
     d_chunk = d_pad // chunks
     for waves, block_n in _TILE_PREFERENCE:
         if 2 * lds_elems_fwd(waves, block_n, d_pad, d_chunk, masked) <= LDS_LIMIT:
-            return FwdVariant(dtype, d_pad, waves, block_n, d_chunk, fwd_copy_loads(d_pad, d_chunk), masked)
+            copy_loads = _same_on_every_isa("fwd", dtype, d_pad, masked, "copy_loads", d_chunk // FRAG)
+            return FwdVariant(dtype, d_pad, waves, block_n, d_chunk, copy_loads, masked)
     raise ValueError(f"no tile shape fits LDS for head dim {d_pad}")
 
 
@@ -184,29 +142,19 @@ def _grad_chunk(d_pad: int) -> int:
     return -(-d_pad // chunks // FRAG) * FRAG
 
 
-# Padded head dims whose unmasked dK/dV kernels keep each row's log2 probability sum apart from its
-# offset (masked ones always do).
-_DKDV_UNFOLDED_LOG2_SUM = (112,)
-
-
-def dkdv_folded_log2_sum(d_pad: int, masked: bool) -> bool:
-    """Whether a dK/dV kernel folds each row's log2 probability sum into its offset (kFoldedLog2SumDkdv)."""
-    return not masked and d_pad not in _DKDV_UNFOLDED_LOG2_SUM
-
-
-def lds_elems_dkdv(block_m: int, d_pad: int, d_chunk: int, masked: bool = False, waves: int = BWD_WAVES) -> int:
+def lds_elems_dkdv(block_m: int, d_pad: int, d_chunk: int, choices: tuning.Traits, waves: int = BWD_WAVES) -> int:
     """Mirrors DkdvShape in kernels/fa_bwd.h: Q, dO rows; Q^T, dO^T chunks; row offset and delta floats,
-    and the log2 sum's where it is not folded into the offset; where dkdv_staged_kv, each wave's 16 K and
-    16 V rows."""
-    row_stats = 2 if dkdv_folded_log2_sum(d_pad, masked) else 3
-    staged_kv = waves * 2 * FRAG * (d_pad + LDS_ROW_PAD) if dkdv_staged_kv(d_pad, masked) else 0
+    and the log2 sum's where it is not folded into the offset; where K and V are staged, each wave's 16 K
+    and 16 V rows."""
+    row_stats = 2 if choices.folded_log2_sum else 3
+    staged_kv = waves * 2 * FRAG * (d_pad + LDS_ROW_PAD) if choices.staged_kv else 0
     return (2 * block_m * (d_pad + LDS_ROW_PAD) + 2 * d_chunk * (block_m + LDS_ROW_PAD) + 2 * row_stats * block_m
             + staged_kv)
 
 
 def lds_elems_dq(block_n: int, d_pad: int, d_chunk: int, staged_qdo: bool = False, waves: int = BWD_WAVES) -> int:
-    """Mirrors DqShape in kernels/fa_bwd.h: K, V rows; K^T chunk; where dq_stages_qdo, the workgroup's Q
-    and dO rows."""
+    """Mirrors DqShape in kernels/fa_bwd.h: K, V rows; K^T chunk; where Q and dO are staged, the workgroup's
+    Q and dO rows."""
     staged = 2 * waves * FRAG * (d_pad + LDS_ROW_PAD) if staged_qdo else 0
     return 2 * block_n * (d_pad + LDS_ROW_PAD) + d_chunk * (block_n + LDS_ROW_PAD) + staged
 
@@ -227,11 +175,14 @@ class BwdVariant(_WaveTiled):
     def symbol(self) -> str:
         return f"rdna_fa_bwd_{self.kind}_{self.dtype}_d{self.d_pad}" + _MASKED_SUFFIX * self.masked
 
+    def traits(self, target: str) -> tuning.Traits:
+        return tuning.traits(target, self.kind, self.dtype, self.d_pad, self.masked)
+
     @property
     def fused(self) -> bool:
-        """A dK/dV workgroup makes both gradients (else half the workgroups make dV, half dK)."""
-        return self.kind == "dkdv" and (self.d_pad <= BWD_FUSED_RESIDENT_MAX_D
-                                        or dkdv_staged_kv(self.d_pad, self.masked))
+        """A dK/dV workgroup makes both gradients (else half the workgroups make dV, half dK): the same on
+        every ISA."""
+        return self.kind == "dkdv" and _same_on_every_isa("dkdv", self.dtype, self.d_pad, self.masked, "fused")
 
     @property
     def jobs_per_block(self) -> int:
@@ -239,42 +190,20 @@ class BwdVariant(_WaveTiled):
         return self.d_chunks * (2 if self.kind == "dkdv" and not self.fused else 1)
 
     def lds_bytes(self, target: str) -> int:
-        """The LDS its kernel declares in code objects for `target`: gfx11's dQ kernels that stage Q and dO
-        (dq_stages_qdo) take more than gfx12's."""
+        """The LDS its kernel declares in code objects for `target` (which stages what differs per ISA)."""
+        choices = self.traits(target)
         if self.kind == "dkdv":
-            return 2 * lds_elems_dkdv(self.block_tile, self.d_pad, self.d_chunk, self.masked, self.waves)
-        staged = dq_stages_qdo(target, self.d_pad, self.masked)
-        return 2 * lds_elems_dq(self.block_tile, self.d_pad, self.d_chunk, staged, self.waves)
-
-
-# Unfused dK/dV workgroups (not BwdVariant.fused) stream 16-query tiles: a dK wave's reads per query
-# fragment (V, past d128 also K, re-read from global memory on gfx11; LDS waits at d80) stall less
-# when the smaller tiles' LDS admits two to four times the waves, and the queries' summation order is
-# the same (bench/results/backward_estimate_gfx1100.md, update 8). In trial builds every masked one
-# (its mask reads hold registers too) and the unmasked ones at these padded head dims spilled registers
-# on gfx11 at 16 queries: they take 32, on every target (one table for all).
-_DKDV_UNMASKED_SPILL_AT_16_QUERIES = (96,)
-
-
-def _tile_candidates(kind: str, d_pad: int, d_chunk: int, masked: bool) -> tuple[int, ...]:
-    """Rows per LDS tile to try, best first; the first whose LDS fits is taken."""
-    if kind == "dq":
-        # dQ keeps S^T and dP^T of the whole key tile live beside its accumulators: past 64 gradient
-        # columns a 64-key tile spills on gfx11.
-        return (32, 16) if d_chunk > 64 else (64, 32, 16)
-    if d_pad <= BWD_FUSED_RESIDENT_MAX_D:
-        return (64, 32, 16)
-    if dkdv_staged_kv(d_pad, masked):  # 32 queries beside the staged rows: 72960 bytes of LDS, past 64 KiB
-        return (16,)
-    return (32, 16) if masked or d_pad in _DKDV_UNMASKED_SPILL_AT_16_QUERIES else (16,)
+            return 2 * lds_elems_dkdv(self.block_tile, self.d_pad, self.d_chunk, choices, self.waves)
+        return 2 * lds_elems_dq(self.block_tile, self.d_pad, self.d_chunk, choices.staged_qdo, self.waves)
 
 
 def _bwd_variant(kind: str, dtype: str, d_pad: int, masked: bool = False) -> BwdVariant:
     d_chunk = _grad_chunk(d_pad)
     staging = 2 * BWD_WAVES * FRAG * (d_chunk + LDS_ROW_PAD)  # bytes of the gradient, reusing the tiles' LDS
-    for tile in _tile_candidates(kind, d_pad, d_chunk, masked):
+    knob = "query_tiles" if kind == "dkdv" else "key_tiles"
+    for tile in _same_on_every_isa(kind, dtype, d_pad, masked, knob):
         variant = BwdVariant(kind, dtype, d_pad, BWD_WAVES, tile, d_chunk, masked)
-        lds = [variant.lds_bytes(target) for target in ("gfx11", "gfx12")]  # dQ's differ (dq_stages_qdo)
+        lds = [variant.lds_bytes(isa) for isa in ISA_NAMES]
         if max(lds) <= LDS_LIMIT and staging <= min(lds):
             return variant
     raise ValueError(f"no backward tile shape fits LDS for head dim {d_pad}")
@@ -297,8 +226,9 @@ _FWD8_PAD_BYTES = 16  # added to every LDS row, as LDS_ROW_PAD is for 16-bit row
 
 
 def has_fwd8(target: str) -> bool:
-    """Whether code objects for `target` ("gfx1201", or "emulated-gfx12") hold the 8-bit forward."""
-    return is_gfx12(target)
+    """Whether code objects for `target` ("gfx1201", or "emulated-gfx12") hold the 8-bit forward: only where
+    8-bit WMMA outruns 16-bit."""
+    return tuning.isa_of(target).eight_bit_rate > 1
 
 
 @dataclass(frozen=True)
@@ -315,6 +245,9 @@ class Fwd8Variant(_WaveTiled):
     @property
     def symbol(self) -> str:
         return f"rdna_fa_fwd8_{self.dtype}_d{self.d_pad}"
+
+    def traits(self, target: str) -> tuning.Traits:
+        return tuning.traits(target, "fwd8", self.dtype, self.d_pad)
 
     def lds_bytes(self, target: str) -> int:
         """Mirrors Fwd8Shape (gfx12 only): Q and K rows of d_pad bytes, V^T rows of block_n bytes, each row
@@ -382,15 +315,43 @@ def bwd_variant(kind: str, dtype: str, head_dim: int, masked: bool = False) -> B
     return BWD_BY_SYMBOL[f"rdna_fa_bwd_{kind}_{dtype}_d{kernel_head_dim(head_dim, masked)}" + _MASKED_SUFFIX * masked]
 
 
+def _cpp_name(knob: str) -> str:
+    return "k" + "".join(part.capitalize() for part in knob.split("_"))
+
+
+def _cpp_value(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _traits_struct(variant, isa: str, geometry: dict) -> str:
+    """One instance's traits: its geometry and every scalar tuning choice, as the kernel templates read them."""
+    fields = dict(geometry)
+    fields.update((name, value) for name, value in variant.traits(isa).values.items() if not isinstance(value, tuple))
+    members = " ".join(f"static constexpr {'bool' if isinstance(value, bool) else 'int'} {_cpp_name(name)} = "
+                       f"{_cpp_value(value)};" for name, value in fields.items())
+    return f"struct {variant.symbol}_traits {{ {members} }};"
+
+
+def _instances(isa: str) -> list[str]:
+    lines = []
+    for v in FWD_VARIANTS:
+        lines.append(_traits_struct(v, isa, {"head_dim": v.d_pad, "waves": v.waves, "block_n": v.block_n,
+                                             "chunk": v.d_chunk, "masked": v.masked}))
+        lines.append(f"RDNA_FA_FWD_INSTANCE({v.symbol}, {v.dtype}, {v.symbol}_traits)")
+    for v in BWD_VARIANTS:
+        block = "block_m" if v.kind == "dkdv" else "block_n"
+        lines.append(_traits_struct(v, isa, {"head_dim": v.d_pad, "waves": v.waves, block: v.block_tile,
+                                             "chunk": v.d_chunk, "masked": v.masked}))
+        lines.append(f"RDNA_FA_BWD_{v.kind.upper()}_INSTANCE({v.symbol}, {v.dtype}, {v.symbol}_traits)")
+    if has_fwd8(isa):
+        for v in FWD8_VARIANTS:
+            lines.append(_traits_struct(v, isa, {"head_dim": v.d_pad, "waves": v.waves, "block_n": v.block_n}))
+            lines.append(f"RDNA_FA_FWD8_INSTANCE({v.symbol}, {v.dtype}, {v.symbol}_traits)")
+        lines += [f"RDNA_FA_QUANT8_{v.kind.upper()}_INSTANCE({v.symbol}, {v.dtype}, {v.d_pad})" for v in QUANT8_VARIANTS]
+    return lines
+
+
 def instantiation_lines() -> str:
-    """C preprocessor lines that instantiate every variant; the build writes them to a header."""
-    lines = [f"RDNA_FA_FWD_INSTANCE({v.symbol}, {v.dtype}, {v.d_pad}, {v.waves}, {v.block_n}, {v.d_chunk}, "
-             f"{v.copy_loads}, {str(v.masked).lower()})"
-             for v in FWD_VARIANTS]
-    lines += [f"RDNA_FA_BWD_{v.kind.upper()}_INSTANCE({v.symbol}, {v.dtype}, {v.d_pad}, {v.waves}, {v.block_tile}, "
-              f"{v.d_chunk}, {str(v.masked).lower()})" for v in BWD_VARIANTS]
-    lines += ["#if defined(__GFX12__)"]
-    lines += [f"RDNA_FA_FWD8_INSTANCE({v.symbol}, {v.dtype}, {v.d_pad}, {v.waves}, {v.block_n})" for v in FWD8_VARIANTS]
-    lines += [f"RDNA_FA_QUANT8_{v.kind.upper()}_INSTANCE({v.symbol}, {v.dtype}, {v.d_pad})" for v in QUANT8_VARIANTS]
-    lines += ["#endif"]
+    """C++ that instantiates every variant with its traits, per matrix ISA; the build writes it to a header."""
+    lines = ["#if defined(__GFX12__)", *_instances("gfx12"), "#else", *_instances("gfx11"), "#endif"]
     return "\n".join(lines) + "\n"

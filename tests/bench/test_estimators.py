@@ -65,7 +65,7 @@ def test_executed_counts_equal_the_static_reconstruction_of_an_unmasked_tile(gfx
 
 
 def test_a_d128_tile_skips_only_its_o_rescale_as_the_interpreter_executes_it(gfx1100):
-    """kSkipsRescale (kernels/fa_fwd.h): the one skipped block of the tile holds the rescale's exp2 and O's
+    """The traits' skips_rescale: the one skipped block of the tile holds the rescale's exp2 and O's
     multiplications, and the interpreter-executed tile, its rescale weighted by the same share, is the
     static tile."""
     functions, library, _ = gfx1100
@@ -155,7 +155,7 @@ def _backward_cfg(target: str, kind: str, d: int, dtype: str = "f16"):
 @pytest.mark.parametrize("target, d, split", [("gfx1100", 64, True), ("gfx1201", 128, True), ("gfx1201", 64, False)])
 def test_the_backward_estimate_counts_dq_over_the_tiles_every_query_sees_whole(target, d, split):
     """Where dQ runs the key tiles every query of its workgroup sees whole in a loop of their own
-    (kOpenKeyTiles in kernels/fa_bwd.h; not gfx12's d64), the estimate counts that loop: the other one
+    (the traits' open_key_tiles; not gfx12's d64), the estimate counts that loop: the other one
     tests each score of its tiles, one compare more per score (8 per lane and key fragment)."""
     cfg, variant = _backward_cfg(target, "dq", d)
     counted = estimate_gfx1100_backward.main_loop(cfg)
@@ -225,8 +225,8 @@ def _sets_zero(insn, register: int) -> bool:
 @pytest.mark.parametrize("d", [64, 96])
 def test_gfx11_dkdv_fragments_start_their_products_from_held_zeros(d):
     """gfx11's WMMA takes no inline zero C operand. A dK/dV query fragment's first products of S and dP
-    read 8 VGPRs set to zero before the query-tile loop and written nowhere in it (kHeldZeroC in
-    kernels/fa_bwd.h, where K is held in registers: d64 fused, d96 split), not zeros that 8 moves re-create
+    read 8 VGPRs set to zero before the query-tile loop and written nowhere in it (the traits' held_zero_c,
+    where K is held in registers: d64 fused, d96 split), not zeros that 8 moves re-create
     per fragment; every other product accumulates in place."""
     cfg, _ = _backward_cfg("gfx1100", "dkdv", d)
     main = estimate_gfx1100_backward.main_loop(cfg)
@@ -316,7 +316,7 @@ def test_forward_v_tiles_go_to_lds_transposed_by_16_bit_stores(target, dtype, d,
 
 
 def test_gfx11_masked_f16_d64_forward_keeps_packed_v_stores():
-    """The one exception (kSixteenBitVt, kernels/fa_fwd.h): gfx11's masked f16 d64 kernel, at 256 VGPRs, spilled
+    """The one exception (the traits' sixteen_bit_vt): gfx11's masked f16 d64 kernel, at 256 VGPRs, spilled
     with 16-bit V^T stores and keeps the pairs packed by v_perm_b32 into 32-bit stores."""
     if find_objdump() is None:
         pytest.skip("llvm-objdump (>= 19) not installed")
@@ -352,7 +352,7 @@ def test_gfx1201_o_rescale_multiplications_pair_as_dual_issues(symbol):
     ("gfx1201", "dkdv", "bf16", 64), ("gfx1201", "dkdv", "f16", 128), ("gfx1100", "dq", "f16", 64),
     ("gfx1100", "dq", "bf16", 128), ("gfx1201", "dq", "f16", 80)])
 def test_the_backward_transposed_tiles_go_to_lds_by_16_bit_stores(target, kind, dtype, d):
-    """dQ's K^T, and dK/dV's Q^T and dO^T where kSixteenBitTransposeDkdv (kernels/fa_bwd.h) takes them, go to
+    """dQ's K^T, and dK/dV's Q^T and dO^T where the traits' sixteen_bit_transpose takes them, go to
     LDS one element per 16-bit store, half of them in the d16_hi form (load_transposed's SIXTEEN_BIT), and an
     f16 main loop holds no v_perm_b32 (the packed form spends one per pair of rows, into a 32-bit word)."""
     cfg, _ = _backward_cfg(target, kind, d, dtype)
@@ -366,7 +366,7 @@ def test_the_backward_transposed_tiles_go_to_lds_by_16_bit_stores(target, kind, 
 @pytest.mark.parametrize("target, dtype, d", [("gfx1100", "f16", 80), ("gfx1100", "bf16", 64), ("gfx1100", "f16", 112),
                                               ("gfx1201", "f16", 48), ("gfx1201", "bf16", 96)])
 def test_the_dkdv_kernels_kept_packed_store_each_pair_as_one_permuted_word(target, dtype, d):
-    """The dK/dV kernels kSixteenBitTransposeDkdv leaves packed (slower with 16-bit stores, or spilling)
+    """The dK/dV kernels sixteen_bit_transpose leaves packed (slower with 16-bit stores, or spilling)
     store two rows' elements as one 32-bit word each, packed by one v_perm_b32 (at least 8 words per
     main-loop pass: a row pair of 8 columns), and no element by a 16-bit store."""
     cfg, _ = _backward_cfg(target, "dkdv", d, dtype)
@@ -378,8 +378,8 @@ def test_the_dkdv_kernels_kept_packed_store_each_pair_as_one_permuted_word(targe
 @pytest.mark.parametrize("target, dtype, d", [("gfx1100", "f16", 64), ("gfx1100", "bf16", 112),
                                               ("gfx1201", "f16", 128), ("gfx1201", "bf16", 112)])
 def test_dq_reads_q_and_do_per_key_tile_without_zero_fill(target, dtype, d):
-    """dQ's head-dim loop loads Q and dO by RepeatingRows (kernels/tiles.h) where kRepeatingQdo
-    (kernels/fa_bwd.h) takes it: no exec mask saved for a row or column test and no register zeroed for
+    """dQ's head-dim loop loads Q and dO by RepeatingRows (kernels/tiles.h) where the traits'
+    repeating_qdo takes it: no exec mask saved for a row or column test and no register zeroed for
     it. Guarded loads do both around every one of these loads."""
     cfg, variant = _backward_cfg(target, "dq", d, dtype)
     main = estimate_gfx1100_backward.main_loop(cfg)
@@ -395,13 +395,14 @@ def test_dq_reads_q_and_do_per_key_tile_without_zero_fill(target, dtype, d):
                                               ("gfx1201", "f16", 80), ("gfx1201", "bf16", 64),
                                               ("gfx1201", "f16", 48), ("gfx1201", "bf16", 96)])
 def test_dq_reads_q_and_do_once(target, dtype, d):
-    """Where kHeldQdo or kStagedQdo (kernels/fa_bwd.h) take it, a dQ key tile reads Q and dO from
+    """Where the traits' held_qdo or staged_qdo take it, a dQ key tile reads Q and dO from
     registers (gfx12) or from the workgroup's LDS rows (gfx11), not from global memory: each traced path's
     global loads are the K, V (and K^T) copies alone, the paths together run every global load of the
     key-tile loop (none is left behind a guard the traces skipped), and no head-dim step loads from global
     memory. Without them a dQ key tile re-reads both."""
-    assert variants.dq_holds_qdo(target, d, False) != variants.dq_stages_qdo(target, d, False)
     cfg, variant = _backward_cfg(target, "dq", d, dtype)
+    choices = variant.traits(target)
+    assert choices.held_qdo != choices.staged_qdo
     main = estimate_gfx1100_backward.main_loop(cfg)
     trips = estimate_gfx1100_backward.loop_trips(cfg, main, variant, target)
     hw = estimate_gfx1100_backward.HARDWARE[target]
@@ -410,7 +411,7 @@ def test_dq_reads_q_and_do_once(target, dtype, d):
         _, _, insns = estimate_gfx1100_backward.count_path(cfg, main, trips, variant, expect)
         traced |= {i.addr for i, _, _ in insns}
         assert not any(i.op.startswith("global_load") for i, _, where in insns if where == "head-dim loop"), name
-        if variants.dq_holds_qdo(target, d, False):  # the operands' constant indices leave no loop
+        if choices.held_qdo:  # the operands' constant indices leave no loop
             assert not any(where == "head-dim loop" for _, _, where in insns), name
     assert {i.addr for b in cfg.loops[main] for i in cfg.blocks[b] if i.op.startswith("global_load")} <= traced
 
@@ -418,9 +419,9 @@ def test_dq_reads_q_and_do_once(target, dtype, d):
 @pytest.mark.parametrize("target, dtype, d", [("gfx1100", "f16", 64), ("gfx1100", "bf16", 32),
                                               ("gfx1201", "bf16", 64), ("gfx1201", "f16", 32)])
 def test_fused_dkdv_copies_read_their_tiles_without_guards(target, dtype, d):
-    """The fused dK/dV kernels copy Q, dO, Q^T and dO^T with repeated edges (kRepeatingCopiesDkdv in
-    kernels/fa_bwd.h): where the threads cover the tiles whole, every 16-byte load of a query tile sits in
-    one block that no exec-mask branch leads into. Guarded copies test each load's row and column."""
+    """The fused dK/dV kernels copy Q, dO, Q^T and dO^T with repeated edges (the traits' repeating_copies):
+    where the threads cover the tiles whole, every 16-byte load of a query tile sits in one block that no
+    exec-mask branch leads into. Guarded copies test each load's row and column."""
     if find_objdump() is None:
         pytest.skip("llvm-objdump (>= 19) not installed")
     for masked in (False, True):
@@ -439,10 +440,10 @@ def test_fused_dkdv_copies_read_their_tiles_without_guards(target, dtype, d):
 @pytest.mark.parametrize("target", ["gfx1100", "gfx1201"])
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
 def test_d128_dkdv_makes_both_gradients_from_staged_k_and_v(target, dtype):
-    """The unmasked d128 dK/dV workgroup makes dK and dV from one S (kFusedDkdv, kStagedKv in
-    kernels/fa_bwd.h): its traced query tile is the fused path, whose K and V operands come from the wave's
+    """The unmasked d128 dK/dV workgroup makes dK and dV from one S (the traits' fused and
+    staged_kv): its traced query tile is the fused path, whose K and V operands come from the wave's
     LDS rows (no global load in the head-dim loop), and the tile's copies and row statistics share one
-    memory round trip (kStatsWithCopies). Split into dV and dK, the workgroup re-reads V from global memory
+    memory round trip (stats_with_copies). Split into dV and dK, the workgroup re-reads V from global memory
     per query fragment on gfx11 and waits three times per tile."""
     cfg, variant = _backward_cfg(target, "dkdv", 128, dtype)
     assert variant.fused

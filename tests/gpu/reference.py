@@ -116,7 +116,7 @@ def rising_scores(batch, heads, seq_q, seq_k, head_dim, rise, dtype, generator, 
     """Q and K (B, H, S, D) whose scores at the default scale, in base 2, rise by `rise` from each block of
     64 keys to the next and spread over 3 units inside one: with rise > 0 a forward's key tiles keep
     meeting new row maxima (every 64 keys at least), with rise < 0 the first tile holds them all
-    (kernels/fa_fwd.h kSkipsRescale)."""
+    (the traits' skips_rescale)."""
     q = 0.1 * torch.randn(batch, heads, seq_q, head_dim, generator=generator, device=device)
     k = 0.1 * torch.randn(batch, heads, seq_k, head_dim, generator=generator, device=device)
     q[..., 0] = 1.0

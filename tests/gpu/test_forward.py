@@ -161,7 +161,7 @@ def test_bfloat16_values_near_the_top_of_the_range(emulated_layer, seq_k):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_row_maxima_met_late_or_never(emulated_layer, mask, rise, head_dim, dtype):
     """Scores falling by 3 (base 2) per 64 keys: the first tile holds every row's maximum and the wave
-    skips the rescale of every later one (kSkipsRescale, fa_fwd.h: head dims 128-160, 64- and 32-key
+    skips the rescale of every later one (the traits' skips_rescale: head dims 128-160, 64- and 32-key
     tiles); rising by 3: new maxima keep coming, every 64 keys at least. bf16 V near the top of its
     range, so that a missed or doubled rescale cannot hide. Each mask runs its own tile loop (key
     biases staged per tile, or read per score)."""
