@@ -7,6 +7,7 @@ writes all three); a run split over several calls (one per emulated layer) passe
 only the recorded cases of the layers they hold are compared.
 
     python3 bench/compare_grids.py OUT_DIR [OUT_DIR ...]
+    python3 bench/compare_grids.py --baseline BEFORE_DIR AFTER_DIR   # two runs of one call, before and after a change
 
 Exit status 1 when a grid differs from the record, holds no case, or no report is found. A folder
 per layer: two folders with the same layer count its cases twice.
@@ -45,6 +46,8 @@ def compare(report_cases: list[dict], recorded_cases: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="folders holding a run's grid reports")
+    parser.add_argument("--baseline", type=Path,
+                        help="compare with this run's reports (a renovation's 'before') instead of the recorded cases")
     args = parser.parse_args(argv)
     found, same = 0, True
     for report_name, record_name in GRIDS.items():
@@ -53,7 +56,12 @@ def main(argv: list[str] | None = None) -> int:
             continue
         found += 1
         cases = [case for path in reports for case in json.loads(path.read_text())["cases"]]
-        result = compare(cases, json.loads(gzip.decompress((RESULTS / record_name).read_bytes())))
+        if args.baseline:
+            baseline = args.baseline / report_name
+            recorded = json.loads(baseline.read_text())["cases"] if baseline.exists() else []
+        else:
+            recorded = json.loads(gzip.decompress((RESULTS / record_name).read_bytes()))
+        result = compare(cases, recorded)
         identical = result["cases"] > 0 and result["only_in_run"] == result["only_in_record"] == 0
         same = same and identical
         print(f"{report_name}: {result['cases']} cases, {result['recorded']} recorded for layers "

@@ -38,3 +38,14 @@ def test_no_report_or_an_empty_one_is_a_failure(tmp_path):
     assert compare_grids.main([str(tmp_path)]) == 1
     _write_run(tmp_path / "run", [])
     assert compare_grids.main([str(tmp_path / "run")]) == 1
+
+
+def test_a_run_compares_with_a_baseline_run_of_the_same_call(tmp_path, capsys):
+    cases = _recorded("gfx11")[:50]
+    _write_run(tmp_path / "before", cases)
+    _write_run(tmp_path / "after", [dict(case, seconds=2.0) for case in cases])
+    assert compare_grids.main(["--baseline", str(tmp_path / "before"), str(tmp_path / "after")]) == 0
+    assert "50 cases, 50 recorded for layers gfx11: identical" in capsys.readouterr().out
+    changed = [dict(cases[0], dv_error=math.nextafter(cases[0]["dv_error"], 0.0))] + cases[1:]
+    _write_run(tmp_path / "changed", changed)
+    assert compare_grids.main(["--baseline", str(tmp_path / "before"), str(tmp_path / "changed")]) == 1
