@@ -17,6 +17,8 @@ from rdna_flash_attn.dispatch import router as dispatch, sdpa_patch, selftest
 from rdna_flash_attn.ops import autograd, attention as ops
 from rdna_flash_attn.runtime import artifacts, device, loader
 
+from . import seeds
+
 ZLUDA_NAME = "AMD Radeon RX 7900 XTX [ZLUDA]"
 FAKE_ARTIFACT = {"target": "gfx1100", "path": "/fake/prebuilt/gfx1100.hsaco", "sha256": "ab" * 32, "emulated": False}
 
@@ -183,3 +185,12 @@ def log_records(caplog):
     """caplog capturing everything the package logs."""
     caplog.set_level(logging.DEBUG, logger=LOGGER_NAME)
     return caplog
+
+
+def pytest_configure(config):
+    seeds.draw_run_seed()
+
+
+def pytest_terminal_summary(terminalreporter):
+    seed = seeds.draw_run_seed()
+    terminalreporter.write_line(f"random inputs: run seed {seed} ({seeds.RUN_SEED_VARIABLE}={seed} gives them again)")
