@@ -34,7 +34,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import rdna_flash_attn as rfa  # noqa: E402
-from rdna_flash_attn.dispatch import router as dispatch  # noqa: E402
+from rdna_flash_attn.dispatch import planner, router as dispatch  # noqa: E402
 from rdna_flash_attn.ops import attention as ops  # noqa: E402
 from rdna_flash_attn.runtime import device as _device  # noqa: E402
 
@@ -89,7 +89,7 @@ def parts(q, k, v) -> dict:
     return {
         "torch sdpa": lambda: dispatch.torch_sdpa(q, k, v),
         "rdna_fa drop-in": lambda: rfa.scaled_dot_product_attention(q, k, v),
-        "dispatch decision": lambda: dispatch.plan(q, k, v),
+        "dispatch decision": lambda: planner.plan_attention(q, k, v),
         "ops forward": lambda: ops.flash_attention_forward(q, k, v),
     }
 

@@ -26,6 +26,7 @@ log = logging.getLogger("rdna_flash_attn")
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
 BACKEND_PARAMETERS = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape")
+REQUIRED_PARAMETERS = frozenset(BACKEND_PARAMETERS[:4])
 FALLBACK_ORIGINAL = "original backend"
 FALLBACK_PYTORCH = "pytorch attention"
 FALLBACK_CHOICES = (FALLBACK_ORIGINAL, FALLBACK_PYTORCH)
@@ -94,7 +95,7 @@ def bind_call(args: tuple, kwargs: dict) -> tuple[dict, dict] | None:
             named[key] = value
         else:
             extra[key] = value
-    if not all(key in named for key in BACKEND_PARAMETERS[:4]):
+    if not REQUIRED_PARAMETERS <= named.keys():
         return None
     return named, extra
 
@@ -107,8 +108,8 @@ def unknown_keyword(extra: dict) -> str | None:
     return None
 
 
-def _in_training(tensors) -> bool:
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+def _in_training(needs_grad: bool) -> bool:
+    """Whether a call trains: it needs gradients, or ComfyUI's LoRA training node says so."""
     try:
         from comfy import model_management  # the LoRA training node sets in_training
     except ImportError:
@@ -123,7 +124,7 @@ def _heads_view(t: torch.Tensor, head_dim: int) -> torch.Tensor | None:
         return t.transpose(1, 2)
     if t.dim() != 3 or t.shape[-1] % head_dim:
         return None
-    return t.unflatten(-1, (-1, head_dim)).transpose(1, 2)
+    return torch.unflatten(t, -1, (-1, head_dim)).transpose(1, 2)
 
 
 def fallback_name(options: RoutingOptions) -> str:
@@ -152,7 +153,8 @@ def kernel_attention(named: dict, extra: dict, options: RoutingOptions) -> torch
     keyword = unknown_keyword(extra)
     if keyword is not None:
         return refuse(f"ComfyUI attention keyword {keyword!r} is not known to this node", fallback)
-    if _in_training(tensors) and not options.training:
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if _in_training(needs_grad) and not options.training:
         return refuse("training (gradients or ComfyUI's in_training) and the node's use_for_training is off", fallback)
     if extra.get("low_precision_attention", True) is False and torch.float32 in (q.dtype, k.dtype, v.dtype):
         # The caller asked for no reduced precision: float32 inputs must not be cast to 16 bits.

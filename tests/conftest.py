@@ -14,7 +14,8 @@ from types import SimpleNamespace
 from rdna_flash_attn import environment
 from rdna_flash_attn.config import LOGGER_NAME, Settings, settings
 from rdna_flash_attn.dispatch import router as dispatch, sdpa_patch, selftest
-from rdna_flash_attn.ops import autograd, attention as ops
+from rdna_flash_attn.dispatch.state import state
+from rdna_flash_attn.ops import autograd, attention as ops, plans
 from rdna_flash_attn.runtime import artifacts, device, loader
 
 from . import seeds
@@ -31,7 +32,7 @@ def isolated(tmp_path, monkeypatch):
     settings.cache_dir = str(tmp_path / "cache")
     dispatch.forget_devices()
     dispatch.reset_stats()
-    monkeypatch.setattr(dispatch, "_logged_reasons", set())
+    monkeypatch.setattr(state, "logged", set())
     monkeypatch.setattr(environment, "_warned", set())
     yield
     sdpa_patch.disable_sdpa_patch()
@@ -92,55 +93,71 @@ class FakeDevices:
         return SimpleNamespace(artifact=artifact, device_info=info, runtime_version=info.runtime_version)
 
 
-_real_forward_refusal = ops.forward_refusal
-_real_varlen_refusal = ops.varlen_refusal
+_real_plan_forward = plans.plan_forward
+_real_plan_varlen = plans.plan_varlen
+
+
+def _plain(t):
+    """A mask view the fakes' planning made of a GPU-looking tensor, as the plain CPU tensor it is."""
+    return None if t is None else t.as_subclass(torch.Tensor)
 
 
 class FakeKernels:
-    """The kernels' double on the CPU: ops' real argument checks, float32 math for the result."""
+    """The kernels' double on the CPU: the real plans (their checks), float32 math for the result."""
 
     def __init__(self):
         self.devices = FakeDevices()
         self.launches = []  # (q, k, v, is_causal, scale) of each plain forward launch
         self.differentiable_launches = 0
         self.varlen_launches = 0
-        self.prepared_launches = 0  # forward_launch calls: one per cached forward-only signature
+        self.prepared_launches = 0  # forward_launcher calls: one per plan of a forward-only call
         self.error = 0.0  # added to every output: a broken kernel
         self.raises: Exception | None = None
 
-    def forward_refusal(self, q, k, v, is_causal=False, scale=None, attn_mask=None, backward=False):
-        return _real_forward_refusal(_as_gpu(q), _as_gpu(k), _as_gpu(v), is_causal, scale, _as_gpu(attn_mask),
-                                     backward)
+    def plan_forward(self, q, k, v, is_causal=False, scale=None, attn_mask=None, **kwargs):
+        return _real_plan_forward(_as_gpu(q), _as_gpu(k), _as_gpu(v), is_causal, scale, _as_gpu(attn_mask), **kwargs)
 
-    def flash_attention_forward(self, q, k, v, is_causal=False, scale=None, *, attn_mask=None, bottom_right=False):
-        assert self.forward_refusal(q, k, v, is_causal, scale, attn_mask) is None, "launched on refused input"
+    def plan_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, *args, **kwargs):
+        return _real_plan_varlen(*(_as_gpu(t) for t in (q, k, v, cu_seqlens_q, cu_seqlens_k)), *args, **kwargs)
+
+    def _forward(self, q, k, v, is_causal, scale, attn_mask, bottom_right):
         if self.raises is not None:
             raise self.raises
         self.launches.append((q, k, v, is_causal, scale))
         out, lse = _math_attention(q, k, v, is_causal, scale, attn_mask, bottom_right)
         return out + self.error, lse.detach()  # the op marks it non-differentiable
 
-    def forward_launch(self, q, k, v, is_causal=False, scale=None):
-        """A prepared launch, as ops.forward_launch returns one: runs flash_attention_forward."""
-        assert self.forward_refusal(q, k, v, is_causal, scale) is None, "prepared on refused input"
+    def flash_attention_forward(self, q, k, v, is_causal=False, scale=None, *, attn_mask=None, bottom_right=False):
+        """ops' own entry point, as the self-test calls it."""
+        plan = self.plan_forward(q, k, v, is_causal, scale, attn_mask, bottom_right=bottom_right)
+        assert isinstance(plan, plans.ForwardPlan), "launched on refused input"
+        return self._forward(q, k, v, is_causal, scale, attn_mask, bottom_right)
+
+    def forward_launcher(self, plan, device):
         self.prepared_launches += 1
-        return lambda q, k, v: self.flash_attention_forward(q, k, v, is_causal, scale)
+        return lambda args, buffers: None
+
+    def launch_forward(self, plan, q, k, v, *, out=None, lse=None, saved=None, launcher=None):
+        """A plan's launch, as the dispatcher makes it: a plan without a launcher prepares one."""
+        assert isinstance(plan, plans.ForwardPlan)
+        if launcher is None:
+            ops.forward_launcher(plan, q.device)
+        return self._forward(q, k, v, plan.is_causal, plan.scale, _plain(plan.mask), plan.bottom_right)
 
     def flash_attention_with_lse(self, q, k, v, is_causal=False, scale=None, *, attn_mask=None, bottom_right=False):
-        assert self.forward_refusal(q, k, v, is_causal, scale, attn_mask) is None, "launched on refused input"
+        plan = self.plan_forward(q, k, v, is_causal, scale, attn_mask, bottom_right=bottom_right)
+        assert isinstance(plan, plans.ForwardPlan), "launched on refused input"
         self.differentiable_launches += 1
-        out, lse = _math_attention(q, k, v, is_causal, scale, attn_mask, bottom_right)
+        out, lse = _math_attention(q, k, v, is_causal, scale, _plain(attn_mask), bottom_right)
         return out + self.error, lse.detach()  # the op marks it non-differentiable
 
     def flash_attention(self, q, k, v, is_causal=False, scale=None, *, attn_mask=None, bottom_right=False):
         return self.flash_attention_with_lse(q, k, v, is_causal, scale, attn_mask=attn_mask,
                                              bottom_right=bottom_right)[0]
 
-    def flash_attention_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               is_causal=False, scale=None):
+    def varlen_attention(self, plan, q, k, v, cu_seqlens_q, cu_seqlens_k):
         """Packed batches: each entry through _math_attention, causal bottom-right; (out, lse (H, total_q))."""
-        assert _real_varlen_refusal(*(_as_gpu(t) for t in (q, k, v, cu_seqlens_q, cu_seqlens_k)), max_seqlen_q,
-                                    max_seqlen_k) is None, "launched on refused input"
+        assert isinstance(plan, plans.VarlenPlan)
         self.varlen_launches += 1
         out, lse = torch.zeros_like(q), torch.full((q.shape[1], q.shape[0]), float("inf"))
         offsets_q, offsets_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -148,7 +165,7 @@ class FakeKernels:
             rows, keys = slice(offsets_q[b], offsets_q[b + 1]), slice(offsets_k[b], offsets_k[b + 1])
             if rows.stop > rows.start and keys.stop > keys.start:
                 entry = (t[span].transpose(0, 1)[None] for t, span in ((q, rows), (k, keys), (v, keys)))
-                entry_out, entry_lse = _math_attention(*entry, is_causal, scale, bottom_right=True)
+                entry_out, entry_lse = _math_attention(*entry, plan.is_causal, plan.scale, bottom_right=True)
                 out[rows], lse[:, rows] = entry_out[0].transpose(0, 1), entry_lse[0]
         return out + self.error, lse
 
@@ -161,12 +178,14 @@ def untested_fake_gpu(monkeypatch) -> FakeKernels:
     monkeypatch.setattr(device, "describe", kernels.devices.describe)
     monkeypatch.setattr(loader, "loaded_library", kernels.devices.loaded_library)
     monkeypatch.setattr(ops, "artifact_info", lambda dev: dict(FAKE_ARTIFACT))
-    monkeypatch.setattr(ops, "forward_refusal", kernels.forward_refusal)
+    monkeypatch.setattr(plans, "plan_forward", kernels.plan_forward)
+    monkeypatch.setattr(plans, "plan_varlen", kernels.plan_varlen)
     monkeypatch.setattr(ops, "flash_attention_forward", kernels.flash_attention_forward)
-    monkeypatch.setattr(ops, "forward_launch", kernels.forward_launch)
+    monkeypatch.setattr(ops, "forward_launcher", kernels.forward_launcher)
+    monkeypatch.setattr(ops, "launch_forward", kernels.launch_forward)
     monkeypatch.setattr(autograd, "flash_attention", kernels.flash_attention)
     monkeypatch.setattr(autograd, "flash_attention_with_lse", kernels.flash_attention_with_lse)
-    monkeypatch.setattr(autograd, "flash_attention_varlen", kernels.flash_attention_varlen)
+    monkeypatch.setattr(autograd, "varlen_attention", kernels.varlen_attention)
     return kernels
 
 

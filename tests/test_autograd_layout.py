@@ -17,12 +17,12 @@ def _misaligned_bshd(batch=1, seq=16, heads=3, dim=64):
 
 @pytest.fixture
 def kernels_lay_out_like_ops(monkeypatch):
-    """ops' forward and backward as the real ones allocate: results in the memory order of the
+    """ops' forward and backward launches as the real ones allocate: results in the memory order of the
     (kernel-layout) tensors they are given, unless out/lse are given."""
 
-    def forward(q, k, v, is_causal=False, scale=None, out=None, lse=None, *, attn_mask=None, bottom_right=False,
-                saved=None):
+    def forward(plan, q, k, v, *, out=None, lse=None, saved=None, launcher=None):
         assert ops.kernel_layout(q) is q, "the kernels were given a tensor they cannot address"
+        assert (plan.out_size, plan.out_stride) == (q.shape, ops.output_like(q).stride()), "planned for another q"
         out = ops.output_like(q) if out is None else out
         lse = q.new_zeros(q.shape[:3], dtype=torch.float32) if lse is None else lse
         return out.copy_(q), lse
@@ -31,8 +31,8 @@ def kernels_lay_out_like_ops(monkeypatch):
                  saved=None):
         return tuple(ops.output_like(t).copy_(t) for t in (q, k, v))
 
-    monkeypatch.setattr(ops, "flash_attention_forward", forward)
-    monkeypatch.setattr(ops, "flash_attention_backward", backward)
+    monkeypatch.setattr(ops, "launch_forward", forward)
+    monkeypatch.setattr(ops, "launch_backward", backward)
 
 
 @pytest.mark.parametrize("training", (False, True))

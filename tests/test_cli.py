@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rdna_flash_attn.dispatch import router as dispatch, selftest
+from rdna_flash_attn.config import settings
+from rdna_flash_attn.dispatch import selftest, state
 from rdna_flash_attn.runtime import artifacts, device, driver, loader
 from rdna_flash_attn.tools import benchmark, cli, interpreted, report, results_folder
 
@@ -55,14 +56,14 @@ def fake_cuda(monkeypatch):
 def test_zluda_is_detected_by_its_device_name(fake_cuda):
     info = device.describe(GPU)
     assert info == device.DeviceInfo("zluda", ZLUDA_NAME, 0, "gfx1100", "6.2.41512")
-    assert dispatch._policy_refusal(info) is None
+    assert state.policy_refusal(info) is None
 
 
 def test_the_same_gpu_without_the_suffix_is_an_nvidia_device_to_policy(fake_cuda):
     fake_cuda.name = "NVIDIA GeForce RTX 4090"
     info = device.describe(GPU)
     assert info.backend == "cuda" and info.gfx_target is None
-    assert "RDNA_FA_FORCE" in dispatch._policy_refusal(info)
+    assert "RDNA_FA_FORCE" in state.policy_refusal(info)
 
 
 def fake_code_object(monkeypatch, path="/p/gfx1100.hsaco", sha256="ef" * 32, refusal=None, target="gfx1100"):
@@ -113,7 +114,7 @@ def test_doctor_on_rdna4_says_whether_8bit_attention_runs(fake_cuda, monkeypatch
     monkeypatch.setattr(selftest, "run_checks", lambda d, gradients=None: [])
     _, out, _ = run_cli(capsys, "doctor")
     assert "precision exact" in out and "8-bit attention available, not used (RDNA_FA_PRECISION=exact)" in out
-    monkeypatch.setattr(dispatch.settings, "precision", "8bit-qkpv")
+    monkeypatch.setattr(settings, "precision", "8bit-qkpv")
     monkeypatch.setattr(selftest, "eight_bit_checks", lambda d: [selftest.Check("8-bit x relative L1", 0.2, 0.03)])
     _, out, _ = run_cli(capsys, "doctor")
     assert "precision 8-bit attention (int8 Q K^T, fp8 P V) for inference calls on RDNA4, exact elsewhere" in out
@@ -132,7 +133,7 @@ def test_doctor_reports_a_failed_self_test_and_the_disable_switch(fake_cuda, mon
     monkeypatch.setattr(selftest, "run_checks", lambda d, gradients=None: [selftest.Check("forward out x", 0.5, 2e-3)])
     _, out, _ = run_cli(capsys, "doctor")
     assert "kernels OFF: self-test failed: forward out x" in out
-    monkeypatch.setattr(dispatch.settings, "disable", True)
+    monkeypatch.setattr(settings, "disable", True)
     _, out, _ = run_cli(capsys, "doctor")
     assert "OFF: disabled (RDNA_FA_DISABLE" in out
 

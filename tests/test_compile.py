@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 
 import rdna_flash_attn as rfa
-from rdna_flash_attn.ops import autograd, attention as ops
-from rdna_flash_attn.dispatch import router as dispatch, selftest
+from rdna_flash_attn.ops import autograd, plans
+from rdna_flash_attn.dispatch import planner, selftest, state
 from rdna_flash_attn.config import settings
 
-from .conftest import _math_attention, _real_forward_refusal
+from .conftest import _math_attention, _real_plan_forward
 
 pytestmark = pytest.mark.skipif(not autograd.HAS_CUSTOM_OP, reason="the kernels' custom op needs torch >= 2.4")
 
@@ -34,12 +34,12 @@ def _cpu_forward(q, k, v, attn_mask, is_causal, scale, bottom_right, training):
 
 @pytest.fixture
 def traceable_fake_gpu(fake_gpu, monkeypatch):
-    """fake_gpu that dynamo can trace: ops' real checks take CPU tensors for the GPU's, and the real
+    """fake_gpu that dynamo can trace: ops' real plans take CPU tensors for the GPU's, and the real
     custom op gets a CPU kernel (float32 math) for this test only."""
     import torch._dynamo
 
-    monkeypatch.setattr(ops, "KERNEL_DEVICE_TYPE", "cpu")
-    monkeypatch.setattr(ops, "forward_refusal", _real_forward_refusal)
+    monkeypatch.setattr(plans, "KERNEL_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(plans, "plan_forward", _real_plan_forward)
     monkeypatch.setattr(autograd, "flash_attention", REAL_FLASH_ATTENTION)
     monkeypatch.setattr(autograd, "flash_attention_with_lse", REAL_FLASH_ATTENTION_WITH_LSE)
     library = torch.library.Library(autograd.OP_NAMESPACE, "IMPL")
@@ -128,8 +128,8 @@ def test_a_kernel_turned_off_makes_dynamo_decide_again(traceable_fake_gpu):
     backend = Graphs()
     function = compiled(backend)
     function(q, k, v)
-    kernels = dispatch.call_kernels(q.dtype, q.shape[-1], False, False)
-    dispatch._disable_kernels(q.device, kernels, "the kernel failed (test)")
+    kernels = planner.call_kernels(q.dtype, q.shape[-1], False, False)
+    state.disable_kernels(q.device, kernels, "the kernel failed (test)")
     function(q, k, v)
     assert [kernel_op().default in backend.targets(i) for i in range(len(backend.graphs))] == [True, False]
 
@@ -143,7 +143,7 @@ def test_first_use_self_test_runs_eagerly_once_at_trace_time(untested_fake_gpu, 
 
     monkeypatch.setattr(selftest, "run_checks", checks)
     monkeypatch.setattr(selftest, "cached", lambda library: None)
-    dispatch.forget_devices()
+    state.forget_devices()
     backend = Graphs()
     function = compiled(backend)
     for _ in range(3):
@@ -167,7 +167,7 @@ def test_trace_time_marker_is_the_one_torch_sets():
         return None
 
     torch.compiler.assume_constant_result(public)
-    dispatch._constant_while_tracing(ours)
+    planner.constant_while_tracing(ours)
     assert vars(ours) == vars(public) and vars(ours)
 
 

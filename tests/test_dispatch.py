@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import rdna_flash_attn as rfa
 from rdna_flash_attn.dispatch import router as dispatch, selftest
-from rdna_flash_attn.ops import attention as ops, autograd
+from rdna_flash_attn.ops import attention as ops, autograd, plans
 from rdna_flash_attn.runtime import loader as runtime
 from rdna_flash_attn.config import settings
 
@@ -321,7 +321,7 @@ def test_kernel_unavailable_while_preparing_a_launch_falls_back(fake_gpu, monkey
     def refused(*args):
         raise ops.KernelUnavailable("code object refused by the HIP runtime")
 
-    monkeypatch.setattr(ops, "forward_launch", refused)
+    monkeypatch.setattr(ops, "forward_launcher", refused)
     q, k, v = qkv()
     for _ in range(2):
         assert torch.equal(rfa.scaled_dot_product_attention(q, k, v), F.scaled_dot_product_attention(q, k, v))
@@ -406,7 +406,7 @@ def test_a_failed_backward_turns_off_gradients_of_its_class_only(fake_gpu, monke
     def failing_backward(*args, **kwargs):
         raise RuntimeError(LONG_ERROR)
 
-    monkeypatch.setattr(ops, "flash_attention_backward", failing_backward)
+    monkeypatch.setattr(ops, "launch_backward", failing_backward)
     q, k, v = qkv()
     no_stats = (q.new_empty(0),) * 3
     with pytest.raises(RuntimeError, match="hipErrorLaunchFailure"):
@@ -674,13 +674,14 @@ def test_masks_past_2_31_elements_are_taken_by_the_forward_while_a_waves_rows_fi
     a (B, 1, 50k, 50k) mask passes 2^31 elements and the forward takes it; rows 2^31 elements apart
     within 16 queries it does not. The dK/dV kernels count from the (batch, head)'s first row, so the
     backward does not take the large mask either. Meta tensors: only shapes and strides matter here."""
-    q = k = torch.empty(1, 2, 50_000, 64, dtype=torch.float16, device="meta")
-    large = torch.empty(1, 1, 50_000, 50_000, dtype=torch.bool, device="meta")
-    assert ops.mask_refusal(large, q, k) is None
-    assert ops.mask_refusal(large, q, k, backward=True) == (
+    target, meta = (1, 2, 50_000, 50_000), torch.device("meta")
+    large = torch.empty(1, 1, 50_000, 50_000, dtype=torch.bool, device=meta)
+    assert plans.mask_view(large, target, 64, torch.float16, meta).shape == target
+    assert plans.mask_view(large, target, 64, torch.float16, meta, backward=True) == plans.Refusal(
         "attn_mask's rows span 2^31 elements within 50000 queries (the backward's dK/dV kernels take less)")
-    wide = torch.empty(50_000, 2**28, dtype=torch.bool, device="meta")[:, :50_000]  # row stride 2^28
-    assert ops.mask_refusal(wide, q, k) == "attn_mask's rows span 2^31 elements within 16 queries"
+    wide = torch.empty(50_000, 2**28, dtype=torch.bool, device=meta)[:, :50_000]  # row stride 2^28
+    assert plans.mask_view(wide, target, 64, torch.float16, meta) == plans.Refusal(
+        "attn_mask's rows span 2^31 elements within 16 queries")
 
 
 def test_grouped_heads_run_on_the_kernels_only_with_enable_gqa(fake_gpu):

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from rdna_flash_attn.ops import attention as ops
+from rdna_flash_attn.ops import attention as ops, plans
 from rdna_flash_attn.runtime import loader as runtime, variants
 from rdna_flash_attn.ops.launch_args import BwdArgs, FwdArgs
 
@@ -29,7 +29,7 @@ class RecordingLibrary:
 @pytest.fixture
 def library(monkeypatch) -> RecordingLibrary:
     recording = RecordingLibrary()
-    monkeypatch.setattr(ops, "KERNEL_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(plans, "KERNEL_DEVICE_TYPE", "cpu")
     monkeypatch.setattr(runtime, "library_for", lambda device: recording)
     return recording
 
@@ -72,7 +72,7 @@ def test_every_launch_matches_one_built_from_scratch(library):
             assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:3]
             assert (out.stride(2) > out.stride(1)) == (q.stride(2) > q.stride(1))  # q's memory order
             assert library.launches[-1] == expected_launch(q, k, v, out, lse, **kwargs)
-    assert len(library.launches) == 2 * len(CALLS) and len(ops._forward_launches) == len(CALLS)
+    assert len(library.launches) == 2 * len(CALLS) and len(ops._prepared) == len(CALLS)
 
 
 def test_misaligned_input_is_refused_after_its_signature_was_prepared(library):
@@ -88,15 +88,21 @@ def test_a_sequence_stride_past_the_32_bit_tile_offsets_is_refused_by_name(libra
     q, k, v = tensors(shape=(1, 1, 2, 8))
     wide = torch.zeros(2**23 + 8, dtype=q.dtype)
     far_apart = wide.as_strided((1, 1, 2, 8), (2**23 + 8, 2**23 + 8, 2**23, 1))
-    assert ops.forward_refusal(far_apart, k, v) == "query sequence stride 8388608 is 2^23 elements or more"
-    assert ops.forward_refusal(q, far_apart, v) == "key sequence stride 8388608 is 2^23 elements or more"
-    assert ops.forward_refusal(q, k, far_apart) == "value sequence stride 8388608 is 2^23 elements or more"
+    assert refusal(plans.plan_forward(far_apart, k, v)) == "query sequence stride 8388608 is 2^23 elements or more"
+    assert refusal(plans.plan_forward(q, far_apart, v)) == "key sequence stride 8388608 is 2^23 elements or more"
+    assert refusal(plans.plan_forward(q, k, far_apart)) == "value sequence stride 8388608 is 2^23 elements or more"
     below = wide.as_strided((1, 1, 2, 8), (2**23 + 8, 2**23 + 8, 2**23 - 8, 1))
-    assert ops.forward_refusal(below, below, below) is None
+    assert refusal(plans.plan_forward(below, below, below)) is None
     # a packed batch's limit is on its tokens' stride
     packed = wide.as_strided((2, 1, 8), (2**23, 8, 1))
-    assert ops.varlen_refusal(q[0].transpose(0, 1), packed, packed, *(torch.tensor([0, 2], dtype=torch.int32),) * 2,
-                              2, 2) == "key sequence stride 8388608 is 2^23 elements or more"
+    assert refusal(plans.plan_varlen(q[0].transpose(0, 1), packed, packed,
+                                     *(torch.tensor([0, 2], dtype=torch.int32),) * 2, 2, 2)) == (
+        "key sequence stride 8388608 is 2^23 elements or more")
+
+
+def refusal(plan) -> str | None:
+    """The reason of a plan that is a refusal, None for a plan."""
+    return plan.reason if isinstance(plan, plans.Refusal) else None
 
 
 def test_a_sequence_past_the_kernels_32_bit_row_indices_is_refused_by_name(library):
@@ -106,12 +112,12 @@ def test_a_sequence_past_the_kernels_32_bit_row_indices_is_refused_by_name(libra
     for length, refused in ((limit, False), (limit + 1, True)):
         long = torch.zeros(8, dtype=q.dtype).as_strided((1, 1, length, 8), (0, 0, 0, 1))  # no memory behind it
         for args in ((long, k, v), (q, long, long)):
-            assert (ops.forward_refusal(*args) == "sequence longer than 2^31 - 1024") == refused
+            assert (refusal(plans.plan_forward(*args)) == "sequence longer than 2^31 - 1024") == refused
     offsets = torch.tensor([0, 2], dtype=torch.int32)
     packed = q[0].transpose(0, 1)
-    assert ops.varlen_refusal(packed, packed, packed, offsets, offsets, limit + 1, 2) == \
+    assert refusal(plans.plan_varlen(packed, packed, packed, offsets, offsets, limit + 1, 2)) == \
         "max_seqlen_q or max_seqlen_k is negative or above 2^31 - 1024"
-    assert ops.varlen_refusal(packed, packed, packed, offsets, offsets, limit, limit) is None
+    assert refusal(plans.plan_varlen(packed, packed, packed, offsets, offsets, limit, limit)) is None
 
 
 def test_a_gradient_with_a_sequence_stride_past_the_tile_offsets_is_copied_not_refused():
@@ -132,20 +138,20 @@ def test_packed_tensors_are_judged_on_their_tokens_stride():
 
 def test_the_packed_backward_hands_the_kernels_a_gradient_they_can_reach(library, monkeypatch):
     launched = {}
-    monkeypatch.setattr(ops, "_launch_backward", lambda dout, *rest: launched.setdefault("dout", dout))
+    monkeypatch.setattr(ops, "_launch_gradients", lambda dout, *rest: launched.setdefault("dout", dout))
     q = torch.zeros(2, 1, 8, dtype=torch.float16)
     dout = torch.arange(2**23 + 8, dtype=torch.float16).as_strided((2, 1, 8), (2**23, 8, 1))
     lengths = torch.tensor([0, 2], dtype=torch.int32)
     ops.flash_attention_varlen_backward(dout, q, q, q, torch.zeros(1, 2), lengths, lengths, 2, 2)
     seen = launched["dout"]
-    assert seen.shape == (1, 1, 2, 8) and seen.stride(2) < ops._MAX_SEQ_STRIDE
+    assert seen.shape == (1, 1, 2, 8) and seen.stride(2) < plans.MAX_SEQ_STRIDE
     assert torch.equal(seen[0].transpose(0, 1), dout)
 
 
 def test_outputs_are_not_held_to_the_read_tiles_stride_limit(library):
     q, k, v = tensors(shape=(1, 1, 2, 8))
     out = torch.zeros(2**23 + 8, dtype=q.dtype).as_strided(q.shape, (2**23 + 8, 2**23 + 8, 2**23, 1))
-    assert ops._output_refusal(q, out, None) is None  # written with 64-bit addresses
+    ops._check_output(q, out, None)  # written with 64-bit addresses: no ValueError
 
 
 def test_the_stride_limit_keeps_every_tiles_offsets_within_32_bits():
@@ -157,7 +163,7 @@ def test_the_stride_limit_keeps_every_tiles_offsets_within_32_bits():
     tiles += [(v.symbol, v.block_tile, v.threads, v.d_pad) for v in variants.BWD_VARIANTS]
     for symbol, tile_rows, threads, d_pad in tiles:
         rows = max(tile_rows, threads // max(1, d_pad // 8))
-        assert (rows * ops._MAX_SEQ_STRIDE + d_pad) * 2 < 2**31, symbol
+        assert (rows * plans.MAX_SEQ_STRIDE + d_pad) * 2 < 2**31, symbol
 
 
 def test_every_masked_forward_tile_suits_its_per_wave_bias_check():
@@ -182,7 +188,7 @@ def test_a_bad_out_is_named_before_any_library_is_loaded(monkeypatch):
     def unavailable(device):
         raise ops.KernelUnavailable("no code object for this GPU")
 
-    monkeypatch.setattr(ops, "KERNEL_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(plans, "KERNEL_DEVICE_TYPE", "cpu")
     monkeypatch.setattr(runtime, "library_for", unavailable)
     q, k, v = tensors()
     with pytest.raises(ValueError, match="out must"):
@@ -211,7 +217,7 @@ def test_bad_saved_statistics_are_named_before_any_library_is_loaded(monkeypatch
     def unavailable(device):
         raise ops.KernelUnavailable("no code object for this GPU")
 
-    monkeypatch.setattr(ops, "KERNEL_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(plans, "KERNEL_DEVICE_TYPE", "cpu")
     monkeypatch.setattr(runtime, "library_for", unavailable)
     q, k, v = tensors()
     out, saved = breakage(q, ops.output_like(q), ops.backward_stats_like(q))
@@ -258,4 +264,4 @@ def test_grids_past_65535_launch_in_slices_covering_every_workgroup_once(heads, 
 def test_batch_and_heads_past_65535_are_taken(library):
     q = torch.zeros(1, 1, 1, 64, dtype=torch.float16)
     for shape in ((70000, 1, 1, 64), (1, 70000, 1, 64)):
-        assert ops.forward_refusal(*(t.expand(shape) for t in (q, q, q))) is None
+        assert refusal(plans.plan_forward(*(t.expand(shape) for t in (q, q, q)))) is None

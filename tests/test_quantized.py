@@ -18,7 +18,7 @@ import torch
 import rdna_flash_attn as rfa
 from rdna_flash_attn.config import Settings, settings
 from rdna_flash_attn.dispatch import selftest
-from rdna_flash_attn.ops import attention as ops, quantized
+from rdna_flash_attn.ops import plans, quantized
 from rdna_flash_attn.ops.launch_args import Fwd8Args, Quant8Args
 from rdna_flash_attn.runtime import loader as runtime, variants
 
@@ -130,7 +130,7 @@ class RecordingLibrary:
 def test_launches(monkeypatch, dtype, dim, layout):
     """K and V's pass (two launches) and the attention's: kernels, grids, pointers, strides and sizes."""
     library = RecordingLibrary()
-    monkeypatch.setattr(ops, "KERNEL_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(plans, "KERNEL_DEVICE_TYPE", "cpu")
     monkeypatch.setattr(runtime, "library_for", lambda device: library)
 
     def make(heads, seq):
@@ -160,7 +160,7 @@ def test_launches(monkeypatch, dtype, dim, layout):
 
 
 def test_bad_input_is_named(monkeypatch):
-    monkeypatch.setattr(ops, "KERNEL_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(plans, "KERNEL_DEVICE_TYPE", "cpu")
     monkeypatch.setattr(runtime, "library_for", lambda device: RecordingLibrary())
     q = torch.zeros(1, 2, 8, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="dtype torch.float32 is not supported"):
@@ -174,20 +174,26 @@ def test_refusals():
     q = torch.zeros(1, 2, 8, 64, dtype=torch.float16)
     assert quantized.target_refusal("gfx1201") is None and quantized.target_refusal("emulated-gfx12") is None
     assert "RDNA4" in quantized.target_refusal("gfx1100") and "RDNA4" in quantized.target_refusal("emulated-gfx11")
-    assert quantized.quantized_refusal(q, q, q, False, None) is None
-    assert "attn_mask" in quantized.quantized_refusal(q, q, q, False, torch.ones(8, 8, dtype=torch.bool))
-    assert "causal" in quantized.quantized_refusal(q, q, q, True, None)
+    assert quantized.plan_quantized(q, q, q).variant.symbol == "rdna_fa_fwd8_f16_d64"
+    assert quantized.plan_quantized(q, q, q, dtype=torch.bfloat16).variant.symbol == "rdna_fa_fwd8_bf16_d64"
+    assert "attn_mask" in refusal(quantized.plan_quantized(q, q, q, False, torch.ones(8, 8, dtype=torch.bool)))
+    assert "causal" in refusal(quantized.plan_quantized(q, q, q, True))
     for dim in (40, 104, 112, 136, 144, 160):
         t = torch.zeros(1, 2, 8, dim, dtype=torch.float16)
-        assert quantized.quantized_refusal(t, t, t, False, None) is None, dim
+        assert isinstance(quantized.plan_quantized(t, t, t), quantized.QuantizedPlan), dim
     for dim in (32, 168, 256):
         t = torch.zeros(1, 2, 8, dim, dtype=torch.float16)
-        assert f"head dims 40-160, not {dim}" in quantized.quantized_refusal(t, t, t, False, None)
+        assert f"head dims 40-160, not {dim}" in refusal(quantized.plan_quantized(t, t, t))
     q128 = torch.zeros(1, 2, 8, 128, dtype=torch.float16)
     long_keys = torch.zeros(1, 1, 2**31 // 128, 128, dtype=torch.float16, device="meta")
-    assert "keys x head dim below 2^31" in quantized.quantized_refusal(q128, long_keys, long_keys, False, None)
+    assert "keys x head dim below 2^31" in refusal(quantized.plan_quantized(q128, long_keys, long_keys))
     fits = long_keys[:, :, : 2**31 // 128 - 2 * variants.FWD8_BLOCK_N]
-    assert quantized.quantized_refusal(q128, fits, fits, False, None) is None
+    assert isinstance(quantized.plan_quantized(q128, fits, fits), quantized.QuantizedPlan)
+
+
+def refusal(plan) -> str:
+    assert isinstance(plan, plans.Refusal), plan
+    return plan.reason
 
 
 def test_precision_setting():
@@ -234,7 +240,8 @@ def fake_rdna4(fake_gpu, monkeypatch):
             raise fake_gpu.eight_bit.raises
         return _math_attention(q, k, v, scale=scale)[0] + fake_gpu.eight_bit.error
     monkeypatch.setattr(quantized, "quantized_attention_forward", eight_bit)  # the self-test's
-    monkeypatch.setattr(quantized, "launch_quantized", eight_bit)  # the dispatcher's
+    monkeypatch.setattr(quantized, "launch_quantized",  # the dispatcher's
+                        lambda plan, q, k, v: eight_bit(q, k, v, plan.scale))
     checks = selftest.eight_bit_checks
     monkeypatch.setattr(selftest, "eight_bit_checks", lambda device: checks(torch.device("cpu")))  # the CPU plays it
     settings.precision = "8bit-qkpv"

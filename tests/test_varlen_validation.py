@@ -12,7 +12,7 @@ import torch
 
 from rdna_flash_attn.dispatch import router
 from rdna_flash_attn.integrations import flash_attn_interface as fa
-from rdna_flash_attn.ops import attention as ops
+from rdna_flash_attn.ops import attention as ops, plans
 from rdna_flash_attn.runtime import loader
 
 ROWS = 10  # of the packed q and k below: entries of 4 and 6 rows
@@ -234,7 +234,7 @@ def test_values_are_trusted_where_they_cannot_be_read(monkeypatch, reads):
         ops.check_cu_seqlens(q, k, read_before, read_before, 5, 6)
     assert ops.check_cu_seqlens(q, k, bad, bad, 6, 6) is None
     monkeypatch.setattr(ops, "_capturing_graph", lambda device: False)
-    monkeypatch.setattr(ops, "_is_compiling", lambda: True)
+    monkeypatch.setattr(plans, "is_compiling", lambda: True)
     assert ops.check_cu_seqlens(q, k, read_before, bad, 6, 6) is None
     with pytest.raises(ValueError, match="cu_seqlens_k must be int32"):  # metadata is still checked
         ops.check_cu_seqlens(q, k, read_before, offsets(dtype=torch.int64), 6, 6)

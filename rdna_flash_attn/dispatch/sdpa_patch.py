@@ -15,20 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from typing import Iterator
 
 import torch.nn.functional as F
 
 from ..config import LOGGER_NAME
 from . import router
+from .state import state
 
 log = logging.getLogger(LOGGER_NAME)
 
-_replaced = None  # the exact object we last replaced, until the patch is switched off
-_enabled_explicitly = False
-_open_scopes = 0
-_state_lock = threading.Lock()
 _MAX_WRAPPER_DEPTH = 32
 
 
@@ -49,44 +45,41 @@ def _reaches(function, target) -> bool:
 
 
 def _install() -> None:
-    global _replaced
     current = F.scaled_dot_product_attention
     if current is router.scaled_dot_product_attention:
         return
-    _replaced = current
+    state.patch.replaced = current
     # A host wrapper that itself falls back to the dispatcher (it wrapped our patch) would loop.
     router.use_fallback(None if _reaches(current, router.scaled_dot_product_attention) else current)
     F.scaled_dot_product_attention = router.scaled_dot_product_attention
 
 
 def _uninstall() -> None:
-    global _replaced
-    if _replaced is None:
+    patch = state.patch
+    if patch.replaced is None:
         return
     if F.scaled_dot_product_attention is router.scaled_dot_product_attention:
-        F.scaled_dot_product_attention = _replaced
+        F.scaled_dot_product_attention = patch.replaced
     else:
         # Someone wrapped or replaced it after us: restoring would silently drop their function.
         log.warning("torch.nn.functional.scaled_dot_product_attention was replaced after patch_sdpa(); leaving it")
     router.use_fallback(None)
-    _replaced = None
+    patch.replaced = None
 
 
 def enable_sdpa_patch() -> None:
     """Point torch's SDPA at the dispatcher, whose fallback is the function found there, until
     disable_sdpa_patch(); a no-op when it is the dispatcher already."""
-    global _enabled_explicitly
-    with _state_lock:
-        _enabled_explicitly = True
+    with state.patch.lock:
+        state.patch.enabled_explicitly = True
         _install()
 
 
 def disable_sdpa_patch() -> None:
     """Put back the exact object the patch replaced; a no-op when off. Where a host has put another
     function in place since, that one stays. Switches the patch off inside open patch_sdpa() scopes too."""
-    global _enabled_explicitly
-    with _state_lock:
-        _enabled_explicitly = False
+    with state.patch.lock:
+        state.patch.enabled_explicitly = False
         _uninstall()
 
 
@@ -94,14 +87,14 @@ def disable_sdpa_patch() -> None:
 def patch_sdpa() -> Iterator[None]:
     """`with patch_sdpa():` the patch is on inside; it goes off when the last open scope closes,
     unless enable_sdpa_patch() asked for it to stay."""
-    global _open_scopes
-    with _state_lock:
-        _open_scopes += 1
+    patch = state.patch
+    with patch.lock:
+        patch.open_scopes += 1
         _install()
     try:
         yield
     finally:
-        with _state_lock:
-            _open_scopes -= 1
-            if _open_scopes == 0 and not _enabled_explicitly:
+        with patch.lock:
+            patch.open_scopes -= 1
+            if patch.open_scopes == 0 and not patch.enabled_explicitly:
                 _uninstall()

@@ -23,11 +23,12 @@ import logging
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
 from ..config import LOGGER_NAME
-from ..ops import attention, autograd, quantized
+from ..ops import attention, autograd, plans, quantized
 from ..runtime import artifacts
 from ..runtime.loader import KernelLibrary
 
@@ -51,7 +52,7 @@ DTYPES = (torch.float16, torch.bfloat16)
 # (batch, heads, key/value heads, query tokens, key tokens, head dim, softmax scale's sign): ragged tiles,
 # grouped heads, a negative scale (folded into Q's codes).
 EIGHT_BIT_CASES = ((1, 2, 2, 100, 130, 64, 1), (2, 4, 2, 77, 200, 128, 1), (1, 2, 1, 33, 64, 40, -1))
-EIGHT_BIT_BAR = {"relative L1": 0.03, "1 - cosine": 0.001}  # issue 24's bar for "8-bit QK+PV"
+EIGHT_BIT_BAR = MappingProxyType({"relative L1": 0.03, "1 - cosine": 0.001})  # issue 24's bar for "8-bit QK+PV"
 
 
 @dataclass(frozen=True)
@@ -228,7 +229,7 @@ def run(device: torch.device, library: KernelLibrary, test: str = "exact") -> di
     key = cache_key(library, test)
     # The custom op serves GPUs; a library of another device type (loader.stand_in's on the CPU) is
     # checked through the ops' own gradients.
-    on_gpu = getattr(library, "device_type", attention.KERNEL_DEVICE_TYPE) == attention.KERNEL_DEVICE_TYPE
+    on_gpu = getattr(library, "device_type", plans.KERNEL_DEVICE_TYPE) == plans.KERNEL_DEVICE_TYPE
     try:
         # The first call may come under torch.inference_mode (ComfyUI runs every node so), which keeps
         # autograd off even inside enable_grad: the backward checks need it on.

@@ -25,13 +25,14 @@ import math
 
 import torch
 
-from ..dispatch import router
+from ..dispatch import planner, router
 
 try:  # torch >= 2.3
     from torch.nn.attention import SDPBackend, sdpa_kernel
 except ImportError:  # torch 2.2, which ZLUDA hosts still run
     SDPBackend = sdpa_kernel = None
 from ..ops import attention as ops
+from ..ops.plans import Refusal
 
 _DENSE_FALLBACK = "PyTorch SDPA"
 _VARLEN_FALLBACK = "per-entry attention (flash_attn_varlen_func)"
@@ -473,11 +474,12 @@ def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_l
     causal_only = alibi_slopes is None and left < 0 and right == 0  # the kernels align it bottom-right themselves
     mask = None if causal_only else _attn_mask(q4, k4, left, right, alibi_slopes)
     with torch.no_grad():
-        # The dispatcher's decision, as for a call of SDPA (whose causal alignment differs, not its
-        # checks), taken only where it runs the tensors as they are: no cast.
-        call = router.plan(q4, k4, v4, mask, 0.0, causal_only, scale, k4.shape[1] != q4.shape[1])
-        if not isinstance(call, str) and call.query.dtype == q4.dtype:
-            out, lse = ops.flash_attention_forward(q4, k4, v4, causal_only, scale, attn_mask=mask, bottom_right=True)
+        # The dispatcher's plan, as for a call of SDPA aligned bottom-right, taken only where it runs the
+        # tensors as they are (no cast) and in the exact kernels.
+        plan = planner.plan_attention(q4, k4, v4, mask, 0.0, causal_only, scale, k4.shape[1] != q4.shape[1],
+                                      bottom_right=True)
+        if not isinstance(plan, Refusal) and plan.kernel.dtype == q4.dtype:
+            out, lse = ops.launch_forward(plan.kernel, q4, k4, v4, launcher=plan.launcher)
         else:
             out, lse = _math_forward(q4, k4, v4, scale, _attn_mask(q4, k4, left, right, alibi_slopes))
     rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)

@@ -1,9 +1,11 @@
-"""The differentiable attention op.
+"""The differentiable attention op, for arguments a plan took (plans.plan_forward, plans.plan_varlen): it
+launches, and checks nothing again.
 
 On torch >= 2.4 the forward and backward kernels are registered as torch.library custom ops with
 fake implementations (exact shapes, strides and dtypes), so torch.compile traces through them
 without graph breaks. Older torch (ZLUDA users run 2.2 to 2.7) gets a torch.autograd.Function with
-the same behaviour.
+the same behaviour. A custom op's arguments are tensors and numbers: the op works its launch out again
+from them (plans.forward_geometry), without the checks.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import contextlib
 
 import torch
 
-from . import attention
+from . import attention, plans
 
 HAS_CUSTOM_OP = hasattr(torch, "library") and hasattr(torch.library, "custom_op")
 
@@ -41,15 +43,14 @@ def _forward(q, k, v, attn_mask, is_causal, scale, bottom_right, training):
     stats = _stats_or_empty(q, training)
     saved = stats if training else None
     kernel_q, kernel_k, kernel_v = (attention.kernel_layout(t) for t in (q, k, v))
+    plan = plans.forward_geometry(kernel_q, kernel_k, kernel_v, is_causal, scale, attn_mask, bottom_right)
     if kernel_q is q:
-        out, lse = attention.flash_attention_forward(kernel_q, kernel_k, kernel_v, is_causal, scale,
-                                                     attn_mask=attn_mask, bottom_right=bottom_right, saved=saved)
+        out, lse = attention.launch_forward(plan, kernel_q, kernel_k, kernel_v, saved=saved)
         return out, lse, *stats
     # A copied query may lie in another memory order than q: the output keeps q's, as the fake
     # implementation promises a compiled graph.
     out, lse = attention.output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
-    attention.flash_attention_forward(kernel_q, kernel_k, kernel_v, is_causal, scale, out=out, lse=lse,
-                                      attn_mask=attn_mask, bottom_right=bottom_right, saved=saved)
+    attention.launch_forward(plan, kernel_q, kernel_k, kernel_v, out=out, lse=lse, saved=saved)
     return out, lse, *stats
 
 
@@ -76,10 +77,10 @@ def _backward(dout, q, k, v, out, lse, stats, attn_mask, is_causal, scale, botto
     """Gradients; with a training forward's out and stats (non-empty) dQ sweeps the keys once."""
     saved = attention.BackwardStats(*stats) if stats[0].numel() else None
     with _failures_told(q, attn_mask is not None):
-        grads = attention.flash_attention_backward(attention.kernel_layout(dout),
-                                                   *(attention.kernel_layout(t) for t in (q, k, v)), lse, is_causal,
-                                                   scale, attn_mask=attn_mask, bottom_right=bottom_right,
-                                                   out=out if saved is not None else None, saved=saved)
+        grads = attention.launch_backward(attention.kernel_layout(dout),
+                                          *(attention.kernel_layout(t) for t in (q, k, v)), lse, is_causal, scale,
+                                          attn_mask=attn_mask, bottom_right=bottom_right,
+                                          out=out if saved is not None else None, saved=saved)
     return tuple(_in_memory_order_of(grad, t) for grad, t in zip(grads, (q, k, v)))
 
 
@@ -92,7 +93,7 @@ def needs_gradients(q, k, v) -> bool:
 def _in_memory_order_of(grad: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """grad laid out as attention.output_like(t), the layout the fake implementation promises (a copied
     input may have had another memory order)."""
-    size, stride = attention.output_layout(t)
+    size, stride = plans.output_layout(t.shape, t.stride())
     if grad.stride() == stride:
         return grad
     return torch.empty_strided(size, stride, dtype=grad.dtype, device=grad.device).copy_(grad)
@@ -173,8 +174,9 @@ else:
 
 def flash_attention(q, k, v, is_causal: bool = False, scale: float | None = None, *,
                     attn_mask: torch.Tensor | None = None, bottom_right: bool = False) -> torch.Tensor:
-    """Attention through the kernels, differentiable in q, k and v; (B, H, S, D) views, SDPA's
-    attn_mask (not differentiated), fewer key/value heads than query heads allowed."""
+    """Attention through the kernels, differentiable in q, k and v, for arguments plans.plan_forward took
+    (nothing is checked here); (B, H, S, D) views, SDPA's attn_mask (not differentiated), fewer key/value
+    heads than query heads allowed."""
     return flash_attention_with_lse(q, k, v, is_causal, scale, attn_mask=attn_mask, bottom_right=bottom_right)[0]
 
 
@@ -183,13 +185,11 @@ class _VarlenAttention(torch.autograd.Function):
     breaks the graph around it."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, training):
-        q, k, v = (attention.packed_kernel_layout(t) for t in (q, k, v))
+    def forward(ctx, plan, q, k, v, cu_seqlens_q, cu_seqlens_k, training):
         saved = attention.backward_stats_like(q, varlen=True) if training else None
-        out, lse = attention.flash_attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                            max_seqlen_k, is_causal, scale, saved=saved)
+        out, lse = attention.launch_varlen_forward(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, saved=saved)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *(saved or ()))
-        ctx.problem = (max_seqlen_q, max_seqlen_k, is_causal, scale)
+        ctx.plan = plan
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -198,14 +198,21 @@ class _VarlenAttention(torch.autograd.Function):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *stats = ctx.saved_tensors
         saved = attention.BackwardStats(*stats) if stats else None
         with _failures_told(q, False):
-            grads = attention.flash_attention_varlen_backward(dout, q, k, v, lse, cu_seqlens_q, cu_seqlens_k,
-                                                              *ctx.problem, out=out if saved is not None else None,
-                                                              saved=saved)
-        return (*grads, None, None, None, None, None, None, None)
+            grads = attention.launch_varlen_backward(ctx.plan, attention.packed_kernel_layout(dout), q, k, v, lse,
+                                                     cu_seqlens_q, cu_seqlens_k,
+                                                     out=out if saved is not None else None, saved=saved)
+        return (None, *grads, None, None, None)
+
+
+def varlen_attention(plan: plans.VarlenPlan, q, k, v, cu_seqlens_q, cu_seqlens_k):
+    """(out, lse) of a packed batch `plan` took (attention.launch_varlen_forward), differentiable in q, k and v."""
+    return _VarlenAttention.apply(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, needs_gradients(q, k, v))
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                            is_causal: bool = False, scale: float | None = None):
-    """(out, lse) of attention.flash_attention_varlen_forward, differentiable in q, k and v."""
-    return _VarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                                  bool(is_causal), None if scale is None else float(scale), needs_gradients(q, k, v))
+    """varlen_attention, planned here: q, k and v as the kernels read them (odd views copied), then their
+    offsets and themselves checked (attention.plan_packed), ValueError for what the kernels do not take."""
+    q, k, v = (attention.packed_kernel_layout(t) for t in (q, k, v))
+    plan = attention.plan_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale)
+    return varlen_attention(plan, q, k, v, cu_seqlens_q, cu_seqlens_k)

@@ -20,21 +20,27 @@ output is a small random mean of centred V, and the e4m3 roundings of P and V sh
 or K channel's range dwarfs the others', which then keep about one int8 bit. `accuracy_refusal` measures
 both on the call's inputs; the dispatcher's 8-bit mode runs the exact kernels where it refuses.
 `quantized_attention_forward` itself computes the arithmetic whatever the inputs.
+
+`plan_quantized` makes the checks of a call plans.plan_forward took, `launch_quantized` launches its plan.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from ..runtime import loader, variants
-from .attention import DTYPE_NAMES, LOG2_E, _MAX_GRID_YZ, _device_guard, _strides, forward_refusal, output_like
+from . import plans
+from .attention import _device_guard, _strides, output_like
 from .launch_args import Fwd8Args, Quant8Args
+from .plans import DTYPE_NAMES, LOG2_E, MAX_GRID_YZ, Refusal
 
-__all__ = ["QuantizedInputs", "InputStatistics", "target_refusal", "quantized_refusal", "input_statistics",
-           "accuracy_refusal", "quantize_inputs", "quantized_attention_forward", "launch_quantized"]
+__all__ = ["QuantizedInputs", "InputStatistics", "QuantizedPlan", "target_refusal", "plan_quantized",
+           "input_statistics", "accuracy_refusal", "quantize_inputs", "quantized_attention_forward",
+           "launch_quantized"]
 
 FP8_MAX = 448.0  # OCP e4m3's largest finite value (gfx12's fp8, torch.float8_e4m3fn): P's scale
 # The input bounds within which the arithmetic met its bar on every input class tried
@@ -54,19 +60,31 @@ def target_refusal(target: str) -> str | None:
     return None
 
 
-def quantized_refusal(q, k, v, is_causal: bool, attn_mask) -> str | None:
-    """Why the 8-bit forward cannot take a call the 16-bit kernels take (forward_refusal passed), or None."""
+@dataclass(frozen=True)
+class QuantizedPlan:
+    """An 8-bit call, checked: its attention kernel (the quantizing pass's follow from it) and scale."""
+
+    variant: variants.Fwd8Variant
+    scale: float | None  # as given; None: 1 / sqrt(head dim)
+
+
+def plan_quantized(q, k, v, is_causal: bool = False, attn_mask=None, scale: float | None = None,
+                   dtype: torch.dtype | None = None) -> QuantizedPlan | Refusal:
+    """The 8-bit launches of a call plans.plan_forward took (with the same `dtype`: what q, k and v are
+    cast to first, None for none), or why the 8-bit forward cannot take it."""
     if attn_mask is not None:
-        return "8-bit attention takes no attn_mask"
+        return Refusal("8-bit attention takes no attn_mask")
     if is_causal:
-        return "8-bit attention is not causal"
-    if max(q.shape[:2]) > _MAX_GRID_YZ:
-        return "8-bit attention takes batch and heads up to 65535"
-    if q.shape[3] not in variants.FWD8_HEAD_DIMS:
-        return f"8-bit attention takes head dims {variants.FWD8_HEAD_DIMS[0]}-{variants.FWD8_HEAD_DIMS[-1]}, not {q.shape[3]}"
-    if (k.shape[2] + variants.FWD8_BLOCK_N) * variants.padded_head_dim(q.shape[3]) >= _MAX_TILE_OFFSET:
-        return "8-bit attention takes keys x head dim below 2^31"
-    return None
+        return Refusal("8-bit attention is not causal")
+    if max(q.shape[:2]) > MAX_GRID_YZ:
+        return Refusal("8-bit attention takes batch and heads up to 65535")
+    head_dim = q.shape[3]
+    if head_dim not in variants.FWD8_HEAD_DIMS:
+        return Refusal(f"8-bit attention takes head dims {variants.FWD8_HEAD_DIMS[0]}-{variants.FWD8_HEAD_DIMS[-1]}, "
+                       f"not {head_dim}")
+    if (k.shape[2] + variants.FWD8_BLOCK_N) * variants.padded_head_dim(head_dim) >= _MAX_TILE_OFFSET:
+        return Refusal("8-bit attention takes keys x head dim below 2^31")
+    return QuantizedPlan(variants.fwd8_variant(DTYPE_NAMES[q.dtype if dtype is None else dtype], head_dim), scale)
 
 
 class InputStatistics(NamedTuple):
@@ -130,7 +148,7 @@ class QuantizedInputs(NamedTuple):
 
 def quantize_inputs(k, v, variant: variants.Fwd8Variant) -> QuantizedInputs:
     """The 8-bit kernel's K and V from (B, Hk, S, D) float16/bfloat16 k and v as the kernels read them
-    (forward_refusal): the quantizing pass's two launches."""
+    (plans.plan_forward): the quantizing pass's two launches."""
     batch, kv_heads, seq_k, dim = k.shape
     d_pad = variant.d_pad
     k_rows = -(-seq_k // variant.block_n) * variant.block_n
@@ -158,29 +176,28 @@ def quantize_inputs(k, v, variant: variants.Fwd8Variant) -> QuantizedInputs:
 def quantized_attention_forward(q, k, v, scale: float | None = None) -> torch.Tensor:
     """SDPA's output for (B, H, S, D) q and (B, Hk, S, D) k, v (Hk dividing H), computed in 8 bits (see
     the module's docstring) whatever the inputs' statistics (accuracy_refusal judges those); like q, in
-    q's memory order. Raises ValueError for input the 8-bit path refuses (forward_refusal, then
-    quantized_refusal)."""
-    reason = forward_refusal(q, k, v, False, scale) or quantized_refusal(q, k, v, False, None)
-    if reason is None:
-        reason = target_refusal(loader.library_for(q.device).artifact.target)
+    q's memory order. Raises ValueError for input the 8-bit path refuses (plans.plan_forward, then
+    plan_quantized, then the device's target)."""
+    plans.planned(plans.plan_forward(q, k, v, False, scale))
+    plan = plans.planned(plan_quantized(q, k, v, scale=scale))
+    reason = target_refusal(loader.library_for(q.device).artifact.target)
     if reason is not None:
         raise ValueError(reason)
-    return launch_quantized(q, k, v, scale)
+    return launch_quantized(plan, q, k, v)
 
 
-def launch_quantized(q, k, v, scale: float | None = None) -> torch.Tensor:
-    """quantized_attention_forward without its checks, for a caller that made them (the dispatcher's
-    8-bit route decides once per call signature)."""
+def launch_quantized(plan: QuantizedPlan, q, k, v) -> torch.Tensor:
+    """SDPA's output in 8 bits for the q, k and v `plan` was made for (see quantized_attention_forward):
+    the quantizing pass, then the attention."""
     library = loader.library_for(q.device)
     batch, heads, seq_q, dim = q.shape
-    softmax_scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
-    variant = variants.fwd8_variant(DTYPE_NAMES[q.dtype], dim)
+    variant = plan.variant
     out = output_like(q)
     with _device_guard(q.device):
         inputs = quantize_inputs(k, v, variant)
         args = Fwd8Args(q.data_ptr(), *q.stride()[:3], *(t.data_ptr() for t in inputs), out.data_ptr(),
                         *out.stride()[:3], heads, k.shape[1], seq_q, k.shape[2], inputs.k8.shape[2], dim,
-                        softmax_scale * LOG2_E)
+                        plans.softmax_scale(dim, plan.scale) * LOG2_E)
         grid = (-(-seq_q // variant.block_rows), heads, batch)
         library.launch(variant, grid, args, (q, *inputs, out))
     return out

@@ -47,7 +47,7 @@ import torch
 
 from ..dispatch import router
 from ..dispatch.sdpa_patch import patch_sdpa
-from ..ops import attention, autograd
+from ..ops import attention, autograd, plans
 from ..runtime import artifacts, device as devices
 from ..version import __version__
 from . import estimates, interpreted, results_folder
@@ -165,7 +165,12 @@ def _kernel_provider(device: torch.device) -> Provider | str:
     refusal = router.device_refusal(device) or router.selftest_refusal(device)
     if refusal:
         return refusal
-    return Provider("rdna_fa", _kernels, refusal=lambda q, k, v: attention.forward_refusal(q, k, v, False, None))
+    return Provider("rdna_fa", _kernels, refusal=_kernels_refusal)
+
+
+def _kernels_refusal(q, k, v) -> str | None:
+    plan = plans.plan_forward(q, k, v)
+    return plan.reason if isinstance(plan, plans.Refusal) else None
 
 
 def available_providers(device: torch.device, dtype: torch.dtype, note: Callable[[str], None]) -> list[Provider]:

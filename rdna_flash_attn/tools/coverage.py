@@ -82,7 +82,7 @@ from torch.overrides import TorchFunctionMode
 from ..config import settings
 from ..dispatch import router
 from ..dispatch.sdpa_patch import patch_sdpa
-from ..ops.attention import KERNEL_DEVICE_TYPE, LOG2_E
+from ..ops.plans import KERNEL_DEVICE_TYPE, LOG2_E
 from ..runtime import artifacts, device as devices, loader, variants
 from ..version import __version__
 from . import (a1111_harness, comfyui_harness as harness, diffusers_harness, host_code, sd_scripts_harness, sdnext_harness,

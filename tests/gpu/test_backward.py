@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from rdna_flash_attn.runtime import variants
-from rdna_flash_attn.ops import attention
+from rdna_flash_attn.ops import attention, plans
 from rdna_flash_attn.ops.autograd import flash_attention
 
 from .reference import backward_bound, grads_fp64, grads_input_dtype, grads_sdpa_math, max_error
@@ -151,7 +151,7 @@ def test_the_widest_sequence_stride_admitted_gives_the_compact_inputs_gradients(
     values laid out compactly, bit for bit (the addressing changes no arithmetic). 300 rows: the rows
     left past a tile's start reach past 2^32 bytes, so a clamp of the rows to the sequence (the fused
     dK/dV copies' repeated edges) must stay within the tile."""
-    stride = attention._MAX_SEQ_STRIDE - 8
+    stride = plans.MAX_SEQ_STRIDE - 8
     seq = 300  # whole 64-row tiles and a tail
     generator = torch.Generator(device="cuda").manual_seed(head_dim)
 
@@ -163,7 +163,7 @@ def test_the_widest_sequence_stride_admitted_gives_the_compact_inputs_gradients(
     compact = [torch.randn((seq, head_dim), dtype=torch.float16, device="cuda", generator=generator)
                for _ in range(4)]
     q, k, v, dout = (wide(t) for t in compact)
-    assert q.stride(2) == stride and attention.forward_refusal(q, k, v) is None
+    assert q.stride(2) == stride and isinstance(plans.plan_forward(q, k, v), plans.ForwardPlan)
     mask = (torch.arange(seq, device="cuda") < seq - 9).view(1, 1, 1, seq) if masked else None
 
     def grads(q, k, v, dout):

@@ -4,11 +4,11 @@ compute-sanitizer's racecheck and memcheck run beside it (bench/gpu_kernel_check
 
 How the kernels keep addresses 64-bit where they must: a (batch, head) base is formed in 64 bits from the
 64-bit strides of the argument block; within it, a tile's rows are addressed as 32-bit offsets from the
-tile's first row, which the launcher keeps below 2^31 bytes (ops/attention.py's _MAX_SEQ_STRIDE: a
-sequence stride below 2^23 elements, 64 rows a tile), and row indices are 32-bit ints below 2^31 - 1024
-(_MAX_SEQLEN). An attention mask's elements are 32-bit offsets: in the forward and dQ kernels from a
+tile's first row, which the plans keep below 2^31 bytes (ops/plans.py's MAX_SEQ_STRIDE: a sequence
+stride below 2^23 elements, 64 rows a tile), and row indices are 32-bit ints below 2^31 - 1024
+(MAX_SEQLEN). An attention mask's elements are 32-bit offsets: in the forward and dQ kernels from a
 wave's first query (16 rows), whose own address is formed in 64 bits; in dK/dV from the (batch, head)'s
-first row (ops/attention.py's mask_refusal checks both). The outputs are written through 64-bit addresses.
+first row (ops/plans.py's mask_view checks both). The outputs are written through 64-bit addresses.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import contextlib
 import pytest
 import torch
 
-from rdna_flash_attn.ops import attention as ops
+from rdna_flash_attn.ops import attention as ops, plans
 
 from .. import edge_grid as grid
 from .conftest import GPU
@@ -121,8 +121,9 @@ def test_masks_whose_rows_span_past_2_31_elements_forward(emulated_layer, dtype)
     values = torch.rand(seq_q, seq_k, generator=generator, device=GPU)
     buffer[:, :seq_k] = values > 0.3 if dtype == torch.bool else (values * 8 - 4).to(dtype)
     mask = buffer[:, :seq_k]
-    assert mask.stride(0) * (seq_q - 1) >= 2**31 and ops.mask_refusal(mask, q, k) is None
-    assert "dK/dV" in ops.mask_refusal(mask, q, k, backward=True)
+    assert mask.stride(0) * (seq_q - 1) >= 2**31
+    assert isinstance(plans.plan_forward(q, k, v, attn_mask=mask), plans.ForwardPlan)
+    assert "dK/dV" in plans.plan_forward(q, k, v, attn_mask=mask, backward=True).reason
     out, lse = ops.flash_attention_forward(q, k, v, attn_mask=mask)
     dense_mask = mask.contiguous()
     del buffer, mask

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rdna_flash_attn.runtime import artifacts, loader as runtime, variants
-from rdna_flash_attn.ops import attention as ops
+from rdna_flash_attn.ops import attention as ops, plans
 from rdna_flash_attn.ops.launch_args import FwdArgs
 
 pytest.importorskip("tinygrad", reason="the interpreter decodes with tinygrad==0.14.0 (requirements-dev.txt)")
@@ -168,10 +168,10 @@ def test_fused_multiply_add_rounds_once():
 
 def test_ops_accept_cpu_tensors_only_with_an_explicit_library():
     q = torch.randn(1, 1, 16, 64, dtype=torch.float16)
-    assert ops.forward_refusal(q, q, q) is not None
+    assert isinstance(plans.plan_forward(q, q, q), plans.Refusal)
     with runtime.explicit_library(InterpretedLibrary(artifacts.prebuilt_artifact("gfx1100"))):
-        assert ops.forward_refusal(q, q, q) is None
-    assert ops.forward_refusal(q, q, q) is not None
+        assert isinstance(plans.plan_forward(q, q, q), plans.ForwardPlan)
+    assert isinstance(plans.plan_forward(q, q, q), plans.Refusal)
 
 
 def test_selftest_interpret_command_runs_the_code_object(capsys):
