@@ -28,8 +28,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 import rdna_flash_attn
-from rdna_flash_attn.tools import comfyui_harness as models
-from rdna_flash_attn.tools.comfyui_harness import comfyui_folder, start_comfyui
+from rdna_fa_lab.hosts import comfyui_harness as models
+from rdna_fa_lab.hosts.comfyui_harness import comfyui_folder, start_comfyui
 
 UNET_FULL = dict(image_size=32, in_channels=4, out_channels=4, model_channels=320, use_spatial_transformer=True,
                  legacy=False, use_temporal_attention=False, use_temporal_resblock=False, use_checkpoint=False)

@@ -31,7 +31,7 @@ import estimate_gfx1100 as estimator  # noqa: E402
 
 from rdna_flash_attn.runtime import variants  # noqa: E402
 from rdna_flash_attn.runtime.codeobject import load_code_object  # noqa: E402
-from rdna_flash_attn.tools.report import find_objdump, occupancy  # noqa: E402
+from rdna_fa_lab.resource_report import find_objdump, occupancy  # noqa: E402
 
 HEAD_DIMS, DTYPES = (40, 64, 80, 128, 160), ("f16", "bf16")
 SPEEDUP_TARGET, PUBLISHED_FP8 = 1.7, 117.0  # issue 24: over the exact kernel at d128; best RDNA4 fp8 figure

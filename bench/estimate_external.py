@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import estimate_gfx1100 as estimator  # noqa: E402
 from rdna_flash_attn.runtime.codeobject import load_code_object  # noqa: E402
-from rdna_flash_attn.tools.report import find_objdump, occupancy  # noqa: E402
+from rdna_fa_lab.resource_report import find_objdump, occupancy  # noqa: E402
 
 WMMA_FLOPS = 2 * 16**3
 

@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rdna_flash_attn.runtime import variants  # noqa: E402
 from rdna_flash_attn.runtime.codeobject import load_code_object  # noqa: E402
-from rdna_flash_attn.tools.report import find_objdump, occupancy  # noqa: E402
+from rdna_fa_lab.resource_report import find_objdump, occupancy  # noqa: E402
 
 # --- Problem and model constants ---------------------------------------------------------------
 SEQ, BATCH_HEADS = 4096, 16  # non-causal self-attention, Sq = Sk

@@ -31,7 +31,7 @@ from estimate_gfx1100 import (BATCH_HEADS, CALIBRATION, DTYPES, HARDWARE, SEQ, S
                               disassemble, model, tally, target_of, variants)
 
 from rdna_flash_attn.runtime.codeobject import load_code_object  # noqa: E402
-from rdna_flash_attn.tools.report import find_objdump, occupancy  # noqa: E402
+from rdna_fa_lab.resource_report import find_objdump, occupancy  # noqa: E402
 
 # The backward's targets (issue 22) are at d64 and d128; SD1.5's 40, 80 and 160 are reported beside them,
 # on useful FLOPs (d40 runs padded to 48).

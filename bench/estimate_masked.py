@@ -29,11 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import estimate_gfx1100 as estimator  # noqa: E402
 
-from rdna_flash_attn.interpreter import InterpretedLibrary  # noqa: E402
+from rdna_fa_lab.interpreter import InterpretedLibrary  # noqa: E402
 from rdna_flash_attn.ops import attention as ops  # noqa: E402
 from rdna_flash_attn.runtime import artifacts, loader as runtime, variants  # noqa: E402
 from rdna_flash_attn.runtime.codeobject import load_code_object  # noqa: E402
-from rdna_flash_attn.tools.report import find_objdump, occupancy  # noqa: E402
+from rdna_fa_lab.resource_report import find_objdump, occupancy  # noqa: E402
 
 HEAD_DIMS, DTYPES = (64, 128), ("f16", "bf16")
 FORWARD_HEAD_DIMS = (40, *HEAD_DIMS)  # SD1.5's 40 for its shape below (the backward's are HEAD_DIMS)

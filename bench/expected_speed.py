@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """The expected speed of the kernels on each RDNA GPU the static estimator models, beside published
-measurements of other kernels, as the package data file `python -m rdna_flash_attn bench` shows
-without an RDNA GPU (bench/ is not part of the installed package; this file is).
+measurements of other kernels, as the lab's data file that `python -m rdna_fa_lab bench` shows without
+an RDNA GPU.
 
-    python bench/expected_speed.py            # writes rdna_flash_attn/tools/expected_speed.json
+    python bench/expected_speed.py            # writes rdna_fa_lab/expected_speed.json
     python bench/expected_speed.py --check    # exit 1 when that file is not what the records give
 
 Every figure of ours is a static estimate, not a measurement: the estimators' recorded outputs
@@ -34,7 +34,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 RESULTS = BENCH / "results"
-OUTPUT = REPO / "rdna_flash_attn" / "tools" / "expected_speed.json"
+OUTPUT = REPO / "rdna_fa_lab" / "expected_speed.json"
 SCHEMA = 1
 
 ESTIMATORS = ("bench/estimate_gfx1100.py", "bench/estimate_gfx1100_backward.py", "bench/estimate_masked.py",

@@ -50,7 +50,7 @@ case "${1:-hosts}" in
   coverage)  # the ComfyUI coverage benchmark with its models and kernels on the GPU, through both layers
     for layer in gfx11 gfx12; do
       export RDNA_FA_EMULATE=$layer
-      run "coverage_$layer" 240 python3 -m rdna_flash_attn coverage --device cuda --out "$out"
+      run "coverage_$layer" 240 python3 -m rdna_fa_lab coverage --device cuda --out "$out"
     done
     ;;
   *) echo "usage: $0 [hosts|lora|suite|coverage]" >&2; exit 2 ;;

@@ -26,8 +26,8 @@ import estimate_gfx1100 as estimator  # noqa: E402
 import estimate_masked  # noqa: E402
 
 from rdna_flash_attn.runtime import artifacts, variants  # noqa: E402
-from rdna_flash_attn.interpreter import InterpretedLibrary  # noqa: E402
-from rdna_flash_attn.tools.report import find_objdump  # noqa: E402
+from rdna_fa_lab.interpreter import InterpretedLibrary  # noqa: E402
+from rdna_fa_lab.resource_report import find_objdump  # noqa: E402
 
 KINDS = ("wmma", "valu", "trans", "salu", "branch", "barrier", "waitcnt", "hint", "lds_read", "lds_write",
          "global_load", "global_store", "smem")

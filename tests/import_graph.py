@@ -31,7 +31,6 @@ LAYERS = {
     "version": 0,
     "runtime": 1,
     "ops": 2,
-    "interpreter": 2,
     "dispatch": 3,
     "integrations": 4,
     "tools": 5,
@@ -42,7 +41,6 @@ LABELS = {
     "tools": "tools: the CLI",
     "integrations": "integrations: launcher, .pth hook, diffusers, flash-attn API",
     "dispatch": "dispatch: kernels or fallback, self-test, SDPA override",
-    "interpreter": "interpreter: code objects run on the CPU",
     "ops": "ops: the kernels as torch ops",
     "runtime": "runtime: code objects, devices, loading, launching",
     "config": "config: settings, logger",
@@ -53,13 +51,6 @@ LABELS = {
 DEFERRED_IMPORTS = {
     ("rdna_flash_attn.integrations.autoload", "rdna_flash_attn.dispatch.sdpa_patch"):
         "the .pth hook loads autoload.py by its path before torch is imported; the package comes after torch",
-    ("rdna_flash_attn.tools.selftest_cli", "rdna_flash_attn.interpreter"):
-        "the interpreter needs numpy, an optional extra; the rest of the CLI must run without it",
-    ("rdna_flash_attn.tools.interpreted", "rdna_flash_attn.interpreter"):
-        "the interpreter needs numpy, an optional extra; the rest of the CLI must run without it",
-    **{("rdna_flash_attn.tools.cli", f"rdna_flash_attn.tools.{verb}"):
-       "a verb's module (and torch) loads only when that verb runs: --help answers without torch"
-       for verb in ("doctor", "selftest_cli", "benchmark", "coverage", "rebuild", "report")},
 }
 
 

@@ -13,10 +13,10 @@ from collections import Counter
 import pytest
 
 from bench import estimate_8bit, estimate_gfx1100_backward, estimate_masked
-from rdna_flash_attn.interpreter import InterpretedLibrary
+from rdna_fa_lab.interpreter import InterpretedLibrary
 from rdna_flash_attn.runtime import artifacts, variants
 from rdna_flash_attn.runtime.codeobject import load_code_object
-from rdna_flash_attn.tools.report import find_objdump
+from rdna_fa_lab.resource_report import find_objdump
 
 from .conftest import REPO
 

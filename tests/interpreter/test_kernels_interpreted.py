@@ -1,5 +1,5 @@
 """The shipped AMD code objects themselves, executed instruction by instruction on the CPU
-(rdna_flash_attn.interpreter), forward and backward, against an fp64 reference.
+(rdna_fa_lab.interpreter), forward and backward, against an fp64 reference.
 
 Criterion (the GPU tests' own, tests/gpu/reference.py): max error vs fp64 at most 2x that of
 PyTorch's math SDPA in the same dtype, on fresh random inputs, outputs poisoned beforehand.
@@ -29,7 +29,7 @@ from ..gpu.reference import (attention_fp64, backward_bound, grads_fp64, grads_i
 
 pytest.importorskip("tinygrad", reason="the interpreter decodes with tinygrad==0.14.0 (requirements-dev.txt)")
 
-from rdna_flash_attn.interpreter import InterpretedLibrary  # noqa: E402
+from rdna_fa_lab.interpreter import InterpretedLibrary  # noqa: E402
 
 TARGETS = ("gfx1100", "gfx1201")
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
