@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Static throughput estimate of the 8-bit forward ("8-bit QK+PV", kernels/fa_fwd8.h) on gfx1201, next to
 the exact kernel of the same head dim, with and without its quantizing pass (kernels/quant8.h; issue 24).
 
@@ -14,7 +13,7 @@ no launch gap): 16-bit K and V read twice (channel statistics, then codes), thei
 and the scales (a float per 16 keys, three per channel). The kernel quantizes Q itself: it reads 16-bit Q
 rows where it read 8-bit ones, once per workgroup, outside the key-tile loop the model counts.
 
-    python3 bench/estimate_8bit.py prebuilt/rdna_fa_gfx1201.hsaco --json bench/results/estimate_8bit.json \\
+    python3 -m bench.estimate_8bit prebuilt/rdna_fa_gfx1201.hsaco --json bench/results/estimate_8bit.json \\
         --md bench/results/estimate_8bit.md
 """
 
@@ -25,13 +24,11 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import estimate_gfx1100 as estimator  # noqa: E402
+from bench import estimate_gfx1100 as estimator
 
-from rdna_flash_attn.runtime import variants  # noqa: E402
-from rdna_flash_attn.runtime.codeobject import load_code_object  # noqa: E402
-from rdna_fa_lab.resource_report import find_objdump, occupancy  # noqa: E402
+from rdna_flash_attn.runtime import variants
+from rdna_flash_attn.runtime.codeobject import load_code_object
+from rdna_fa_lab.resource_report import find_objdump, occupancy
 
 HEAD_DIMS, DTYPES = (40, 64, 80, 128, 160), ("f16", "bf16")
 SPEEDUP_TARGET, PUBLISHED_FP8 = 1.7, 117.0  # issue 24: over the exact kernel at d128; best RDNA4 fp8 figure

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """The static estimator's model, unchanged, run on external attention kernels whose RDNA throughput is
 published with its shape: the calibration of bench/estimate_gfx1100.py (issue 22).
 
@@ -11,7 +10,7 @@ the launch (threads per workgroup, query rows per workgroup) and the problem sha
 states. FLOPs per trip are the loop's WMMAs x 2·16³ (every product of these kernels is useful: head
 dim 128, no padding).
 
-    python3 bench/estimate_external.py bench/results/estimator_calibration_cases.json \
+    python3 -m bench.estimate_external bench/results/estimator_calibration_cases.json \
         --json bench/results/estimator_calibration.json --png bench/results/estimator_calibration.png
 
 A backward case (a "backward" entry in the case: Triton's fused-attention tutorial `_attn_bwd`) has
@@ -39,11 +38,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import estimate_gfx1100 as estimator  # noqa: E402
-from rdna_flash_attn.runtime.codeobject import load_code_object  # noqa: E402
-from rdna_fa_lab.resource_report import find_objdump, occupancy  # noqa: E402
+from bench import estimate_gfx1100 as estimator
+from rdna_flash_attn.runtime.codeobject import load_code_object
+from rdna_fa_lab.resource_report import find_objdump, occupancy
 
 WMMA_FLOPS = 2 * 16**3
 

@@ -1,11 +1,10 @@
-#!/usr/bin/env python3
 """Static throughput estimate of the forward kernel on RDNA3 (gfx1100), read from its disassembly.
 
 Not a measurement: it counts the instructions of one key-tile iteration of the compiled main loop
 and turns them into cycles with the simple pipe model below (see bench/results/
 forward_estimate_gfx1100.md for the sources of every constant).
 
-    python3 bench/estimate_gfx1100.py /tmp/est/rdna_fa_gfx1100.hsaco /tmp/est/rdna_fa_gfx1201.hsaco \
+    python3 -m bench.estimate_gfx1100 /tmp/est/rdna_fa_gfx1100.hsaco /tmp/est/rdna_fa_gfx1201.hsaco \
         --json bench/results/forward_estimate_gfx1100.json --png bench/results/forward_estimate_gfx1100.png
 """
 
@@ -22,10 +21,9 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from rdna_flash_attn.runtime import variants  # noqa: E402
-from rdna_flash_attn.runtime.codeobject import load_code_object  # noqa: E402
-from rdna_fa_lab.resource_report import find_objdump, occupancy  # noqa: E402
+from rdna_flash_attn.runtime import variants
+from rdna_flash_attn.runtime.codeobject import load_code_object
+from rdna_fa_lab.resource_report import find_objdump, occupancy
 
 # --- Problem and model constants ---------------------------------------------------------------
 SEQ, BATCH_HEADS = 4096, 16  # non-causal self-attention, Sq = Sk

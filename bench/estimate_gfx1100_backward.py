@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Static throughput estimate of the backward kernels on RDNA3 (gfx1100) and RDNA4 (gfx1201), read from
 their disassembly.
 
@@ -10,7 +9,7 @@ whole in a loop of their own, that loop is the one counted (main_loop); dK/dV's 
 whether any lane tests its scores, which none does in the estimate's calls (lane_vote). See
 bench/results/backward_estimate_gfx1100.md.
 
-    python3 bench/estimate_gfx1100_backward.py prebuilt/rdna_fa_gfx1100.hsaco prebuilt/rdna_fa_gfx1201.hsaco \
+    python3 -m bench.estimate_gfx1100_backward prebuilt/rdna_fa_gfx1100.hsaco prebuilt/rdna_fa_gfx1201.hsaco \
         --json bench/results/backward_estimate_gfx1100.json --png bench/results/backward_estimate_gfx1100.png
 """
 
@@ -26,12 +25,11 @@ from collections import Counter
 from dataclasses import asdict, replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from estimate_gfx1100 import (BATCH_HEADS, CALIBRATION, DTYPES, HARDWARE, SEQ, SIMDS_PER_CU, Insn,  # noqa: E402
+from bench.estimate_gfx1100 import (BATCH_HEADS, CALIBRATION, DTYPES, HARDWARE, SEQ, SIMDS_PER_CU, Insn,
                               disassemble, model, tally, target_of, variants)
 
-from rdna_flash_attn.runtime.codeobject import load_code_object  # noqa: E402
-from rdna_fa_lab.resource_report import find_objdump, occupancy  # noqa: E402
+from rdna_flash_attn.runtime.codeobject import load_code_object
+from rdna_fa_lab.resource_report import find_objdump, occupancy
 
 # The backward's targets (issue 22) are at d64 and d128; SD1.5's 40, 80 and 160 are reported beside them,
 # on useful FLOPs (d40 runs padded to 48).

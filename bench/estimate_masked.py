@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Static throughput estimate of the masked forward kernels (gfx1100 and gfx1201), next to the
 unmasked ones, from the instructions the CPU interpreter executes per key tile.
 
@@ -10,7 +9,7 @@ instruction address, is exactly what one more key tile executes for that mask. T
 through the estimator's own tally() and model(), with the same occupancy and launch (4096 tokens,
 16 batch x heads), so every column means what it means in forward_estimate_gfx1100.md.
 
-    python3 bench/estimate_masked.py prebuilt/rdna_fa_gfx1100.hsaco prebuilt/rdna_fa_gfx1201.hsaco \
+    python3 -m bench.estimate_masked prebuilt/rdna_fa_gfx1100.hsaco prebuilt/rdna_fa_gfx1201.hsaco \
         --json bench/results/masked_estimate.json --md bench/results/masked_estimate.md
 """
 
@@ -25,15 +24,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import estimate_gfx1100 as estimator  # noqa: E402
+from bench import estimate_gfx1100 as estimator
 
-from rdna_fa_lab.interpreter import InterpretedLibrary  # noqa: E402
-from rdna_flash_attn.ops import attention as ops  # noqa: E402
-from rdna_flash_attn.runtime import artifacts, loader as runtime, variants  # noqa: E402
-from rdna_flash_attn.runtime.codeobject import load_code_object  # noqa: E402
-from rdna_fa_lab.resource_report import find_objdump, occupancy  # noqa: E402
+from rdna_fa_lab.interpreter import InterpretedLibrary
+from rdna_flash_attn.ops import attention as ops
+from rdna_flash_attn.runtime import artifacts, loader as runtime, variants
+from rdna_flash_attn.runtime.codeobject import load_code_object
+from rdna_fa_lab.resource_report import find_objdump, occupancy
 
 HEAD_DIMS, DTYPES = (64, 128), ("f16", "bf16")
 FORWARD_HEAD_DIMS = (40, *HEAD_DIMS)  # SD1.5's 40 for its shape below (the backward's are HEAD_DIMS)

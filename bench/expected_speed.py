@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
 """The expected speed of the kernels on each RDNA GPU the static estimator models, beside published
 measurements of other kernels, as the lab's data file that `python -m rdna_fa_lab bench` shows without
 an RDNA GPU.
 
-    python bench/expected_speed.py            # writes rdna_fa_lab/expected_speed.json
-    python bench/expected_speed.py --check    # exit 1 when that file is not what the records give
+    python -m bench.expected_speed            # writes rdna_fa_lab/expected_speed.json
+    python -m bench.expected_speed --check    # exit 1 when that file is not what the records give
 
 Every figure of ours is a static estimate, not a measurement: the estimators' recorded outputs
 (bench/estimate_gfx1100.py -> bench/results/forward_estimate_gfx1100.json, bench/estimate_gfx1100_backward.py
@@ -30,6 +29,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+from bench import estimate_gfx1100 as estimator
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -77,10 +78,6 @@ PUBLISHED = (
     {"target": "gfx1201", "pass": "backward", "kernel": "AOTriton 0.14 FlyDSL (dK/dV + dQ)", "dtype": None,
      "head_dim": 128, "shape": [1, 8, 4096, 128], "tflops": [53.0, 60.0], "where": "DESIGN.md section 3"},
 )
-
-sys.path.insert(0, str(BENCH))
-sys.path.insert(0, str(REPO))
-import estimate_gfx1100 as estimator  # noqa: E402
 
 
 def _sha256(path: Path) -> str:
@@ -177,7 +174,7 @@ def build() -> dict:
         "not_estimated": "gfx1101-gfx1103, gfx1150, gfx1151, gfx1200: the estimator models the RX 7900 XTX (gfx1100) "
                          "and the RX 9070 XT (gfx1201) only",
         "provenance": {
-            "generated_by": "python bench/expected_speed.py",
+            "generated_by": "python -m bench.expected_speed",
             "estimators": {name: _sha256(REPO / name) for name in ESTIMATORS},
             "records": {name: {"sha256": _sha256(REPO / name), "commit": last_commit(name)} for name in RECORDS},
             "code_objects": code_objects,
@@ -198,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     content = text(build())
     if args.check:
         same = args.out.is_file() and args.out.read_text(encoding="utf-8") == content
-        print(f"{args.out}: {'up to date' if same else 'differs from the records: python bench/expected_speed.py'}")
+        print(f"{args.out}: {'up to date' if same else 'differs from the records: python -m bench.expected_speed'}")
         return 0 if same else 1
     args.out.write_text(content, encoding="utf-8")
     print(f"wrote {args.out}")

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Executed instruction counts of the forward kernel (the CPU interpreter's trace) against the
 static estimator's reconstruction of one key tile, for gfx1100 d64/d128.
 
@@ -7,7 +6,7 @@ key tiles; the difference of the two runs, per wave, is exactly what one more ke
 rescale, where the kernel skips it, weighted as the estimator weights it). Those counts are tallied
 with the estimator's own tally(), so the columns mean the same.
 
-    python3 bench/interpreter_trace_gfx1100.py prebuilt/rdna_fa_gfx1100.hsaco \
+    python3 -m bench.interpreter_trace_gfx1100 prebuilt/rdna_fa_gfx1100.hsaco \
         --md bench/results/interpreter_trace_gfx1100.md --json bench/results/interpreter_trace_gfx1100.json
 """
 
@@ -16,18 +15,15 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import estimate_gfx1100 as estimator  # noqa: E402
-import estimate_masked  # noqa: E402
+from bench import estimate_gfx1100 as estimator
+from bench import estimate_masked
 
-from rdna_flash_attn.runtime import artifacts, variants  # noqa: E402
-from rdna_fa_lab.interpreter import InterpretedLibrary  # noqa: E402
-from rdna_fa_lab.resource_report import find_objdump  # noqa: E402
+from rdna_flash_attn.runtime import artifacts, variants
+from rdna_fa_lab.interpreter import InterpretedLibrary
+from rdna_fa_lab.resource_report import find_objdump
 
 KINDS = ("wmma", "valu", "trans", "salu", "branch", "barrier", "waitcnt", "hint", "lds_read", "lds_write",
          "global_load", "global_store", "smem")

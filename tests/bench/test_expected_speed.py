@@ -30,7 +30,7 @@ def without_commits(data: dict) -> dict:
 
 def test_the_shipped_file_is_what_the_records_give():
     assert without_commits(expected_speed.build()) == without_commits(shipped()), (
-        "the estimators' records changed: python bench/expected_speed.py")
+        "the estimators' records changed: python -m bench.expected_speed")
 
 
 def test_a_changed_record_would_show(monkeypatch):
