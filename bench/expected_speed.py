@@ -13,7 +13,7 @@ of bench/estimate_external.py (estimator_calibration.json: the same model over-p
 kernels by that much). The published figures are other kernels' measurements: the calibration's own
 (estimator_calibration.json) and those of DESIGN.md section 3 listed in PUBLISHED below.
 
-The file's `provenance` names the estimators (sha256 of each script), the records (sha256 and the commit
+The file's `provenance` names the estimators (sha256 of each module and script), the records (sha256 and the commit
 that last wrote each) and the code objects the estimates were made from (sha256, source hash); the bench
 compares those with the code objects it ships. It reads the records rather than running the estimators
 because they take minutes and llvm-objdump; regenerate the records first (their scripts' docstrings say
@@ -30,7 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench import estimate_gfx1100 as estimator
+from rdna_fa_lab import throughput_estimate
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -38,8 +38,10 @@ RESULTS = BENCH / "results"
 OUTPUT = REPO / "rdna_fa_lab" / "expected_speed.json"
 SCHEMA = 1
 
-ESTIMATORS = ("bench/estimate_gfx1100.py", "bench/estimate_gfx1100_backward.py", "bench/estimate_masked.py",
-              "bench/estimate_external.py", "bench/expected_speed.py")
+ESTIMATORS = ("rdna_fa_lab/throughput_estimate.py", "rdna_fa_lab/backward_throughput_estimate.py",
+              "rdna_fa_lab/masked_throughput_estimate.py", "bench/estimate_gfx1100.py",
+              "bench/estimate_gfx1100_backward.py", "bench/estimate_masked.py", "bench/estimate_external.py",
+              "bench/expected_speed.py")
 FORWARD = "bench/results/forward_estimate_gfx1100.json"
 BACKWARD = "bench/results/backward_estimate_gfx1100.json"
 SHAPES = "bench/results/masked_estimate.json"
@@ -141,7 +143,7 @@ def build() -> dict:
     forward, backward, shapes, calibration = (_load(r) for r in RECORDS)
     code_objects = _code_objects(forward, backward, shapes)
     gpus = {}
-    for target, hw in estimator.HARDWARE.items():
+    for target, hw in throughput_estimate.HARDWARE.items():
         shape_rows = {s["shape"]: s for s in shapes["shapes"] if s["target"] == target and s["mask"] == "none"}
         workloads = []
         for name, label, tokens in WORKLOADS:
@@ -154,7 +156,8 @@ def build() -> dict:
         gpus[target] = {
             "gpu": hw.gpu,
             "peak_tflops": hw.peak_tflops,
-            "calibration": {"factor": estimator.CALIBRATION[target], "source": estimator.CALIBRATION_SOURCE[target]},
+            "calibration": {"factor": throughput_estimate.CALIBRATION[target],
+                            "source": throughput_estimate.CALIBRATION_SOURCE[target]},
             "forward_workloads": workloads,
             "forward_by_head_dim": [{"dtype": k["dtype"], "head_dim": k["d"], "tflops": _band(k["model"])}
                                     for k in forward["kernels"] if k["target"] == target],

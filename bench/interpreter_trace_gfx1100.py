@@ -18,22 +18,21 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from bench import estimate_gfx1100 as estimator
-from bench import estimate_masked
-
-from rdna_flash_attn.runtime import artifacts, variants
+from rdna_fa_lab import masked_throughput_estimate, throughput_estimate
 from rdna_fa_lab.interpreter import InterpretedLibrary
 from rdna_fa_lab.resource_report import find_objdump
+from rdna_flash_attn.runtime import artifacts, variants
 
 KINDS = ("wmma", "valu", "trans", "salu", "branch", "barrier", "waitcnt", "hint", "lds_read", "lds_write",
          "global_load", "global_store", "smem")
 
 
 def per_tile(library, functions, dtype, head_dim) -> dict[str, float]:
-    """One more key tile's executions per wave (estimate_masked.tile_counts: 3 and 4 key tiles, O's
-    rescale where a kernel skips it on the estimator's share of the tiles)."""
+    """One more key tile's executions per wave (masked_throughput_estimate.tile_counts: 3 and 4 key
+    tiles, O's rescale where a kernel skips it on the estimator's share of the tiles)."""
     variant = variants.fwd_variant(dtype, head_dim)
-    counts = estimate_masked.tile_counts(library, functions[variant.symbol], variant, dtype, head_dim, "none")
+    body = functions[variant.symbol]
+    counts = masked_throughput_estimate.tile_counts(library, body, variant, dtype, head_dim, "none")
     return static({"counts_per_wave_tile": asdict(counts)})
 
 
@@ -54,8 +53,8 @@ def main(argv=None) -> int:
     artifact = artifacts.Artifact("gfx1100", args.code_object, hashlib.sha256(data).hexdigest(), emulated=False)
     library = InterpretedLibrary(artifact)
     objdump = find_objdump()
-    functions = estimator.disassemble(objdump, args.code_object, "gfx1100")
-    static_rows = {(r["dtype"], r["d"]): r for r in estimator.analyse(args.code_object, objdump)}
+    functions = throughput_estimate.disassemble(objdump, args.code_object, "gfx1100")
+    static_rows = {(r["dtype"], r["d"]): r for r in throughput_estimate.analyse(args.code_object, objdump)}
     rows = []
     for dtype in ("f16", "bf16"):
         for d in (64, 128):

@@ -85,8 +85,8 @@ from rdna_flash_attn.dispatch.sdpa_patch import patch_sdpa
 from rdna_flash_attn.ops.attention import KERNEL_DEVICE_TYPE, LOG2_E
 from rdna_flash_attn.runtime import artifacts, device as devices, loader, variants
 from rdna_flash_attn.version import __version__
-from .hosts import (a1111_harness, comfyui_harness as harness, diffusers_harness, host_code, sd_scripts_harness, sdnext_harness,
-               webui_harness)
+from .hosts import (a1111_harness, comfyui_harness as harness, diffusers_harness, host_code, sd_scripts_harness,
+                    sdnext_harness, webui_harness)
 
 VAE = "vae"
 VAE_CONFIG = dict(double_z=True, z_channels=4, resolution=64, in_channels=3, out_ch=3, ch=32, ch_mult=[1, 2],
