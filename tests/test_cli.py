@@ -4,7 +4,6 @@ faked ZLUDA device."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -80,9 +79,10 @@ def fake_code_object(monkeypatch, path="/p/gfx1100.hsaco", sha256="ef" * 32, ref
 # --- doctor -------------------------------------------------------------------------------------------
 
 
-def run_cli(capsys, *argv):
-    """(exit code, stdout, stderr), runs of spaces in stdout squeezed to one for matching."""
-    code = cli.main(list(argv))
+def run_cli(capsys, *argv, main=cli.main):
+    """(exit code, stdout, stderr) of a command line (the package's by default), runs of spaces in
+    stdout squeezed to one for matching."""
+    code = main(list(argv))
     out, err = capsys.readouterr()
     return code, re.sub(r" +", " ", out), err
 
@@ -273,12 +273,29 @@ print(code, heavy)
 """
 
 
+def help_without_torch(package: str, argv: list[str]) -> str:
+    """`python -m PACKAGE ARGV` in a child from the repository's root: "EXIT_CODE [heavy modules it imported]"."""
+    result = subprocess.run([sys.executable, "-c", HELP_WITHOUT_TORCH.format(package=package, argv=argv)],
+                            capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()[-1]
+
+
+def verb_description(main, verb: str, capsys) -> str:
+    """The description paragraph of `VERB --help`."""
+    with pytest.raises(SystemExit):
+        main([verb, "--help"])
+    return capsys.readouterr().out.split("\n\n")[1]  # usage, description, options
+
+
+def assert_describes(description: str) -> None:
+    assert not description.startswith(("options:", "positional")) and len(description) > 40, description
+    assert not description.startswith("`python -m")
+
+
 @pytest.mark.parametrize("argv", [["--help"], [], ["no-such-verb"]])
 def test_help_and_usage_errors_do_not_import_torch(argv):
-    result = subprocess.run([sys.executable, "-c", HELP_WITHOUT_TORCH.format(package="rdna_flash_attn", argv=argv)],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[-1] == f"{0 if argv == ['--help'] else 2} []"
+    assert help_without_torch("rdna_flash_attn", argv) == f"{0 if argv == ['--help'] else 2} []"
 
 
 def test_top_level_help_lists_every_verb(capsys):
@@ -290,12 +307,7 @@ def test_top_level_help_lists_every_verb(capsys):
 
 @pytest.mark.parametrize("verb", sorted(cli.VERBS))
 def test_every_verb_help_has_a_description(verb, capsys):
-    with pytest.raises(SystemExit):
-        cli.main([verb, "--help"])
-    out = capsys.readouterr().out
-    description = out.split("\n\n")[1]  # usage, description, options
-    assert not description.startswith(("options:", "positional")) and len(description) > 40, out
-    assert not description.startswith("`python -m")
+    assert_describes(verb_description(cli.main, verb, capsys))
 
 
 def test_doctor_names_the_lab_for_the_interpreter_and_torch_does_not_print_the_numpy_warning():

@@ -4,8 +4,8 @@ interpreted self-test, and help that imports no torch."""
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 import re
 import subprocess
 import sys
@@ -16,16 +16,10 @@ import pytest
 from rdna_fa_lab import cli, coverage, interpreted, resource_report
 from rdna_flash_attn.runtime import artifacts
 
-from .test_cli import HELP_WITHOUT_TORCH
+from . import test_cli
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def run_cli(capsys, *argv):
-    """(exit code, stdout, stderr), runs of spaces in stdout squeezed to one for matching."""
-    code = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return code, re.sub(r" +", " ", out), err
+run_cli = functools.partial(test_cli.run_cli, main=cli.main)
 
 
 def bench_json(folder: Path) -> dict:
@@ -198,11 +192,7 @@ def test_python_dash_m_from_the_repository():
 
 @pytest.mark.parametrize("argv", [["--help"], [], ["no-such-verb"]])
 def test_help_and_usage_errors_do_not_import_torch(argv):
-    result = subprocess.run([sys.executable, "-c", HELP_WITHOUT_TORCH.format(package="rdna_fa_lab", argv=argv)],
-                            capture_output=True, text=True, timeout=60, cwd=REPO,
-                            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[-1] == f"{0 if argv == ['--help'] else 2} []"
+    assert test_cli.help_without_torch("rdna_fa_lab", argv) == f"{0 if argv == ['--help'] else 2} []"
 
 
 def test_top_level_help_lists_every_verb_truly(capsys):
@@ -217,9 +207,4 @@ def test_top_level_help_lists_every_verb_truly(capsys):
 
 @pytest.mark.parametrize("verb", ["bench", "selftest", "coverage"])
 def test_every_verb_help_has_a_description(verb, capsys):
-    with pytest.raises(SystemExit):
-        cli.main([verb, "--help"])
-    out = capsys.readouterr().out
-    description = out.split("\n\n")[1]  # usage, description, options
-    assert not description.startswith(("options:", "positional")) and len(description) > 40, out
-    assert not description.startswith("`python -m")
+    test_cli.assert_describes(test_cli.verb_description(cli.main, verb, capsys))
