@@ -1,4 +1,4 @@
-"""The interpreter's wait check (rdna_flash_attn/interpreter/waits.py): a load's destination registers
+"""The interpreter's wait check (rdna_fa_lab/interpreter/waits.py): a load's destination registers
 are poisoned until an s_waitcnt (gfx11) or s_wait_*cnt (gfx12) retires it, so reading one before the
 wait, or overwriting one while the load is in flight, is an error. Small hand-assembled programs
 (tinygrad's encodings, the same bytes llvm-mc-19 gives) on both instruction sets; each error case
