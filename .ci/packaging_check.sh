@@ -36,8 +36,8 @@ required = {"rdna_flash_attn_autoload.pth", f"rdna_flash_attn/prebuilt/{facts.MA
 required |= sources
 required |= {f"rdna_flash_attn/prebuilt/{entry['file']}" for _, _, entry in facts.listed_code_objects(manifest)}
 missing = sorted(required - names)
-stray = sorted(n for n in names if n.startswith(("prebuilt/", "kernels/", "tests/", "build/")) or "__pycache__" in n
-               or n.endswith("/kernels/build.py"))
+stray = sorted(n for n in names if n.startswith(("prebuilt/", "kernels/", "tests/", "build/", "rdna_fa_lab/", "bench/"))
+               or "__pycache__" in n or n.endswith("/kernels/build.py"))
 listed = facts.listed_code_objects(manifest)
 assert sorted(t for t, v, _ in listed if v == facts.CODE_OBJECT_VERSION) == sorted(facts.PREBUILT_TARGETS), listed
 assert sorted(t for t, v, _ in listed if v == facts.LEGACY_CODE_OBJECT_VERSION) == sorted(facts.LEGACY_TARGETS), listed

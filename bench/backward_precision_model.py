@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """CPU model of the backward kernels' arithmetic against the GPU grid's precision criterion.
 
 Runs in seconds on a CPU, before any kernel change reaches the GPU. Each scheme is the kernels'
@@ -8,8 +7,8 @@ imports, so the two cannot drift), when every gradient's max error against float
 of the same attention computed in the input dtype, plus 1e-5. The earlier, stricter criterion (2x math
 SDPA's error, which upcasts to fp32, or 1e-6) is counted beside it.
 
-    python3 bench/backward_precision_model.py --cases 300 --seed 2
-    python3 bench/backward_precision_model.py --cases 300 --seed 1 --large-inputs
+    python3 -m bench.backward_precision_model --cases 300 --seed 2
+    python3 -m bench.backward_precision_model --cases 300 --seed 1 --large-inputs
 
 Schemes:
   exact-delta-split  delta = rowsum(P dP) / rowsum(P) in fp32, P and dS as two 16-bit parts (the kernels)
@@ -35,13 +34,9 @@ import argparse
 import math
 import random
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.gpu.reference import backward_bound, grads_fp64, grads_input_dtype, grads_sdpa_math, max_error  # noqa: E402
+from rdna_fa_lab.attention_reference import backward_bound, grads_fp64, grads_input_dtype, grads_sdpa_math, max_error
 
 SCHEMES = ("exact-delta-split", "exact-delta-p-single", "exact-delta-ds-single", "exact-delta-single",
            "o16-delta-split", "o16-delta-single", "o32-delta-split", "o32-delta-single", "opair-delta-single",

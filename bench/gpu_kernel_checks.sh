@@ -29,7 +29,7 @@ run_tests custom_ops tests/gpu/test_custom_ops.py
 
 for layer in gfx11 gfx12; do
   for tool in memcheck racecheck; do
-    PYTHONPATH=. compute-sanitizer --tool "$tool" --error-exitcode 3 python3 tests/gpu/sanitize_kernels.py "$layer" \
+    compute-sanitizer --tool "$tool" --error-exitcode 3 python3 -m tests.gpu.sanitize_kernels "$layer" \
       > "$out/sanitizer_${tool}_${layer}.txt" 2>&1
     echo "$tool $layer: exit $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer_${tool}_${layer}.txt" | tail -1)"
   done

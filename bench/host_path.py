@@ -2,7 +2,7 @@
 `rdna_flash_attn.scaled_dot_product_attention`, end to end and by part (the dispatch decision alone,
 `ops.flash_attention_forward` alone).
 
-    RDNA_FA_FORCE=1 python bench/host_path.py --out bench/out     # NVIDIA: the emulation build
+    RDNA_FA_FORCE=1 python -m bench.host_path --out bench/out     # NVIDIA: the emulation build
 
 The shapes are so small that the GPU work is a few microseconds, so the time is the host's. Each
 sample is a batch of calls timed up to the moment the last one returns (`host_us`: the Python and
@@ -29,14 +29,10 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-import rdna_flash_attn as rfa  # noqa: E402
-from rdna_flash_attn.dispatch import planner, router as dispatch  # noqa: E402
-from rdna_flash_attn.ops import attention as ops  # noqa: E402
-from rdna_flash_attn.runtime import device as _device  # noqa: E402
+import rdna_flash_attn as rfa
+from rdna_flash_attn.dispatch import planner, router as dispatch
+from rdna_flash_attn.ops import attention as ops
+from rdna_flash_attn.runtime import device as _device
 
 TARGET_US = 30.0  # issue 13: the drop-in within 30 us per call, about 1.2x torch's SDPA
 # (name, batch, heads, tokens, head dim, layout): BHSD as allocated; BSHD a transposed view, as

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Executed instruction counts of the forward kernel (the CPU interpreter's trace) against the
 static estimator's reconstruction of one key tile, for gfx1100 d64/d128.
 
@@ -7,7 +6,7 @@ key tiles; the difference of the two runs, per wave, is exactly what one more ke
 rescale, where the kernel skips it, weighted as the estimator weights it). Those counts are tallied
 with the estimator's own tally(), so the columns mean the same.
 
-    python3 bench/interpreter_trace_gfx1100.py prebuilt/rdna_fa_gfx1100.hsaco \
+    python3 -m bench.interpreter_trace_gfx1100 prebuilt/rdna_fa_gfx1100.hsaco \
         --md bench/results/interpreter_trace_gfx1100.md --json bench/results/interpreter_trace_gfx1100.json
 """
 
@@ -16,28 +15,24 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import estimate_gfx1100 as estimator  # noqa: E402
-import estimate_masked  # noqa: E402
-
-from rdna_flash_attn.runtime import artifacts, variants  # noqa: E402
-from rdna_flash_attn.interpreter import InterpretedLibrary  # noqa: E402
-from rdna_flash_attn.tools.report import find_objdump  # noqa: E402
+from rdna_fa_lab import masked_throughput_estimate, throughput_estimate
+from rdna_fa_lab.interpreter import InterpretedLibrary
+from rdna_fa_lab.resource_report import find_objdump
+from rdna_flash_attn.runtime import artifacts, variants
 
 KINDS = ("wmma", "valu", "trans", "salu", "branch", "barrier", "waitcnt", "hint", "lds_read", "lds_write",
          "global_load", "global_store", "smem")
 
 
 def per_tile(library, functions, dtype, head_dim) -> dict[str, float]:
-    """One more key tile's executions per wave (estimate_masked.tile_counts: 3 and 4 key tiles, O's
-    rescale where a kernel skips it on the estimator's share of the tiles)."""
+    """One more key tile's executions per wave (masked_throughput_estimate.tile_counts: 3 and 4 key
+    tiles, O's rescale where a kernel skips it on the estimator's share of the tiles)."""
     variant = variants.fwd_variant(dtype, head_dim)
-    counts = estimate_masked.tile_counts(library, functions[variant.symbol], variant, dtype, head_dim, "none")
+    body = functions[variant.symbol]
+    counts = masked_throughput_estimate.tile_counts(library, body, variant, dtype, head_dim, "none")
     return static({"counts_per_wave_tile": asdict(counts)})
 
 
@@ -58,8 +53,8 @@ def main(argv=None) -> int:
     artifact = artifacts.Artifact("gfx1100", args.code_object, hashlib.sha256(data).hexdigest(), emulated=False)
     library = InterpretedLibrary(artifact)
     objdump = find_objdump()
-    functions = estimator.disassemble(objdump, args.code_object, "gfx1100")
-    static_rows = {(r["dtype"], r["d"]): r for r in estimator.analyse(args.code_object, objdump)}
+    functions = throughput_estimate.disassemble(objdump, args.code_object, "gfx1100")
+    static_rows = {(r["dtype"], r["d"]): r for r in throughput_estimate.analyse(args.code_object, objdump)}
     rows = []
     for dtype in ("f16", "bf16"):
         for d in (64, 128):

@@ -4,8 +4,8 @@ math backend (what ZLUDA users get) and SDPA's flash backend. Same random init, 
 same data for every backend; records it/s, peak VRAM, loss curves and the dispatcher's counters to
 JSON and a PNG, and judges the kernels' loss curve against the math-vs-flash disagreement.
 
-    RDNA_FA_FORCE=1 python bench/lora_training.py --out bench/results          # NVIDIA test GPU
-    python bench/lora_training.py --tiny --out /tmp/lora                        # CPU, tiny models
+    RDNA_FA_FORCE=1 python -m bench.lora_training --out bench/results          # NVIDIA test GPU
+    python -m bench.lora_training --tiny --out /tmp/lora                        # CPU, tiny models
 
 Defaults follow the issue: 1024 px images (128x128 latents), batch 1, rank 32 LoRA on the attention
 projections, fp16 autocast with a GradScaler, 50 steps. Training time has a bound (--budget-seconds,
@@ -29,11 +29,8 @@ from pathlib import Path
 
 import torch
 
-if __name__ == "__main__":  # run as a script: this checkout's package (imported as a module: leave sys.path be)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import rdna_flash_attn  # noqa: E402
-from rdna_flash_attn.integrations.diffusers_attention import install_attention_processor  # noqa: E402
+import rdna_flash_attn
+from rdna_flash_attn.integrations.diffusers_attention import install_attention_processor
 
 BACKENDS = ("kernels", "math", "flash")
 RUN_ORDER = ("math", "flash", "kernels")  # the slowest (kernels, emulated) last: it gets what the budget has left

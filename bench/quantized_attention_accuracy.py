@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """CPU model of 8-bit attention's arithmetic (issue 24) against float64, before any 8-bit kernel exists.
 
 Decides what an RDNA4 8-bit path can ship: which 8-bit format for Q K^T, which scale granularity, and
@@ -9,7 +8,7 @@ on inputs with the statistics that make 8-bit attention hard in diffusion models
 Judged as SageAttention's own evaluation judges its kernels: cosine similarity and relative L1 of the
 output against the same attention in float64.
 
-    python3 bench/quantized_attention_accuracy.py --json bench/results/quantized_attention_accuracy.json \\
+    python3 -m bench.quantized_attention_accuracy --json bench/results/quantized_attention_accuracy.json \\
         --md bench/results/quantized_attention_accuracy.md --png bench/results/quantized_attention_accuracy.png
 
 Schemes (Q and K per block: Q per query row, K per 16 keys, one WMMA fragment; see BLOCKINGS for others):
@@ -39,8 +38,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from rdna_flash_attn.tools.benchmark import SHAPES as MODEL_SHAPES, Shape  # noqa: E402
+from rdna_flash_attn.tools.benchmark import SHAPES as MODEL_SHAPES, Shape
 
 BARS = {"8-bit QK": {"cosine_min": 0.9995, "rel_l1_max": 0.01},
         "8-bit QK+PV": {"cosine_min": 0.999, "rel_l1_max": 0.03}}

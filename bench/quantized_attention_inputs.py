@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """8-bit QK+PV attention on adversarial inputs (issue 60 item 5): a CPU model, no kernel.
 
 bench/quantized_attention_accuracy.py chose the 8-bit scheme the kernels implement ("qkpv-int8-fp8-vsmooth")
@@ -10,7 +9,7 @@ refuse on; then the dispatcher's guard itself (`rdna_flash_attn.ops.quantized.ac
 bounds were set on the first ten input classes) on those and on held-out classes (model-like inputs with
 outlier channels, iid inputs whose V has channel means, flatter model-like rows). Bar: cosine >= 0.999 and relative L1 <= 3 % against float64 attention of the same 16-bit inputs.
 
-    python3 bench/quantized_attention_inputs.py --json bench/results/quantized_attention_inputs.json \\
+    python3 -m bench.quantized_attention_inputs --json bench/results/quantized_attention_inputs.json \\
         --md bench/results/quantized_attention_inputs.md --png bench/results/quantized_attention_inputs.png
 
 Shapes: the accuracy model's (head dims 40, 64, 80, 128, 160), float16 inputs, `--heads` heads and `--rows`
@@ -33,10 +32,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import quantized_attention_accuracy as accuracy  # noqa: E402
+from bench import quantized_attention_accuracy as accuracy
 
-from rdna_flash_attn.ops import quantized as kernels_quantized  # noqa: E402
+from rdna_flash_attn.ops import quantized as kernels_quantized
 
 BAR = accuracy.BARS["8-bit QK+PV"]
 KEY_CAP = 4096

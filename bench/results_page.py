@@ -1,6 +1,6 @@
 """The results page users read, generated from recorded suite runs (bench/suite.py JSON):
 
-    python bench/results_page.py                       # bench/results/suite-*.json -> bench/README.md + plots
+    python -m bench.results_page                       # bench/results/suite-*.json -> bench/README.md + plots
 
 Every number on the page comes from a JSON file named next to it; the page says on which GPU each
 was measured, whether the kernels ran as the NVIDIA emulation (correctness and memory, not speed),
@@ -14,13 +14,10 @@ import json
 import sys
 from pathlib import Path
 
+from bench.design_targets import TARGETS, static_summary
+from rdna_flash_attn.tools import benchmark
+
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script: make the package and bench/ importable
-    sys.path.insert(0, str(REPO))
-
-from bench.suite import static_summary  # noqa: E402
-from rdna_flash_attn.tools import benchmark  # noqa: E402
-
 GIB = 1024.0
 RDNA_BACKENDS = ("rocm", "zluda")
 SD15_1024 = "sd15 1024x1024 batch 1"
@@ -34,8 +31,8 @@ this repository:
 ```sh
 pip install diffusers==0.42.1        # only for the generation and VAE parts; without it they are skipped
 python -m rdna_flash_attn doctor     # the kernels should say ON for your GPU
-python bench/suite.py --size tiny --out my-results   # a one-minute check of the setup
-python bench/suite.py --out my-results
+python -m bench.suite --size tiny --out my-results   # a one-minute check of the setup
+python -m bench.suite --out my-results
 ```
 
 The full run writes `my-results/suite-<your gpu>-float16.json`, one PNG per part and
@@ -44,7 +41,7 @@ long it takes on RDNA is not known yet (minutes, mostly the SDPA math runs). A c
 SDPA-math score buffers cannot fit in your VRAM is skipped and says so, and one that runs out of
 memory anyway is recorded as skipped rather than ending the run; on Windows the driver may instead
 spill into shared system memory and crawl, so close other GPU programs first. For a subset, run the
-suite script directly, e.g. `python bench/suite.py --parts kernels,memory,vae --out my-results`
+suite script directly, e.g. `python -m bench.suite --parts kernels,memory,vae --out my-results`
 (`--help` lists the options).
 
 To share: open an issue titled "bench: <GPU>, <OS>, <ZLUDA or ROCm version>", attach the JSON (and
@@ -439,15 +436,11 @@ def page(runs: list[tuple[dict, str, list[str]]]) -> str:
 
 
 def _default_targets() -> list[dict]:
-    from bench import suite
-
-    return list(suite.TARGETS)
+    return list(TARGETS)
 
 
 def _static_only() -> dict:
-    from bench import suite
-
-    return suite.static_summary(REPO / "bench" / "results")
+    return static_summary(REPO / "bench" / "results")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """The end-to-end benchmark suite, one command:
 
-    python bench/suite.py --out DIR                   # from a clone of the repository, in the host's Python
+    python -m bench.suite --out DIR                   # from a clone of the repository, in the host's Python
 
 1. kernels: forward and backward on the attention shapes of DESIGN.md section 4, the kernels against
    every SDPA backend the device offers (time, TFLOP/s, peak extra memory);
@@ -28,29 +28,17 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import torch
+
+from bench import design_targets, generation, results_page, vae_decode
+from rdna_flash_attn.tools import benchmark
+
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script: make the package and bench/ importable
-    sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-
-from rdna_flash_attn.tools import benchmark  # noqa: E402
-
 SCHEMA_VERSION = 1
 PARTS = ("kernels", "memory", "generation", "vae", "static")
 TINY_KERNEL_SHAPES = ("sd15-mid-64", "sd15-cross-1024")
 DIFFUSERS_HINT = "pip install diffusers (the suite was written against diffusers 0.42.1)"
 
-# DESIGN.md section 5.
-TARGETS = (
-    {"id": "forward", "what": "forward, RX 7900 XTX, head dim 64/128, 4k tokens",
-     "target": ">= 75 TFLOP/s (61 % of peak; best published 61)"},
-    {"id": "backward", "what": "backward, RX 7900 XTX", "target": ">= 35 TFLOP/s (best published 25)"},
-    {"id": "memory", "what": "attention working memory", "target": "O(N): output + LSE only, no (Sq x Sk) buffer ever"},
-    {"id": "sd15_1024", "what": "SD1.5 1024px UNet step vs SDPA math (ZLUDA default)",
-     "target": ">= 1.5x faster, <= 1/3 of the peak VRAM"},
-    {"id": "static", "what": "kernel static limits", "target": "no scratch or spills in any variant; LDS <= 64 KiB"},
-)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -119,8 +107,6 @@ def run_generation(device, dtype, size: str, steps: int, progress: Progress) -> 
     skipped = _diffusers_skip(progress)
     if skipped:
         return skipped
-    from bench import generation
-
     providers = benchmark.model_providers(device, progress.note)
     rows = generation.run(generation.configs(size), providers, device, dtype, steps, progress.case)
     return {"rows": rows, "providers": {p.name: p.description for p in providers},
@@ -132,52 +118,11 @@ def run_vae(device, dtype, size: str, repeats: int, progress: Progress) -> dict:
     skipped = _diffusers_skip(progress)
     if skipped:
         return skipped
-    from bench import vae_decode
-
     providers = benchmark.model_providers(device, progress.note)
     rows = vae_decode.run(size, providers, device, dtype, repeats, progress.case)
     descriptions = {p.name: p.description for p in providers}
     descriptions[vae_decode.SLICED_NAME] = vae_decode.SLICED_DESCRIPTION
     return {"rows": rows, "providers": descriptions}
-
-
-def static_summary(results_dir: Path) -> dict:
-    """The static report and the gfx1100 estimates recorded in `results_dir`, condensed; a missing
-    file is named in `missing`."""
-    summary: dict = {"missing": []}
-    report = results_dir / "static_report.json"
-    if report.is_file():
-        data = json.loads(report.read_text(encoding="utf-8"))
-        kernels = data["kernels"]
-        summary["static"] = {
-            "kernels": len(kernels), "targets": sorted({k["target"] for k in kernels}),
-            "max_vgpr": max(k["vgpr"] for k in kernels), "max_lds_bytes": max(k["lds_bytes"] for k in kernels),
-            "scratch_bytes": sum(k["scratch_bytes"] for k in kernels),
-            "spills": sum(k["vgpr_spills"] + k["sgpr_spills"] for k in kernels),
-            "min_waves_per_simd": min(k["waves_per_simd"] for k in kernels), "problems": data["problems"],
-        }
-    else:
-        summary["missing"].append(str(report))
-    forward = results_dir / "forward_estimate_gfx1100.json"
-    if forward.is_file():
-        summary["forward_estimate"] = [
-            {"target": k["target"], "gpu": k["gpu"], "dtype": k["dtype"], "head_dim": k["d"],
-             "tflops_pessimistic": k["model"]["tflops_pess"], "tflops_optimistic": k["model"]["tflops_opt"],
-             "calibrated": "tflops_pess_nominal" in k["model"]}
-            for k in json.loads(forward.read_text(encoding="utf-8"))["kernels"]]
-    else:
-        summary["missing"].append(str(forward))
-    backward = results_dir / "backward_estimate_gfx1100.json"
-    if backward.is_file():
-        summary["backward_estimate"] = [
-            {"target": r["target"], "gpu": r["gpu"], "dtype": r["dtype"], "head_dim": r["d"],
-             "tflops_pessimistic": r["estimate"]["now"]["tflops_pess"],
-             "tflops_optimistic": r["estimate"]["now"]["tflops_opt"],
-             "calibrated": "tflops_pess_nominal" in r["estimate"]["now"]}
-            for r in json.loads(backward.read_text(encoding="utf-8"))["results"]]
-    else:
-        summary["missing"].append(str(backward))
-    return summary
 
 
 def file_stem(meta: dict) -> str:
@@ -194,8 +139,6 @@ def write_json(data: dict, out_dir: Path) -> Path:
 
 def write_outputs(data: dict, out_dir: Path, note: Callable[[str], None]) -> list[Path]:
     """The JSON, a PNG per part with numbers (when matplotlib is there) and the Markdown tables."""
-    from bench import results_page
-
     stem = file_stem(data["meta"])
     json_path = write_json(data, out_dir)
     written = [json_path]
@@ -226,13 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     meta = dict(benchmark.run_meta(device, dtype), size=size, parts=parts, budget_s=args.budget)
     progress.note(f"suite on {meta['device']['name']} ({device}), {meta['dtype']}, {size} size, "
                   f"parts: {', '.join(parts)}")
-    data: dict = {"schema": SCHEMA_VERSION, "meta": meta, "targets": list(TARGETS)}
+    data: dict = {"schema": SCHEMA_VERSION, "meta": meta, "targets": list(design_targets.TARGETS)}
     runners = {
         "kernels": lambda: run_kernels(device, dtype, size, args.budget, progress),
         "memory": lambda: run_memory(device, dtype, size, progress),
         "generation": lambda: run_generation(device, dtype, size, steps, progress),
         "vae": lambda: run_vae(device, dtype, size, repeats, progress),
-        "static": lambda: static_summary(args.results_dir),
+        "static": lambda: design_targets.static_summary(args.results_dir),
     }
     for part in parts:
         progress.part(part)
@@ -242,8 +185,6 @@ def main(argv: list[str] | None = None) -> int:
     meta["seconds"] = time.perf_counter() - progress.started
     for path in write_outputs(data, Path(args.out), progress.note):
         print(f"wrote {path}")
-    from bench import results_page
-
     print(results_page.headline(data))
     return 0
 

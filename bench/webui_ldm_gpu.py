@@ -4,8 +4,8 @@ at 1024px (latent 128x128, batch 2 as with CFG) and the SD VAE decoder (its mid-
 patched CrossAttention/AttnBlock; reports the largest difference, the peak memory of both, and the
 kernel/fallback call counts. On a GPU it runs in float16 under autocast, as A1111 does.
 
-    RDNA_FA_FORCE=1 python bench/webui_ldm_gpu.py --out bench/results/webui_ldm_gpu.json   # GPU
-    python bench/webui_ldm_gpu.py --tiny --out /tmp/webui_ldm_tiny.json                    # CPU check
+    RDNA_FA_FORCE=1 python -m bench.webui_ldm_gpu --out bench/results/webui_ldm_gpu.json   # GPU
+    python -m bench.webui_ldm_gpu --tiny --out /tmp/webui_ldm_tiny.json                    # CPU check
 
 --tiny: a small UNet and decoder at a 64px latent 8x8 in float32 on the CPU, where every call falls
 back (it proves the script runs, not the kernels). Needs stable-diffusion-sdkit (ldm) + einops,
@@ -23,10 +23,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 import rdna_flash_attn
 from extension import a1111, ldm_attention

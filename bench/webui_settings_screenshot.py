@@ -3,7 +3,7 @@ extension's own settings components (extension/settings_page.py), opens it in he
 through the DevTools protocol, clicks the "training" checkbox with real mouse events, checks that the
 dispatcher's setting (rdna_flash_attn.settings.training) followed, and saves a screenshot.
 
-    python bench/webui_settings_screenshot.py --out bench/results/webui_settings.png
+    python -m bench.webui_settings_screenshot --out bench/results/webui_settings.png
 
 Needs gradio, websocket-client and a Chromium binary (Debian: apt-get install chromium).
 """
@@ -24,9 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import rdna_flash_attn
+
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 TOGGLED_KEY = "rdna_fa_training"
 BROWSER_NAMES = ("chromium", "chromium-browser", "google-chrome")
@@ -111,8 +111,7 @@ def start_browser(browser: str, profile: str) -> tuple[subprocess.Popen, str]:
 
 def run_check(out: Path, browser: str | None = None) -> dict:
     """Serve the page, toggle the checkbox in the browser, save the screenshot; returns what was seen."""
-    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-    import rdna_flash_attn
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # read when gradio is imported, just below
     from extension import options, settings_page
 
     browser = browser or find_browser()

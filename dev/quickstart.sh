@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Installs the package into ./.venv (with CPU PyTorch where there is no GPU) and runs the main job,
-# `python -m rdna_flash_attn bench`. Extra arguments go to bench (see `bench --help`).
+# the repository's lab's `python -m rdna_fa_lab bench`: the package's benchmark where the kernels run,
+# elsewhere the shipped code objects on the CPU interpreter and their expected speed. Extra arguments
+# go to bench (see `python -m rdna_fa_lab bench --help`).
 source "$(dirname "$0")/_venv.sh"
 
 step "Python environment $VENV with PyTorch"
 make_venv
-step "the package, with the CPU interpreter and the plot's needs"
-"$PY" -m pip install -q -e ".[interpret]" matplotlib==3.11.2
-step "main job: python -m rdna_flash_attn bench"
-"$PY" -m rdna_flash_attn bench "$@"
+step "the package, and what the lab needs beyond it (the CPU interpreter, the plot)"
+"$PY" -m pip install -q -e . -r rdna_fa_lab/requirements.txt
+step "main job: python -m rdna_fa_lab bench"
+"$PY" -m rdna_fa_lab bench "$@"

@@ -22,7 +22,7 @@ bash .ci/packaging_check.sh
 
 step "static report: no scratch, no spills, LDS <= 64 KiB, LDS as the launcher expects"
 if command -v llvm-readelf-19 >/dev/null || command -v clang-19 >/dev/null; then
-  python3 -m rdna_flash_attn report --check --no-disasm
+  python3 -m rdna_fa_lab report --check --no-disasm
 else
   echo "skipped: no LLVM 19 tools"
 fi
@@ -40,7 +40,7 @@ python3 -m pytest -q -p no:cacheprovider -n 2 tests
 
 step "coverage: every ComfyUI, A1111 and diffusers family the recorded runs had wholly on the kernels still is"
 for host in comfyui a1111 diffusers; do
-  python3 -m rdna_flash_attn coverage --host "$host" --out "$(mktemp -d)" --check "bench/results/coverage-$host.json"
+  python3 -m rdna_fa_lab coverage --host "$host" --out "$(mktemp -d)" --check "bench/results/coverage-$host.json"
 done
 echo
 echo "test command passed in $SECONDS s"

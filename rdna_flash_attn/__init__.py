@@ -15,15 +15,16 @@ so a broken install fails there, as it always did.
 The package is built in layers, each a subpackage whose modules import only their own layer and
 those below it (tests/test_layers.py checks it):
 
-    tools         the CLI (doctor, selftest, bench, rebuild, report)
+    tools         the CLI (doctor, selftest, bench, rebuild)
     integrations  the trainer launcher and .pth hook, the diffusers processor, flash-attn's API
     dispatch      per call: the kernels or SDPA, and why; the first-use self-test; the SDPA override
     ops           the kernels as torch ops: argument checks, launches, autograd and custom ops
     runtime       the code objects: kernel table, manifest, files, devices, loading and launching
-    interpreter   the shipped code objects run on the CPU, instruction by instruction (beside ops)
 
 config (settings, logger) and version sit below them all, environment (the one reader of the RDNA_FA_*
-variables) below those; this module is the public API on top.
+variables) below those; this module is the public API on top. The repository's lab (rdna_fa_lab: the
+CPU interpreter of the code objects, the host harnesses, the static report and estimates) builds on
+this package and is not installed with it.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ _API = {
     "restore_attention_processors": "integrations.diffusers_attention",
     "flash_attn_func": "integrations.flash_attn_interface",
 }
-_SUBPACKAGES = ("dispatch", "integrations", "interpreter", "ops", "runtime", "tools")
+_SUBPACKAGES = ("dispatch", "integrations", "ops", "runtime", "tools")
 
 
 def _load_api() -> None:

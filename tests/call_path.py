@@ -33,7 +33,7 @@ import torch
 
 from rdna_flash_attn.config import settings
 from rdna_flash_attn.dispatch import selftest
-from rdna_flash_attn.interpreter import InterpretedLibrary
+from rdna_fa_lab.interpreter import InterpretedLibrary
 from rdna_flash_attn.runtime import loader
 from rdna_flash_attn.runtime.device import DeviceInfo
 

@@ -27,7 +27,8 @@ import torch
 
 from rdna_flash_attn.ops import attention as ops, quantized
 
-from .gpu.reference import attention_fp64, backward_bound, grads_fp64, grads_input_dtype, max_error, sdpa_math
+from rdna_fa_lab.attention_reference import (attention_fp64, backward_bound, grads_fp64, grads_input_dtype, max_error,
+                                             sdpa_math)
 
 DTYPES = (torch.float16, torch.bfloat16)
 

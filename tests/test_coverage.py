@@ -21,11 +21,11 @@ from rdna_flash_attn.dispatch import router
 from rdna_flash_attn.dispatch.sdpa_patch import patch_sdpa
 from rdna_flash_attn.ops import attention
 from rdna_flash_attn.runtime import loader
-from rdna_flash_attn.tools import (a1111_harness, comfyui_harness, diffusers_harness, sd_scripts_harness, sdnext_harness,
-                                   webui_harness)
-from rdna_flash_attn.tools import coverage
-from rdna_flash_attn.tools.coverage import (FlopCounter, ReferenceLibrary, SdpaFlops, attention_flops,
-                                            real_head_dim_refusals, regressions)
+from rdna_fa_lab import coverage
+from rdna_fa_lab.coverage import (FlopCounter, ReferenceLibrary, SdpaFlops, attention_flops, real_head_dim_refusals,
+                                  regressions)
+from rdna_fa_lab.hosts import (a1111_harness, comfyui_harness, diffusers_harness, sd_scripts_harness, sdnext_harness,
+                               webui_harness)
 
 REPO = Path(__file__).resolve().parent.parent
 WEBUI_FAKES = REPO / "tests" / "webui" / "fakes"
@@ -111,7 +111,7 @@ def test_a_real_comfyui_run_and_its_check(tmp_path, disabled, code):
     # A process of its own: ComfyUI starts there with PyTorch attention.
     baseline = REPO / "bench" / "results" / "coverage-comfyui.json"
     families = ["sd3", "pixart", "hunyuan_dit", "ltxv", "flux_masked", "vae"]  # 4-D v, option-less calls, masks
-    result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--families", ",".join(families),
+    result = subprocess.run([sys.executable, "-m", "rdna_fa_lab", "coverage", "--families", ",".join(families),
                              "--out", str(tmp_path), "--check", str(baseline)], cwd=REPO, capture_output=True,
                             text=True, timeout=300, env={**os.environ, "RDNA_FA_DISABLE": disabled})
     assert result.returncode == code, result.stderr
@@ -129,7 +129,7 @@ def test_sdpa_calls_the_comfyui_node_never_sees_are_named(tmp_path):
     """Mochi's attention pool over the T5 tokens calls torch's SDPA itself (with the T5 mask, at head dim
     512 on the released model): counted, never routed, and named; OmniGen2 (key/value heads repeated by
     ComfyUI before the call) is wholly on the kernels."""
-    result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--families", "mochi,omnigen2",
+    result = subprocess.run([sys.executable, "-m", "rdna_fa_lab", "coverage", "--families", "mochi,omnigen2",
                              "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     records = {r["family"]: r for r in json.loads((tmp_path / "coverage-comfyui.json").read_text())["families"]}
@@ -142,7 +142,7 @@ def test_sdpa_calls_the_comfyui_node_never_sees_are_named(tmp_path):
 @pytest.mark.parametrize("disabled, code", [("0", 0), ("1", 1)])
 def test_a_real_a1111_ldm_run_and_its_check(tmp_path, disabled, code):
     baseline = REPO / "bench" / "results" / "coverage-a1111.json"
-    result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--host", "a1111", "--out",
+    result = subprocess.run([sys.executable, "-m", "rdna_fa_lab", "coverage", "--host", "a1111", "--out",
                              str(tmp_path), "--check", str(baseline)], cwd=REPO, capture_output=True, text=True,
                             timeout=300, env={**os.environ, "RDNA_FA_DISABLE": disabled})
     assert result.returncode == code, result.stderr
@@ -161,7 +161,7 @@ def test_a_real_a1111_ldm_run_and_its_check(tmp_path, disabled, code):
 @pytest.mark.parametrize("disabled, code", [("0", 0), ("1", 1)])
 def test_a_real_a1111_sdxl_run_on_sgm(tmp_path, disabled, code):
     baseline = REPO / "bench" / "results" / "coverage-a1111.json"
-    result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--host", "a1111", "--sgm",
+    result = subprocess.run([sys.executable, "-m", "rdna_fa_lab", "coverage", "--host", "a1111", "--sgm",
                              SGM_FOLDER, "--families", "sdxl,sdxl_vae", "--out", str(tmp_path), "--check",
                              str(baseline)], cwd=REPO, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "RDNA_FA_DISABLE": disabled})
@@ -173,7 +173,7 @@ def test_a_real_a1111_sdxl_run_on_sgm(tmp_path, disabled, code):
 
 def test_an_unknown_family_or_device_is_refused_with_status_2(tmp_path):
     for arguments in (["--families", "sd3"], ["--device", "mps"], ["--sgm", str(tmp_path)]):
-        result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--host", "a1111", "--out",
+        result = subprocess.run([sys.executable, "-m", "rdna_fa_lab", "coverage", "--host", "a1111", "--out",
                                  str(tmp_path), *arguments], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert result.returncode == 2 and result.stderr.startswith("coverage: ")
 
@@ -183,7 +183,7 @@ def test_an_unknown_family_or_device_is_refused_with_status_2(tmp_path):
 def test_a_real_diffusers_run_counts_each_route(tmp_path, disabled, share):
     # disabled: every call falls back to torch's SDPA, counted even with the override in place
     families = ["flux (processor)", "flux (override)", "sd3 (processor)", "sd15 (processor)"]
-    result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--host", "diffusers", "--families",
+    result = subprocess.run([sys.executable, "-m", "rdna_fa_lab", "coverage", "--host", "diffusers", "--families",
                              ",".join(families), "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
                             timeout=300, env={**os.environ, "RDNA_FA_DISABLE": disabled})
     assert result.returncode == 0, result.stderr
@@ -221,7 +221,7 @@ def test_webui_folders_are_told_apart(tmp_path):
                                                  ("sdnext", "--sdnext")])
 def test_a_folder_host_without_its_folder_is_refused_with_status_2(tmp_path, host, folder_option):
     for arguments in ([], [folder_option, str(tmp_path)]):  # none given; one that holds no such host
-        result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--host", host, "--out",
+        result = subprocess.run([sys.executable, "-m", "rdna_fa_lab", "coverage", "--host", host, "--out",
                                  str(tmp_path), *arguments], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert result.returncode == 2 and result.stderr.startswith("coverage: "), result.stderr
 
@@ -232,7 +232,7 @@ def test_a_folder_host_without_its_folder_is_refused_with_status_2(tmp_path, hos
 def test_a_real_webui_run_and_its_check(tmp_path, folder, disabled, code):
     webui = webui_harness.detect(folder)
     baseline = REPO / "bench" / "results" / f"{webui.result_name}.json"
-    result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--host", "webui", "--webui",
+    result = subprocess.run([sys.executable, "-m", "rdna_fa_lab", "coverage", "--host", "webui", "--webui",
                              str(folder), "--out", str(tmp_path), "--check", str(baseline)], cwd=REPO,
                             capture_output=True, text=True, timeout=600, env={**os.environ, "RDNA_FA_DISABLE": disabled})
     assert result.returncode == code, result.stderr
@@ -249,7 +249,7 @@ def test_a_real_webui_run_and_its_check(tmp_path, folder, disabled, code):
 def test_a_real_sd_scripts_run_and_its_check(tmp_path, disabled, code):
     baseline = REPO / "bench" / "results" / "coverage-sd-scripts.json"
     families = ["sd15 (no --sdpa)", "flux", "flux (--apply_t5_attn_mask)"]
-    result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--host", "sd-scripts",
+    result = subprocess.run([sys.executable, "-m", "rdna_fa_lab", "coverage", "--host", "sd-scripts",
                              "--sd-scripts", SD_SCRIPTS_FOLDER, "--families", ",".join(families), "--out", str(tmp_path),
                              "--check", str(baseline)], cwd=REPO, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "RDNA_FA_DISABLE": disabled})
@@ -271,7 +271,7 @@ def test_a_real_sdnext_run_and_its_check(tmp_path, backend, disabled, code):
     """SD.Next's own attention set-up runs at each model load; the override stays on top of it (and
     without the kernels, the calls are SD.Next's, named)."""
     result_name = f"coverage-sdnext-{backend}"
-    result = subprocess.run([sys.executable, "-m", "rdna_flash_attn", "coverage", "--host", "sdnext", "--sdnext",
+    result = subprocess.run([sys.executable, "-m", "rdna_fa_lab", "coverage", "--host", "sdnext", "--sdnext",
                              SDNEXT_FOLDER, "--sdnext-backend", backend, "--families", "sd15,flux,vae", "--out",
                              str(tmp_path), "--check", str(REPO / "bench" / "results" / f"{result_name}.json")],
                             cwd=REPO, capture_output=True, text=True, timeout=600,

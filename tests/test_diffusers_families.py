@@ -1,4 +1,4 @@
-"""The coverage benchmark's tiny diffusers models (tools/diffusers_harness.py): every family builds and
+"""The coverage benchmark's tiny diffusers models (rdna_fa_lab/hosts/diffusers_harness.py): every family builds and
 runs on the installed diffusers, the same on every call, and where its pipeline passes a text mask the
 mask reaches attention (the padded prompt token changes nothing, a real one does)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rdna_flash_attn.tools import comfyui_harness, diffusers_harness as harness
+from rdna_fa_lab.hosts import comfyui_harness, diffusers_harness as harness
 
 pytestmark = pytest.mark.skipif(not harness.diffusers_available(), reason="diffusers not installed")
 CPU = torch.device("cpu")

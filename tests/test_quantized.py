@@ -6,9 +6,6 @@ references."""
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
-
 from types import SimpleNamespace
 from typing import NamedTuple
 
@@ -22,10 +19,9 @@ from rdna_flash_attn.ops import plans, quantized
 from rdna_flash_attn.ops.launch_args import Fwd8Args, Quant8Args
 from rdna_flash_attn.runtime import loader as runtime, variants
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import quantized_attention_accuracy as model  # noqa: E402
+from bench import quantized_attention_accuracy as model
 
-from .conftest import FAKE_ARTIFACT, _math_attention  # noqa: E402
+from .conftest import FAKE_ARTIFACT, _math_attention
 
 
 class QCodes(NamedTuple):

@@ -270,7 +270,7 @@ def test_rows_past_the_last_offset_are_zeros_and_zero_gradients(recording, poiso
 
 def test_the_code_objects_leave_rows_past_the_last_offset_as_zeros(poisoned):
     pytest.importorskip("tinygrad", reason="the interpreter decodes with tinygrad (requirements-dev.txt)")
-    from rdna_flash_attn.interpreter import InterpretedLibrary
+    from rdna_fa_lab.interpreter import InterpretedLibrary
 
     q, k, v = packed_batch(heads=1, rows=12)
     cu_q, cu_k = offsets([0, 3, 8]), offsets([0, 5, 9])

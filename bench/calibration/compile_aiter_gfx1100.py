@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Compile aiter's Triton FA forward kernel `attn_fwd` (commit 569d6afd, PR #2397)
 for gfx1100 (wave32) without a GPU, producing a .hsaco code object: the gfx1100 case of the
 estimator's calibration (bench/results/estimator_calibration.md). aiter's sources are not part of this
@@ -7,7 +6,7 @@ utils.py from aiter/ops/triton/_triton_kernels/flash_attn_triton_amd/ at that co
 __init__.py).
 
 Run (Triton 3.9.0 from pip; no GPU needed):
-    python3 bench/calibration/compile_aiter_gfx1100.py PKG [OUT]     # OUT: build/calibration
+    python3 -m bench.calibration.compile_aiter_gfx1100 PKG [OUT]     # OUT: build/calibration
 
 Approach: the argument list is bound exactly as `attention_forward_prefill_triton_impl`
 binds it (same positional/keyword split, same values for B=2, S=8192, H=16, D=128,
@@ -34,14 +33,14 @@ GFX1100_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "PRE_LOAD_V": False,
                   "waves_per_eu": 6, "num_stages": 1, "num_warps": 8}
 os.environ["FLASH_ATTENTION_FWD_TRITON_AMD_CONFIG_JSON"] = json.dumps(GFX1100_CONFIG)
 os.environ.pop("FLASH_ATTENTION_TRITON_AMD_AUTOTUNE", None)
-sys.path.insert(0, PKG)
 
 import torch  # noqa: E402  (CPU torch, only for dtypes)
 import triton  # noqa: E402
 from triton.runtime.autotuner import Autotuner  # noqa: E402
 
-from triton_offline import GFX1100, FakeTensor, compile_kernel  # noqa: E402
-from aiterfa import fwd_prefill  # noqa: E402
+from bench.calibration.triton_offline import GFX1100, FakeTensor, compile_kernel, import_external  # noqa: E402
+
+fwd_prefill = import_external(PKG, "aiterfa.fwd_prefill")
 
 # ---------------------------------------------------------------- problem shape
 B, S, H, D = 2, 8192, 16, 128

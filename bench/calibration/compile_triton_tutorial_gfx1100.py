@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Compile the backward kernel `_attn_bwd` of Triton's fused-attention tutorial
 (triton-lang/triton, python/tutorials/06-fused-attention.py) for gfx1100 (wave32) without a GPU,
 producing a .hsaco code object: the held-out backward case of the estimator's calibration
@@ -9,8 +8,8 @@ version at commit 003da478d84f5bb0f51b3988cf0ea0bbe60282b7, with `import triton`
 `import triton.language as tl` above them (nothing else of the file is needed).
 
 Run (Triton 3.9.0 from pip; no GPU needed):
-    python3 bench/calibration/compile_triton_tutorial_gfx1100.py SRC [OUT]     # OUT: build/calibration
-    python3 bench/calibration/compile_triton_tutorial_gfx1100.py SRC [OUT] --num-stages 1
+    python3 -m bench.calibration.compile_triton_tutorial_gfx1100 SRC [OUT]     # OUT: build/calibration
+    python3 -m bench.calibration.compile_triton_tutorial_gfx1100 SRC [OUT] --num-stages 1
 
 The first writes OUT/attn_bwd_tutorial_gfx1100.hsaco (the tutorial's num_stages 5); the second
 OUT/attn_bwd_tutorial_stages1_gfx1100.hsaco, a sensitivity variant (not the tutorial's config): Triton
@@ -40,13 +39,13 @@ if len(ARGV) not in (1, 2):
     sys.exit(__doc__)
 SRC = os.path.abspath(ARGV[0])
 OUT = os.path.abspath(ARGV[1] if len(ARGV) == 2 else os.path.join("build", "calibration"))
-sys.path.insert(0, SRC)
 
 import torch  # noqa: E402  (CPU torch, only for dtypes)
 import triton  # noqa: E402
 
-from triton_offline import GFX1100, FakeTensor, compile_kernel  # noqa: E402
-import fused_attention_bwd as tutorial  # noqa: E402
+from bench.calibration.triton_offline import GFX1100, FakeTensor, compile_kernel, import_external  # noqa: E402
+
+tutorial = import_external(SRC, "fused_attention_bwd")
 
 B, H, N_CTX, HEAD_DIM = 4, 48, 16384, 64
 # _attention.backward of the tutorial

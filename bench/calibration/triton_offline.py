@@ -1,8 +1,12 @@
 """Triton compilation for an AMD target without a GPU, shared by the calibration's compile scripts
 (compile_aiter_gfx1100.py, compile_triton_tutorial_gfx1100.py): Triton's own binder specializes a
 kernel's arguments, tensors given as FakeTensor stand-ins, as a launch on the target would (signature,
-constexprs, attrs), then triton.compile() writes the code object and its intermediate forms."""
+constexprs, attrs), then triton.compile() writes the code object and its intermediate forms; and the
+external sources those scripts compile, imported from the folder given on their command line."""
+import importlib
+import importlib.util
 import os
+import sys
 
 # Triton's default (FP fusion on, as in earlier releases), set explicitly to silence 3.9's deprecation
 # warning; an empty or 0 value would change the code.
@@ -16,6 +20,20 @@ from triton.compiler import ASTSource, compile as triton_compile, make_backend  
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 GFX1100 = GPUTarget("hip", "gfx1100", 32)
+
+
+def import_external(folder: str, name: str):
+    """The module `name` (dotted: a package's module) of the sources in `folder`, which are kept outside
+    the repository: its top-level module or package is loaded from the folder by its path."""
+    top = name.split(".")[0]
+    location = os.path.join(folder, top, "__init__.py")
+    if not os.path.isfile(location):
+        location = os.path.join(folder, f"{top}.py")
+    spec = importlib.util.spec_from_file_location(top, location)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[top] = module
+    spec.loader.exec_module(module)
+    return importlib.import_module(name)
 
 
 class FakeTensor:

@@ -5,7 +5,7 @@ It is the single source of these choices. kernels/build.py writes it into one tr
 (variants.instantiation_lines), which the kernel templates read; the launcher, the static report, the
 estimator and the tests read it here. A choice is a rule (`KNOBS`: the default, from the instance's shape
 and its ISA's capabilities) unless an override row below says otherwise, with its reason. Most reasons are
-"a trial build spilled" (`python -m rdna_flash_attn report --check` on clang 19) or a measured/estimated
+"a trial build spilled" (`python -m rdna_fa_lab report --check` on clang 19) or a measured/estimated
 loss; the trials are in bench/results/backward_estimate_gfx1100.md.
 """
 

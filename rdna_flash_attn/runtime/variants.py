@@ -37,7 +37,7 @@ def padded_head_dim(head_dim: int) -> int:
 
 PADDED_HEAD_DIMS = tuple(sorted({padded_head_dim(d) for d in SUPPORTED_HEAD_DIMS}))
 # Head dims with masked variants: at the others (odd multiples of 16 from 80, and 256 and up) the
-# masked kernels spill registers on gfx11 (python -m rdna_flash_attn report --check). A masked call
+# masked kernels spill registers on gfx11 (python -m rdna_fa_lab report --check). A masked call
 # runs in the next larger masked variant instead (PixArt's 72 and SD1.5's 80 in 96, Sana's 112 in 128),
 # which does the padding's matrix work: no column past the call's head dim reaches a result (the
 # forward's Q columns there are zero and its K/V ones repeat real columns; the backward zero-fills

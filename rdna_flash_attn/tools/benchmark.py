@@ -1,28 +1,19 @@
-"""`python -m rdna_flash_attn bench`, the main job: where the kernels run, they are timed against
-PyTorch SDPA's backends; anywhere else, a Stable Diffusion attention call goes through the shipped code
-objects on the CPU interpreter, and the expected speed on each RDNA GPU is shown. The JSON and PNG go to
-a folder named on the first line of output (default ./rdna_fa_results/<date>-<time>), checked writable
-before any work (results_folder.py).
+"""`python -m rdna_flash_attn bench`: the kernels timed against PyTorch SDPA's backends where they run
+(an RDNA GPU; an NVIDIA GPU with the emulation builds). The JSON and PNG go to a folder named on the
+first line of output (default ./rdna_fa_results/<date>-<time>), checked writable before any work
+(results_folder.py). Where the kernels do not run it says why, and names the repository's lab, which
+shows the shipped code objects on a CPU interpreter and their expected speed instead.
 
-On a GPU the kernels run on (an RDNA GPU; an NVIDIA GPU with the emulation builds): the kernels against
-every SDPA backend the device offers, on the attention shapes of Stable Diffusion-family models
-(DESIGN.md section 4), forward and backward. Reports the median time (CUDA events), TFLOP/s
-(FlashAttention's convention: 4*B*H*Sq*Sk*D forward, 2.5 times that backward) and the peak memory a
-call allocates beyond its inputs; writes JSON and a PNG plot.
+The kernels against every SDPA backend the device offers, on the attention shapes of Stable
+Diffusion-family models (DESIGN.md section 4), forward and backward. Reports the median time (CUDA
+events), TFLOP/s (FlashAttention's convention: 4*B*H*Sq*Sk*D forward, 2.5 times that backward) and the
+peak memory a call allocates beyond its inputs; writes JSON and a PNG plot.
 
 Each row also carries the memory the call must allocate whatever the method (`linear_mib`: output
 and LSE forward, dQ/dK/dV and the row deltas backward) and the size of one Sq x Sk score matrix
 (`scores_mib`), so a peak close to `linear_mib` shows that nothing proportional to Sq x Sk was
 allocated; `memory_sweep` does the same over growing sequence lengths and fits the growth exponent.
 The end-to-end suite (UNet sampling, VAE decode) is the repository's bench/suite.py, built on this module.
-
-Anywhere else (no GPU, or one the kernels do not run on; the line says why), in well under two minutes
-on two CPU cores: (1) a real Stable Diffusion attention call (interpreted.SD_CALL, float16, forward and
-backward) through the shipped code objects of the RX 7900 XTX (gfx1100) and RX 9070 XT (gfx1201) on the
-package's CPU interpreter of the RDNA ISA, its errors against float64 beside math SDPA's and the
-interpreter's wall time (an interpreter's, not a speed); (2) the expected speed on each RDNA GPU the
-static estimator models, beside published measurements of other kernels (estimates.py: a static model,
-not a measurement). JSON and a PNG of both.
 """
 
 from __future__ import annotations
@@ -48,9 +39,10 @@ import torch
 from ..dispatch import router
 from ..dispatch.sdpa_patch import patch_sdpa
 from ..ops import attention, autograd, plans
-from ..runtime import artifacts, device as devices
+from ..runtime import device as devices
 from ..version import __version__
-from . import estimates, interpreted, results_folder
+from . import results_folder
+from .cli import lab_command
 
 MIN_REPS, MAX_REPS = 3, 50
 # What SDPA says when the one backend a probe allows cannot take the call: the error, and on a GPU the
@@ -161,7 +153,7 @@ def _kernels(q, k, v):
     return attention.flash_attention_forward(q, k, v, False, None)[0]
 
 
-def _kernel_provider(device: torch.device) -> Provider | str:
+def kernel_provider(device: torch.device) -> Provider | str:
     refusal = router.device_refusal(device) or router.selftest_refusal(device)
     if refusal:
         return refusal
@@ -176,7 +168,7 @@ def _kernels_refusal(q, k, v) -> str | None:
 def available_providers(device: torch.device, dtype: torch.dtype, note: Callable[[str], None]) -> list[Provider]:
     """The kernels (when they run here) and each SDPA backend that accepts a tiny call on `device`."""
     providers = []
-    kernels = _kernel_provider(device)
+    kernels = kernel_provider(device)
     if isinstance(kernels, str):
         note(f"kernels not benchmarked: {kernels}")
     else:
@@ -191,7 +183,7 @@ def available_providers(device: torch.device, dtype: torch.dtype, note: Callable
                     warnings.filterwarnings("ignore", message=message)
                 provider.run(*probe)
         except RuntimeError as exc:
-            text = _first_line(exc)
+            text = first_line(exc)
             note(f"{provider.name}: not offered for {device.type} {_dtype_name(dtype)}"
                  if text.startswith(NO_VIABLE_BACKEND) else f"{provider.name} not available: {text}")
             continue
@@ -202,7 +194,7 @@ def available_providers(device: torch.device, dtype: torch.dtype, note: Callable
 # --- measuring ------------------------------------------------------------------------------------
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
@@ -291,7 +283,7 @@ def measure(
     except RuntimeError as exc:  # out of memory, or a backend refusing this shape
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        return dict(row, error=_first_line(exc))
+        return dict(row, error=first_line(exc))
     return dict(row, ms=ms, tflops=shape.flops(pass_) / (ms * 1e-3) / 1e12, peak_extra_mib=peak)
 
 
@@ -356,22 +348,16 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="folder for the JSON and PNG (default: ./rdna_fa_results/<date>-<time>)")
     parser.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
-    gpu = parser.add_argument_group("where the kernels run (an RDNA GPU, or NVIDIA with the emulation builds)")
-    gpu.add_argument("--dtype", choices=sorted(DTYPES), help="default: fp16 on a GPU, fp32 on a CPU")
-    size = gpu.add_mutually_exclusive_group()
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: fp16 on a GPU, fp32 on a CPU")
+    size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="the small shape set (always on a CPU unless --full)")
     size.add_argument("--full", action="store_true", help="every shape, even on a CPU")
-    gpu.add_argument("--shapes", help="comma-separated shape names to keep (see the JSON for names)")
-    gpu.add_argument("--no-backward", action="store_true", help="forward only")
-    gpu.add_argument("--budget", type=float, default=0.5, help="seconds of timing per case (default 0.5)")
-    elsewhere = parser.add_argument_group("anywhere else (no RDNA GPU)")
-    elsewhere.add_argument("--targets", default=",".join(interpreted.TARGET_GPUS),
-                           help="code objects to run on the CPU interpreter (default: %(default)s)")
-    elsewhere.add_argument("--no-interpret", action="store_true",
-                           help="skip the interpreter: the expected speed only (a second)")
+    parser.add_argument("--shapes", help="comma-separated shape names to keep (see the JSON for names)")
+    parser.add_argument("--no-backward", action="store_true", help="forward only")
+    parser.add_argument("--budget", type=float, default=0.5, help="seconds of timing per case (default 0.5)")
 
 
-def _shapes(args: argparse.Namespace, quick: bool) -> tuple[Shape, ...] | str:
+def selected_shapes(args: argparse.Namespace, quick: bool) -> tuple[Shape, ...] | str:
     """The shapes to run, or an error message."""
     if not args.shapes:
         return QUICK_SHAPES if quick else SHAPES
@@ -448,7 +434,7 @@ def model_providers(device: torch.device, note: Callable[[str], None]) -> list[M
     """The kernels through the SDPA patch (where they run on `device`), SDPA's math backend (what
     ZLUDA users get) and PyTorch's own per-call choice of SDPA backend (the best SDPA here)."""
     providers = []
-    kernels = _kernel_provider(device)
+    kernels = kernel_provider(device)
     if isinstance(kernels, str):
         note(f"kernels not benchmarked: {kernels}")
     else:
@@ -466,23 +452,36 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def default_device(args: argparse.Namespace) -> torch.device:
+    return torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def open_results_folder(out: str | None) -> Path | None:
+    """The results folder made and named on the first line of output, or None after one line saying why not."""
+    try:
+        folder = results_folder.prepare(out)
+    except results_folder.FolderError as error:
+        print(f"bench: {error}", file=sys.stderr)
+        return None
+    print(f"results: {folder}", flush=True)
+    return folder
+
+
 def run(args: argparse.Namespace) -> int:
-    """The `bench` verb: the results folder first, then the benchmark where the kernels run, or
-    run_without_kernels."""
-    unknown = _shapes(args, False)
+    """The `bench` verb: the benchmark where the kernels run; elsewhere one line naming the lab's bench."""
+    unknown = selected_shapes(args, False)
     if isinstance(unknown, str):
         print(unknown, file=sys.stderr)
         return 2
-    try:
-        out_dir = results_folder.prepare(args.out)
-    except results_folder.FolderError as error:
-        print(f"bench: {error}", file=sys.stderr)
-        return 2
-    print(f"results: {out_dir}", flush=True)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    kernels = _kernel_provider(device)
+    device = default_device(args)
+    kernels = kernel_provider(device)
     if isinstance(kernels, str):
-        return run_without_kernels(args, device, kernels, out_dir)
+        print(f"bench: the kernels do not run on {device}: {kernels}; the shipped code objects on the CPU "
+              f"interpreter and their expected speed per RDNA GPU: {lab_command('bench')}", file=sys.stderr)
+        return 2
+    out_dir = open_results_folder(args.out)
+    if out_dir is None:
+        return 2
     return run_benchmark(args, device, out_dir)
 
 
@@ -490,7 +489,7 @@ def run_benchmark(args: argparse.Namespace, device: torch.device, out_dir: Path)
     """The kernels against SDPA's backends on `device`, where the kernels run."""
     dtype = DTYPES[args.dtype or ("fp32" if device.type == "cpu" else "fp16")]
     quick = args.quick or (device.type == "cpu" and not args.full)
-    shapes = _shapes(args, quick)
+    shapes = selected_shapes(args, quick)
     info = devices.describe(device)
     print(f"bench on {info.name} ({device}), {_dtype_name(dtype)}, {len(shapes)} shapes"
           f"{' (quick set)' if quick else ''}", file=sys.stderr)
@@ -509,142 +508,3 @@ def run_benchmark(args: argparse.Namespace, device: torch.device, out_dir: Path)
     else:
         print(f"wrote {out_dir / f'{stem}.png'}")
     return 0
-
-
-# --- without an RDNA GPU ------------------------------------------------------------------------------
-
-NO_GPU_STEM = "bench-no-rdna-gpu"
-INTERPRETER_NOTE = ("wall time of a CPU interpreter executing the GPU's instructions one by one: it shows what "
-                    "the code objects compute, not how fast a GPU runs them")
-
-
-def _progress_line(text: str) -> None:
-    sys.stdout.flush()  # in order with the results when both streams go to one log
-    print(text, file=sys.stderr, flush=True)
-
-
-def interpret_calls(targets: list[str], say: Callable[[str], None] = _progress_line) \
-        -> tuple[list[dict], str | None, bool]:
-    """interpreted.run_call on each target: (results, why not every target ran or None, whether the
-    interpreter stopped on a code object: a failure, unlike a missing extra)."""
-    results = []
-    for target in targets:
-        try:
-            results.append(interpreted.run_call(target, say=say))
-        except ImportError as error:  # numpy, or tinygrad's decoder tables (MissingDecoder is one)
-            return results, f"the interpreter cannot run here: {error}; {interpreted.INTERPRETER_EXTRA}", False
-        except artifacts.ArtifactError as error:
-            return results, f"no shipped code object to interpret: {error}", False
-        except RuntimeError as error:  # the interpreter refused an instruction or an access (it names them)
-            return results, f"{target}: the interpreter stopped: {_first_line(error)}", True
-    return results, None, False
-
-
-def interpreted_lines(results: list[dict]) -> list[str]:
-    """A table of the interpreted calls' checks, the rules, then their wall times."""
-    lines = [f"  {'max error against float64':<30}{'ours':>10}{'math SDPA':>11}{'bound':>10}"]
-    for result in results:
-        for check in result["checks"]:
-            lines.append(f"  {result['target'] + ' ' + check['pass'] + ' ' + check['tensor']:<30}{check['ours']:>10.2e}"
-                         f"{check['sdpa_math']:>11.2e}{check['bound']:>10.2e}  {'ok' if check['passed'] else 'FAILED'}")
-    if results:
-        rules = {check["pass"]: check["rule"] for result in results for check in result["checks"]}
-        lines.append("  bounds (DESIGN.md 2.4): " + "; ".join(f"{name} {rule}" for name, rule in rules.items()))
-        times = "; ".join(f"{r['target']} forward {r['seconds']['forward']:.1f} s, backward "
-                          f"{r['seconds']['backward']:.1f} s" for r in results)
-        lines.append(f"  interpreter: {times}")
-        lines.append(f"  ({INTERPRETER_NOTE})")
-    return lines
-
-
-def plot_without_kernels(interpreted_results: list[dict], expected: dict, path: Path, title: str) -> None:
-    """The expected speed (forward and backward per GPU) and, when it ran, the interpreted call's errors."""
-    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
-
-    gpus = expected["gpus"]
-    rows = 3 if interpreted_results else 2
-    fig = Figure(figsize=(7.5 * len(gpus), 4.6 * rows))
-    grid = fig.add_gridspec(rows, len(gpus), height_ratios=[1.35, 1, 0.9][:rows])
-    for column, (target, gpu) in enumerate(gpus.items()):
-        estimates.plot_forward(fig.add_subplot(grid[0, column]), target, gpu)
-        estimates.plot_backward(fig.add_subplot(grid[1, column]), target, gpu)
-    if interpreted_results:
-        ax = fig.add_subplot(grid[2, :])
-        labels, width = [], 0.27
-        for i, (result, check) in enumerate((r, c) for r in interpreted_results for c in r["checks"]):
-            for j, (key, name, color) in enumerate((("ours", "ours (interpreted code object)", "tab:blue"),
-                                                     ("sdpa_math", "PyTorch math SDPA", "tab:orange"),
-                                                     ("bound", "bound", "lightgray"))):
-                ax.bar(i + (j - 1) * width, check[key], width, color=color, label=name if i == 0 else None)
-            labels.append(f"{result['target']}\n{check['tensor']}")
-        ax.set_xticks(range(len(labels)), labels, fontsize=7)
-        ax.set_yscale("log")
-        ax.set_ylabel("max error vs float64")
-        times = ", ".join(f"{r['target']} {r['seconds']['forward'] + r['seconds']['backward']:.0f} s"
-                          for r in interpreted_results)
-        ax.set_title(f"{interpreted.SD_CALL.name}, {'x'.join(map(str, interpreted.SD_CALL.shape))} float16, on the "
-                     f"CPU interpreter (wall time {times}: an interpreter's, not a GPU speed)", fontsize=8.5)
-        ax.legend(fontsize=7)
-        ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-
-
-def run_without_kernels(args: argparse.Namespace, device: torch.device, refusal: str, out_dir: Path) -> int:
-    """The code objects on the CPU interpreter, and the expected speed per RDNA GPU; 0, or 1 when an
-    interpreted check failed."""
-    started = time.perf_counter()
-    print(f"the kernels do not run on {device}: {refusal}")
-    print("showing them instead through the shipped code objects on the CPU interpreter, and their expected "
-          "speed on RDNA GPUs")
-    targets = [t for t in args.targets.split(",") if t]
-    results, problem, stopped = [], None, False
-    if not args.no_interpret:
-        call = interpreted.SD_CALL
-        print(f"\n[1/2] {call.name}: q, k, v {'x'.join(map(str, call.shape))} float16, forward + backward, "
-              f"through {', '.join(f'rdna_fa_{t}.hsaco' for t in targets)} on the CPU interpreter, against float64",
-              flush=True)
-        results, problem, stopped = interpret_calls(targets)
-        for line in interpreted_lines(results):
-            print(line)
-        if problem:
-            print(f"  {problem}")
-    expected = estimates.load()
-    note = estimates.code_objects_note(expected, {t: interpreted.shipped_sha256(t) for t in expected["gpus"]})
-    print(f"\n[2/2] expected speed on RDNA GPUs, TFLOP/s, pessimistic-optimistic: a static estimate (a model of "
-          f"the code objects' instructions, calibrated against published kernels), not a measurement")
-    for line in estimates.table_lines(expected):
-        print(f"  {line}")
-    print("  measured (published), other kernels:")
-    for line in estimates.published_lines(expected):
-        print(f"  {line}")
-    print(f"  not estimated: {expected['not_estimated']}")
-    if note:
-        print(f"  {note}")
-    meta = {
-        "rdna_flash_attn": __version__, "torch": torch.__version__, "python": platform.python_version(),
-        "platform": platform.platform(), "device": str(device), "kernels": refusal,
-        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "what": "no RDNA GPU: an SD attention call through the shipped code objects on the CPU interpreter, "
-                "and the expected speed per RDNA GPU (static estimate)",
-    }
-    data = {"meta": meta,
-            "interpreted": {"call": {"name": interpreted.SD_CALL.name, "shape_bhsd": list(interpreted.SD_CALL.shape),
-                                     "dtype": "float16"},
-                            "seconds_note": INTERPRETER_NOTE, "results": results, "problem": problem,
-                            "skipped": bool(args.no_interpret)},
-            "expected_speed": dict(expected, estimated_code_objects_note=note)}
-    json_path = out_dir / f"{NO_GPU_STEM}.json"
-    json_path.write_text(json.dumps(data, indent=1), encoding="utf-8")
-    print(f"\nwrote {json_path}")
-    try:
-        plot_without_kernels(results, expected, out_dir / f"{NO_GPU_STEM}.png",
-                             f"rdna_flash_attn {__version__} without an RDNA GPU: expected speed (static estimate, "
-                             "not measured) and the code objects on the CPU interpreter")
-    except ImportError:
-        print("matplotlib is not installed: no plot", file=sys.stderr)
-    else:
-        print(f"wrote {out_dir / f'{NO_GPU_STEM}.png'}")
-    print(f"done in {time.perf_counter() - started:.0f} s")
-    return 1 if stopped or any(not c["passed"] for r in results for c in r["checks"]) else 0

@@ -4,7 +4,6 @@ self-test verdicts, settings) and why anything is off."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import platform
 
 import torch
@@ -16,7 +15,7 @@ from ..ops import quantized
 from ..runtime import artifacts, device as devices, loader, variants
 from ..version import __version__
 from . import rebuild
-from .interpreted import INTERPRETER_EXTRA
+from .cli import lab_command
 
 
 def gpu_devices() -> list[torch.device]:
@@ -104,24 +103,6 @@ def _doctor_code_objects() -> None:
         _line("compiler", f"{compiler.path} ({compiler.version})")
 
 
-def _importable(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):  # a parent that fails to import; a module set to None in sys.modules
-        return False
-
-
-def _interpreter_line() -> None:
-    """Whether the CPU interpreter of the code objects can run (it alone needs numpy and tinygrad)."""
-    missing = [name for name in ("numpy", "tinygrad") if not _importable(name)]
-    if missing:
-        numpy = " (torch's \"Failed to initialize NumPy\" warning says the same)" if "numpy" in missing else ""
-        _line("CPU interpreter", f"not installed: {', '.join(missing)} missing{numpy}; only selftest --interpret and "
-                                 f"bench without an RDNA GPU need it: {INTERPRETER_EXTRA}")
-    else:
-        _line("CPU interpreter", "available (selftest --interpret; bench without an RDNA GPU)")
-
-
 def _flash_attn_line() -> None:
     """Which `flash_attn` code written for Dao-AILab's package gets in this environment."""
     real = autoload.real_flash_attn()
@@ -146,7 +127,7 @@ def run(_args: argparse.Namespace) -> int:
     _line("attention masks", f"kernels at head dims {variants.MASKED_HEAD_DIMS[0]}-{variants.MASKED_HEAD_DIMS[-1]}; "
                              "PyTorch SDPA at the others")
     _flash_attn_line()
-    _interpreter_line()
+    _line("CPU interpreter", f"of the code objects, without a GPU: {lab_command('selftest')}")
     _line("self-test cache", selftest.cache_dir() / selftest.CACHE_FILE_NAME)
     _doctor_code_objects()
     print("settings:")

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from bench import design_targets, suite
 from rdna_flash_attn.tools.benchmark import Shape, memory_growth
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # `bench` (the repository's folder) is imported as a namespace package
-    sys.path.insert(0, str(REPO))
 
 
 def kernel_row(shape: Shape, provider: str, pass_: str, ms: float, peak: float | None, error=None) -> dict:
@@ -53,8 +51,6 @@ def recorded_run() -> dict:
                 ms=ms, peak_allocated_mib=gib * 1024, peak_above_weights_mib=None, weights_mib=160.0, finite=True,
                 attention_calls=None, skipped=None)
            for p, ms, gib in (("rdna_fa", 300.0, 4.9), ("sdpa-math", 280.0, 7.5), ("diffusers-sliced", 350.0, 8.0))]
-    from bench import suite
-
     return {
         "schema": suite.SCHEMA_VERSION,
         "meta": {"rdna_flash_attn": "0.1.0", "torch": "2.11.0+cu130", "hip": None, "cuda": "13.0",
@@ -66,12 +62,12 @@ def recorded_run() -> dict:
                              "emulated": True},
                  "flops_convention": "forward 4*B*H*Sq*Sk*D, backward 2.5x forward",
                  "parts": ["kernels", "memory", "generation", "vae", "static"], "seconds": 400.0},
-        "targets": list(suite.TARGETS),
+        "targets": list(design_targets.TARGETS),
         "kernels": {"rows": kernels},
         "memory": {"rows": memory, "growth": memory_growth(memory)},
         "generation": {"rows": generation, "providers": {"rdna_fa": "the kernels"}, "sampler": "Euler, 4 timed steps"},
         "vae": {"rows": vae, "providers": {"diffusers-sliced": "SlicedAttnProcessor"}},
-        "static": suite.static_summary(suite.REPO / "bench" / "results"),
+        "static": design_targets.static_summary(REPO / "bench" / "results"),
     }
 
 

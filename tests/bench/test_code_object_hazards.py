@@ -19,10 +19,9 @@ import re
 
 import pytest
 
-from bench.estimate_gfx1100 import Insn, classify, disassemble
-from bench.estimate_gfx1100_backward import branch_target
+from rdna_fa_lab.resource_report import find_objdump
+from rdna_fa_lab.throughput_estimate import Insn, branch_target, classify, disassemble
 from rdna_flash_attn.runtime import artifacts
-from rdna_flash_attn.tools.report import find_objdump
 
 HAZARD_TARGETS = ("gfx1100", "gfx1101", "gfx1102", "gfx1103")
 VALU_BETWEEN, TRANSCENDENTAL_BETWEEN = 6, 2

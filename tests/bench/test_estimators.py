@@ -1,6 +1,6 @@
 """The static estimators' instruction reading: waits decoded on both ISAs, the interpreter-executed
-counts of bench/estimate_masked.py against the disassembly-based reconstruction of
-bench/estimate_gfx1100.py on a shipped code object (they must agree where both apply), and the
+counts of rdna_fa_lab/masked_throughput_estimate.py against the disassembly-based reconstruction of
+rdna_fa_lab/throughput_estimate.py on a shipped code object (they must agree where both apply), the
 backward estimate's traces of both targets' shipped code objects, and the 8-bit forward's pricing."""
 
 from __future__ import annotations
@@ -12,15 +12,16 @@ from collections import Counter
 
 import pytest
 
-from bench import estimate_8bit, estimate_gfx1100_backward, estimate_masked
-from rdna_flash_attn.interpreter import InterpretedLibrary
+from bench import estimate_external
+from rdna_fa_lab import backward_throughput_estimate as backward, masked_throughput_estimate as masked
+from rdna_fa_lab import throughput_estimate as estimator
+from rdna_fa_lab.interpreter import InterpretedLibrary
+from rdna_fa_lab.resource_report import find_objdump
 from rdna_flash_attn.runtime import artifacts, variants
 from rdna_flash_attn.runtime.codeobject import load_code_object
-from rdna_flash_attn.tools.report import find_objdump
 
 from .conftest import REPO
 
-estimator = estimate_masked.estimator  # the module estimate_masked prices with (one copy of its classes)
 GFX1100 = REPO / "prebuilt" / "rdna_fa_gfx1100.hsaco"
 
 
@@ -55,7 +56,7 @@ def gfx1100():
 def test_executed_counts_equal_the_static_reconstruction_of_an_unmasked_tile(gfx1100):
     functions, library, objdump = gfx1100
     variant = variants.fwd_variant("f16", 64)
-    executed = estimate_masked.tile_counts(library, functions[variant.symbol], variant, "f16", 64, "none")
+    executed = masked.tile_counts(library, functions[variant.symbol], variant, "f16", 64, "none")
     body = functions[variant.symbol]
     main = estimator.main_loop(body)
     loops = estimator.inner_loops(body, main, variant, estimator.peeled_score_steps("gfx1100", variant))
@@ -80,7 +81,7 @@ def test_a_d128_tile_skips_only_its_o_rescale_as_the_interpreter_executes_it(gfx
     assert every.valu - never.valu >= variant.d_chunk // 16 * 8 // 2  # O's values, two to a VOPD pair at most
     share = estimator.rescaled_tile_share(variant.block_n)
     static = estimator.count_tile(body, main, loops, share)
-    executed = estimate_masked.tile_counts(library, body, variant, "f16", 128, "none")
+    executed = masked.tile_counts(library, body, variant, "f16", 128, "none")
     for kind in ("wmma", "valu", "trans", "salu", "vopd", "lds_read_insts", "global_load_insts"):
         assert getattr(executed, kind) == pytest.approx(getattr(static, kind)), kind
 
@@ -96,8 +97,8 @@ def test_a_key_padding_tile_waits_for_its_mask_once_per_fragment(gfx1100):
     fragment, not one per element."""
     functions, library, _ = gfx1100
     variant = variants.fwd_variant("f16", 64, masked=True)
-    counts = estimate_masked.tile_counts(library, functions[variant.symbol], variant, "f16", 64,
-                                         estimate_masked.SCATTERED)
+    counts = masked.tile_counts(library, functions[variant.symbol], variant, "f16", 64,
+                                         masked.SCATTERED)
     assert counts.wmma == (variant.d_pad + variant.d_chunk) // 16 * (variant.block_n // 16)
     assert counts.vmem_rounds <= 1 + variant.block_n // 16
 
@@ -113,8 +114,6 @@ def test_the_calibration_factors_are_the_recorded_fit():
 
 
 def test_the_fit_is_the_geometric_mean_of_measured_over_estimated():
-    from bench import estimate_external
-
     rows = [{"name": name, "shape": [1, 1, 1, 1], "target": "gfx1201", "in_fit": in_fit, "published_tflops": measured,
              "model": {"tflops_pess_nominal": 100.0}} for name, measured, in_fit in
             (("a", 50.0, True), ("b", 200.0, True), ("c", 10.0, False))]
@@ -130,9 +129,9 @@ def test_the_backward_estimate_traces_every_path_of_a_shipped_code_object(target
     objdump = find_objdump()
     if objdump is None:
         pytest.skip("llvm-objdump (>= 19) not installed")
-    results = estimate_gfx1100_backward.analyse(REPO / "prebuilt" / f"rdna_fa_{target}.hsaco", objdump)
+    results = backward.analyse(REPO / "prebuilt" / f"rdna_fa_{target}.hsaco", objdump)
     assert {(r["dtype"], r["d"]) for r in results} == {
-        (dtype, d) for dtype in ("f16", "bf16") for d in estimate_gfx1100_backward.HEAD_DIMS}
+        (dtype, d) for dtype in ("f16", "bf16") for d in backward.HEAD_DIMS}
     for r in results:
         now = r["estimate"]["now"]
         assert 0 < now["tflops_pess"] <= now["tflops_opt"] < estimator.HARDWARE[target].peak_tflops
@@ -149,7 +148,7 @@ def _backward_cfg(target: str, kind: str, d: int, dtype: str = "f16"):
     if find_objdump() is None:
         pytest.skip("llvm-objdump (>= 19) not installed")
     variant = variants.bwd_variant(kind, dtype, d)
-    return estimate_gfx1100_backward.Cfg(_shipped_listing(target)[variant.symbol]), variant
+    return backward.Cfg(_shipped_listing(target)[variant.symbol]), variant
 
 
 @pytest.mark.parametrize("target, d, split", [("gfx1100", 64, True), ("gfx1201", 128, True), ("gfx1201", 64, False)])
@@ -158,8 +157,8 @@ def test_the_backward_estimate_counts_dq_over_the_tiles_every_query_sees_whole(t
     (the traits' open_key_tiles; not gfx12's d64), the estimate counts that loop: the other one
     tests each score of its tiles, one compare more per score (8 per lane and key fragment)."""
     cfg, variant = _backward_cfg(target, "dq", d)
-    counted = estimate_gfx1100_backward.main_loop(cfg)
-    others = [h for h, blocks in estimate_gfx1100_backward.tile_loops(cfg).items()
+    counted = backward.main_loop(cfg)
+    others = [h for h, blocks in backward.tile_loops(cfg).items()
               if h != counted and not blocks & cfg.loops[counted]]
     assert len(others) == (1 if split else 0)
 
@@ -178,14 +177,14 @@ def test_the_backward_estimate_counts_dkdv_fragments_without_the_per_score_test(
     (at most two blocks); the side the trace skips holds the tested copy of them (all 8, or 7 where clang
     merges one into a block both sides run)."""
     cfg, variant = _backward_cfg(target, "dkdv", d)
-    main = estimate_gfx1100_backward.main_loop(cfg)
-    votes = estimate_gfx1100_backward.score_test_votes(cfg, main)
+    main = backward.main_loop(cfg)
+    votes = backward.score_test_votes(cfg, main)
     assert len(votes) == 1
     voting_loop = cfg.innermost(votes[0])  # the query-fragment loop; at 16-query tiles the tile loop itself
     exps = {b: n for b in cfg.loops[voting_loop] if (n := cfg.ops({b}).count("v_exp_f32_e32"))}
-    trips = estimate_gfx1100_backward.loop_trips(cfg, main, variant, target)
-    for expect in estimate_gfx1100_backward.paths(variant, estimator.HARDWARE[target]).values():
-        _, _, insns = estimate_gfx1100_backward.count_path(cfg, main, trips, variant, expect)
+    trips = backward.loop_trips(cfg, main, variant, target)
+    for expect in backward.paths(variant, estimator.HARDWARE[target]).values():
+        _, _, insns = backward.count_path(cfg, main, trips, variant, expect)
         counted = {i.addr for i, _, _ in insns}
         run = [n for b, n in exps.items() if cfg.blocks[b][0].addr in counted]
         skipped = [n for b, n in exps.items() if cfg.blocks[b][0].addr not in counted]
@@ -229,7 +228,7 @@ def test_gfx11_dkdv_fragments_start_their_products_from_held_zeros(d):
     where K is held in registers: d64 fused, d96 split), not zeros that 8 moves re-create
     per fragment; every other product accumulates in place."""
     cfg, _ = _backward_cfg("gfx1100", "dkdv", d)
-    main = estimate_gfx1100_backward.main_loop(cfg)
+    main = backward.main_loop(cfg)
     loop = [i for b in sorted(cfg.loops[main]) for i in cfg.blocks[b]]
     firsts = [args for i in loop if i.op.startswith("v_wmma")
               and (args := [a.strip() for a in i.args.split(",")])[0] != args[3]]
@@ -259,7 +258,7 @@ def test_f16_probabilities_are_rounded_by_one_mix_each(target):
     d64 dK/dV's 8 (P for dV) per query fragment, and no f32 -> f16 conversion left in either loop."""
     assert _probability_roundings(_forward_key_loop(target, variants.fwd_variant("f16", 64).symbol)) == (32, 0)
     cfg, _ = _backward_cfg(target, "dkdv", 64)
-    main = estimate_gfx1100_backward.main_loop(cfg)
+    main = backward.main_loop(cfg)
     fragments = [blocks for h, blocks in cfg.loops.items() if h != main and blocks < cfg.loops[main]
                  and any(op.startswith("v_wmma") for op in cfg.ops(blocks))]
     assert len(fragments) == 1
@@ -356,7 +355,7 @@ def test_the_backward_transposed_tiles_go_to_lds_by_16_bit_stores(target, kind, 
     LDS one element per 16-bit store, half of them in the d16_hi form (load_transposed's SIXTEEN_BIT), and an
     f16 main loop holds no v_perm_b32 (the packed form spends one per pair of rows, into a 32-bit word)."""
     cfg, _ = _backward_cfg(target, kind, d, dtype)
-    ops = Counter(cfg.ops(cfg.loops[estimate_gfx1100_backward.main_loop(cfg)]))
+    ops = Counter(cfg.ops(cfg.loops[backward.main_loop(cfg)]))
     assert ops["ds_store_b16_d16_hi"] > 0 and ops["ds_store_b16"] == ops["ds_store_b16_d16_hi"]
     assert ops["ds_store_2addr_b32"] <= 1  # the row statistics' floats, not transposed words
     if dtype == "f16":
@@ -370,7 +369,7 @@ def test_the_dkdv_kernels_kept_packed_store_each_pair_as_one_permuted_word(targe
     store two rows' elements as one 32-bit word each, packed by one v_perm_b32 (at least 8 words per
     main-loop pass: a row pair of 8 columns), and no element by a 16-bit store."""
     cfg, _ = _backward_cfg(target, "dkdv", d, dtype)
-    ops = Counter(cfg.ops(cfg.loops[estimate_gfx1100_backward.main_loop(cfg)]))
+    ops = Counter(cfg.ops(cfg.loops[backward.main_loop(cfg)]))
     assert ops["v_perm_b32"] >= 8 and ops["ds_store_b32"] + 2 * ops["ds_store_2addr_b32"] >= 8
     assert ops["ds_store_b16"] == ops["ds_store_b16_d16_hi"] == 0
 
@@ -382,10 +381,10 @@ def test_dq_reads_q_and_do_per_key_tile_without_zero_fill(target, dtype, d):
     repeating_qdo takes it: no exec mask saved for a row or column test and no register zeroed for
     it. Guarded loads do both around every one of these loads."""
     cfg, variant = _backward_cfg(target, "dq", d, dtype)
-    main = estimate_gfx1100_backward.main_loop(cfg)
-    trips = estimate_gfx1100_backward.loop_trips(cfg, main, variant, target)
+    main = backward.main_loop(cfg)
+    trips = backward.loop_trips(cfg, main, variant, target)
     insns = [i for b in cfg.loops[main] for i in cfg.blocks[b]
-             if estimate_gfx1100_backward.region(cfg, trips, i) == "head-dim loop"]
+             if backward.region(cfg, trips, i) == "head-dim loop"]
     assert any(i.op == "global_load_b128" for i in insns)
     assert not any(i.op == "s_and_saveexec_b32" for i in insns)
     assert not any(i.op.startswith(("v_mov_b32", "v_dual_mov_b32")) and re.search(r", 0(\s|$)", i.args) for i in insns)
@@ -403,12 +402,12 @@ def test_dq_reads_q_and_do_once(target, dtype, d):
     cfg, variant = _backward_cfg(target, "dq", d, dtype)
     choices = variant.traits(target)
     assert choices.held_qdo != choices.staged_qdo
-    main = estimate_gfx1100_backward.main_loop(cfg)
-    trips = estimate_gfx1100_backward.loop_trips(cfg, main, variant, target)
-    hw = estimate_gfx1100_backward.HARDWARE[target]
+    main = backward.main_loop(cfg)
+    trips = backward.loop_trips(cfg, main, variant, target)
+    hw = backward.HARDWARE[target]
     traced = set()
-    for name, expect in estimate_gfx1100_backward.paths(variant, hw).items():
-        _, _, insns = estimate_gfx1100_backward.count_path(cfg, main, trips, variant, expect)
+    for name, expect in backward.paths(variant, hw).items():
+        _, _, insns = backward.count_path(cfg, main, trips, variant, expect)
         traced |= {i.addr for i, _, _ in insns}
         assert not any(i.op.startswith("global_load") for i, _, where in insns if where == "head-dim loop"), name
         if choices.held_qdo:  # the operands' constant indices leave no loop
@@ -427,11 +426,11 @@ def test_fused_dkdv_copies_read_their_tiles_without_guards(target, dtype, d):
     for masked in (False, True):
         variant = variants.bwd_variant("dkdv", dtype, d, masked)
         symbol = variant.symbol
-        cfg = estimate_gfx1100_backward.Cfg(_shipped_listing(target)[symbol])
-        main = estimate_gfx1100_backward.main_loop(cfg)
-        trips = estimate_gfx1100_backward.loop_trips(cfg, main, variant, target)
+        cfg = backward.Cfg(_shipped_listing(target)[symbol])
+        main = backward.main_loop(cfg)
+        trips = backward.loop_trips(cfg, main, variant, target)
         copies = [b for b in cfg.loops[main] if any(i.op == "global_load_b128" for i in cfg.blocks[b])
-                  and estimate_gfx1100_backward.region(cfg, trips, cfg.blocks[b][0]) == "rest"]
+                  and backward.region(cfg, trips, cfg.blocks[b][0]) == "rest"]
         assert len(copies) == 1, symbol
         assert not [p for p in cfg.loops[main] if copies[0] in cfg.succ[p]
                     and cfg.blocks[p][-1].op.startswith("s_cbranch_exec")], symbol
@@ -447,11 +446,11 @@ def test_d128_dkdv_makes_both_gradients_from_staged_k_and_v(target, dtype):
     per query fragment on gfx11 and waits three times per tile."""
     cfg, variant = _backward_cfg(target, "dkdv", 128, dtype)
     assert variant.fused
-    main = estimate_gfx1100_backward.main_loop(cfg)
-    trips = estimate_gfx1100_backward.loop_trips(cfg, main, variant, target)
-    hw = estimate_gfx1100_backward.HARDWARE[target]
-    (name, expect), = estimate_gfx1100_backward.paths(variant, hw).items()
-    counts, _, insns = estimate_gfx1100_backward.count_path(cfg, main, trips, variant, expect)
+    main = backward.main_loop(cfg)
+    trips = backward.loop_trips(cfg, main, variant, target)
+    hw = backward.HARDWARE[target]
+    (name, expect), = backward.paths(variant, hw).items()
+    counts, _, insns = backward.count_path(cfg, main, trips, variant, expect)
     assert name == "dK+dV" and counts.vmem_rounds == 1
     head_dim_loop = [i for i, _, where in insns if where == "head-dim loop"]
     assert any(i.op.startswith("v_wmma") for i in head_dim_loop)
@@ -466,13 +465,13 @@ def test_backward_scores_take_one_subtraction_each(target, dtype, d):
     score (per exponential) is dS's dP - delta. Without the fold it takes two on every path that makes dS."""
     if find_objdump() is None:
         pytest.skip("llvm-objdump (>= 19) not installed")
-    hw = estimate_gfx1100_backward.HARDWARE[target]
+    hw = backward.HARDWARE[target]
     for kind in ("dq", "dkdv"):
         cfg, variant = _backward_cfg(target, kind, d, dtype)
-        main = estimate_gfx1100_backward.main_loop(cfg)
-        trips = estimate_gfx1100_backward.loop_trips(cfg, main, variant, target)
-        for name, expect in estimate_gfx1100_backward.paths(variant, hw).items():
-            _, _, insns = estimate_gfx1100_backward.count_path(cfg, main, trips, variant, expect)
+        main = backward.main_loop(cfg)
+        trips = backward.loop_trips(cfg, main, variant, target)
+        for name, expect in backward.paths(variant, hw).items():
+            _, _, insns = backward.count_path(cfg, main, trips, variant, expect)
             ops = Counter()
             for i, runs, _ in insns:  # both halves of a dual issue
                 for op in [i.op, *re.findall(r"::\s*(v_\w+)", i.args)]:
@@ -483,17 +482,17 @@ def test_backward_scores_take_one_subtraction_each(target, dtype, d):
 
 @pytest.mark.parametrize("target", ["gfx1100", "gfx1201"])
 def test_shape_pricing_reproduces_the_model_at_its_own_launch(target):
-    """estimate_masked.shape_rows priced at the model's launch (SEQ tokens, BATCH_HEADS entries x heads,
+    """masked.shape_rows priced at the model's launch (SEQ tokens, BATCH_HEADS entries x heads,
     whole tiles) gives the model's own TFLOP/s; a ragged length costs the padding of its last tiles."""
     variant = variants.fwd_variant("bf16", 128)
     counts = estimator.TileCounts(wmma=64, valu=300, trans=16, salu=20, global_load_insts=16,
                                   global_load_bytes=16 * 512, lds_read_insts=64, lds_read_bytes=64 * 512, vmem_rounds=1)
     groups = estimator.SEQ // variant.block_rows * variant.d_chunks * estimator.BATCH_HEADS
-    model = estimator.model(counts, estimator.HARDWARE[target], variant, 2, flops=estimate_masked.row_flops(variant, 128),
+    model = estimator.model(counts, estimator.HARDWARE[target], variant, 2, flops=masked.row_flops(variant, 128),
                             groups=groups)
     rows = [{"target": target, "dtype": "bf16", "d": 128, "mask": "none", "model": model}]
     seq = estimator.SEQ
-    whole, ragged = estimate_masked.shape_rows(rows, shapes=(
+    whole, ragged = masked.shape_rows(rows, shapes=(
         ("whole", "bf16", 128, "none", 1, estimator.BATCH_HEADS, (seq,), (seq,), None, None),
         ("ragged", "bf16", 128, "none", 1, estimator.BATCH_HEADS, (seq - 100,), (seq - 100,), None, None)))
     assert whole["tflops_pess"] == model["tflops_pess"] and whole["tflops_opt"] == model["tflops_opt"]
@@ -507,12 +506,12 @@ def test_the_8bit_forward_costs_half_a_wmma_per_8bit_product_and_its_pass_its_by
         pytest.skip("llvm-objdump (>= 19) not installed")
     path = REPO / "prebuilt" / "rdna_fa_gfx1201.hsaco"
     co = load_code_object(path)
-    row = estimate_8bit.eight_bit_row(estimator.disassemble(objdump, path, "gfx1201"), co,
+    row = estimator.eight_bit_row(estimator.disassemble(objdump, path, "gfx1201"), co,
                                       {k.name: k for k in co.kernels}, "f16", 128)
     counts, cycles = row["counts_per_wave_tile"], row["model"]["cycles"]
     assert counts["wmma"] == counts["wmma_8bit"] == 2 * (128 // 16) * (64 // 16)  # S^T and O^T, 64-key tiles
     assert cycles["wmma"] == counts["wmma"] * estimator.HARDWARE["gfx1201"].wmma_cycles / 2
     assert row["skips_rescale"]  # O's rescale counted on the forward's share of the tiles
     # 16-bit K and V twice, their 8-bit codes once; a float per 16 keys, three per channel (Q: in the kernel)
-    assert estimate_8bit.pass_bytes(128) == 4096 * 128 * (8 + 2) + 4 * (256 + 3 * 128)
+    assert estimator.pass_bytes(128) == 4096 * 128 * (8 + 2) + 4 * (256 + 3 * 128)
     assert row["tflops_pess_with_pass"] < row["model"]["tflops_pess"]

@@ -1,4 +1,4 @@
-"""The package's expected_speed.json (what `bench` shows without an RDNA GPU) is what
+"""The lab's expected_speed.json (what its `bench` shows without an RDNA GPU) is what
 bench/expected_speed.py makes of the estimators' records, says where it came from, and is read as an
 estimate by the bench."""
 
@@ -11,7 +11,7 @@ import json
 import pytest
 
 from bench import expected_speed
-from rdna_flash_attn.tools import estimates, interpreted
+from rdna_fa_lab import expected_speed as lab_expected_speed, interpreted
 
 from .conftest import REPO
 
@@ -30,7 +30,7 @@ def without_commits(data: dict) -> dict:
 
 def test_the_shipped_file_is_what_the_records_give():
     assert without_commits(expected_speed.build()) == without_commits(shipped()), (
-        "the estimators' records changed: python bench/expected_speed.py")
+        "the estimators' records changed: python -m bench.expected_speed")
 
 
 def test_a_changed_record_would_show(monkeypatch):
@@ -66,13 +66,13 @@ def test_every_figure_is_an_estimate_band_below_the_peak():
 def test_the_bench_says_when_the_estimates_come_from_other_code_objects():
     data = shipped()
     made = {t: e["sha256"] for t, e in data["provenance"]["code_objects"].items()}
-    assert estimates.code_objects_note(data, made) is None
-    note = estimates.code_objects_note(data, dict(made, gfx1201="f" * 64))
+    assert lab_expected_speed.code_objects_note(data, made) is None
+    note = lab_expected_speed.code_objects_note(data, dict(made, gfx1201="f" * 64))
     assert note.startswith("estimated on an earlier build of the gfx1201 code objects")
     now = {t: interpreted.shipped_sha256(t) for t in made}
-    assert (estimates.code_objects_note(data, now) is None) == (now == made)
+    assert (lab_expected_speed.code_objects_note(data, now) is None) == (now == made)
 
 
 @pytest.mark.parametrize("values, text", [([40.4, 49.9], "40-50"), ([117.9, 117.9], "118"), ([66.0, 66.4], "66")])
 def test_bands_print_as_whole_tflops(values, text):
-    assert estimates.band(values) == text
+    assert lab_expected_speed.band(values) == text

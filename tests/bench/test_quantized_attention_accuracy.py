@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import math
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import quantized_attention_accuracy as model  # noqa: E402
+from bench import quantized_attention_accuracy as model
 
 SMALL = model.Shape("small", 1, 2, 96, 200, 64)
 

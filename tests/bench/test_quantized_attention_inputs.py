@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
-import quantized_attention_inputs as study  # noqa: E402
+from bench import quantized_attention_inputs as study
+from rdna_flash_attn.runtime import variants
+from tests.test_quantized import modelled_attention
 
-from rdna_flash_attn.runtime import variants  # noqa: E402
-from tests.test_quantized import modelled_attention  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 RECORDED = json.loads((REPO / "bench/results/quantized_attention_inputs.json").read_text())
 SMALL = next(s for s in study.SHAPES if s.name == "sd15-self-256")  # d160, 256 keys: a second of CPU

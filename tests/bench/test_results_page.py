@@ -47,7 +47,7 @@ def test_page_from_a_recorded_emulation_run(recorded_run, tmp_path):
     for part in ("kernels", "memory", "generation", "vae"):
         png = path.parent / f"{path.stem}-{part}.png"
         assert png.stat().st_size > 5000 and f"](results/{png.name})" in page
-    assert "python bench/suite.py --out" in page and "attach the JSON" in page
+    assert "python -m bench.suite --out" in page and "attach the JSON" in page
 
 
 def test_a_run_on_rdna_hardware_is_named_as_such(recorded_run, tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from rdna_flash_attn.tools.comfyui_harness import (REPO_ROOT, comfyui_folder, load_custom_node, load_node_package,
+from rdna_fa_lab.hosts.comfyui_harness import (REPO_ROOT, comfyui_folder, load_custom_node, load_node_package,
                                                     start_comfyui, stop_comfyui)
 
 COMFYUI = comfyui_folder()

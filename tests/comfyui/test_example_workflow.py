@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from rdna_flash_attn.tools.comfyui_harness import REPO_ROOT
+from rdna_fa_lab.hosts.comfyui_harness import REPO_ROOT
 
 FILE_INPUTS = {"ckpt_name"}  # names of model files a user has, not known here
 

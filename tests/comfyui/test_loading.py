@@ -11,11 +11,11 @@ import textwrap
 
 import pytest
 
-from rdna_flash_attn.tools.comfyui_harness import REPO_ROOT
+from rdna_fa_lab.hosts.comfyui_harness import REPO_ROOT
 from .conftest import COMFYUI, load_custom_node
 
 CORE_FILE = REPO_ROOT / "rdna_flash_attn" / "__init__.py"
-HARNESS = REPO_ROOT / "rdna_flash_attn" / "tools" / "comfyui_harness.py"
+HARNESS = REPO_ROOT / "rdna_fa_lab" / "hosts" / "comfyui_harness.py"
 DISPATCH_FILE = REPO_ROOT / "rdna_flash_attn" / "dispatch" / "router.py"
 
 CHECK_CORE = f"""

@@ -12,9 +12,9 @@ import torch
 import rdna_flash_attn
 from rdna_flash_attn.config import settings
 
-from rdna_flash_attn.tools.comfyui_harness import OPTIONLESS_MODELS, build, counting_override, sample
+from rdna_fa_lab.hosts.comfyui_harness import OPTIONLESS_MODELS, build, counting_override, sample
 
-# The families checked here call by call; the coverage benchmark measures the others (python -m rdna_flash_attn coverage).
+# The families checked here call by call; the coverage benchmark measures the others (python -m rdna_fa_lab coverage).
 OPTION_PASSING_MODELS = ["sd15", "sd2", "sdxl", "flux", "sd3"]
 
 # The models run in float32 (ComfyUI's CPU dtype, and fast here); their attention reaches the

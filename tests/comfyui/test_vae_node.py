@@ -11,7 +11,7 @@ import torch
 import rdna_flash_attn
 from rdna_flash_attn.config import settings
 
-from rdna_flash_attn.tools.comfyui_harness import initialise
+from rdna_fa_lab.hosts.comfyui_harness import initialise
 
 DDCONFIG = dict(double_z=True, z_channels=4, resolution=64, in_channels=3, out_ch=3, ch=32, ch_mult=[1, 2],
                 num_res_blocks=1, attn_resolutions=[], dropout=0.0)

@@ -1,6 +1,6 @@
 """A small grid, forward and backward, to run under compute-sanitizer for one emulated layer:
 
-    PYTHONPATH=. compute-sanitizer --tool racecheck python tests/gpu/sanitize_kernels.py gfx11
+    compute-sanitizer --tool racecheck python -m tests.gpu.sanitize_kernels gfx11
 """
 
 import itertools

@@ -23,7 +23,8 @@ from rdna_flash_attn.config import settings
 from ..test_api import BAD_CALLS, outcome, random_call
 from ..test_flash_attn_compat import reference as naive_flash_attn
 from .conftest import GPU
-from .reference import attention_fp64, backward_bound, grads_fp64, grads_input_dtype, max_error, sdpa_math
+from rdna_fa_lab.attention_reference import (attention_fp64, backward_bound, grads_fp64, grads_input_dtype, max_error,
+                                             sdpa_math)
 
 TORCH_SDPA = F.scaled_dot_product_attention
 

@@ -22,7 +22,7 @@ from rdna_flash_attn.runtime import variants
 from rdna_flash_attn.ops import attention, plans
 from rdna_flash_attn.ops.autograd import flash_attention
 
-from .reference import backward_bound, grads_fp64, grads_input_dtype, grads_sdpa_math, max_error
+from rdna_fa_lab.attention_reference import backward_bound, grads_fp64, grads_input_dtype, grads_sdpa_math, max_error
 from .test_forward import make_inputs
 
 CASES_PER_LAYER = 1000

@@ -12,7 +12,7 @@ import rdna_flash_attn as rfa
 from rdna_flash_attn.ops import autograd, attention as ops
 
 from .conftest import GPU
-from .reference import attention_fp64, max_error, sdpa_math
+from rdna_fa_lab.attention_reference import attention_fp64, max_error, sdpa_math
 
 pytestmark = pytest.mark.skipif(not autograd.HAS_CUSTOM_OP, reason="the kernels' custom op needs torch >= 2.4")
 

@@ -22,7 +22,7 @@ from rdna_flash_attn.ops import attention as ops, plans
 
 from .. import edge_grid as grid
 from .conftest import GPU
-from .reference import attention_fp64, max_error, sdpa_math
+from rdna_fa_lab.attention_reference import attention_fp64, max_error, sdpa_math
 
 launch_here = contextlib.nullcontext  # the emulated layer's kernels run on the GPU's own tensors
 

@@ -17,7 +17,7 @@ import torch
 from rdna_flash_attn.ops import attention as ops
 from rdna_flash_attn.runtime import variants
 
-from .reference import attention_fp64, max_error, rising_scores, sdpa_math
+from rdna_fa_lab.attention_reference import attention_fp64, max_error, rising_scores, sdpa_math
 
 CASES_PER_LAYER = 2000
 SEQ_LENGTHS = (1, 2, 3, 7, 15, 16, 17, 31, 33, 63, 64, 65, 77, 100, 127, 128, 129, 154, 231, 256, 257, 333, 512,

@@ -20,7 +20,8 @@ from rdna_flash_attn.ops import attention as ops
 from rdna_flash_attn.ops.autograd import flash_attention, flash_attention_varlen
 from rdna_flash_attn.runtime import variants
 
-from .reference import attention_fp64, backward_bound, grads_fp64, grads_input_dtype, max_error, sdpa_math
+from rdna_fa_lab.attention_reference import (attention_fp64, backward_bound, grads_fp64, grads_input_dtype, max_error,
+                                             sdpa_math)
 from .test_forward import make_inputs
 
 SEQ_LENGTHS = (1, 2, 7, 16, 17, 33, 64, 65, 77, 100, 128, 154, 257, 333)

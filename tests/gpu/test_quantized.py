@@ -25,7 +25,7 @@ from rdna_flash_attn.runtime import artifacts, loader as runtime, variants
 
 from ..test_quantized import dequantized_attention, flux_like, model, reference_q_codes, reference_quantize
 from .conftest import GPU
-from .reference import attention_fp64
+from rdna_fa_lab.attention_reference import attention_fp64
 
 _results: list[dict] = []
 

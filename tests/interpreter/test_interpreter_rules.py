@@ -19,13 +19,14 @@ from rdna_flash_attn.ops.launch_args import FwdArgs
 
 pytest.importorskip("tinygrad", reason="the interpreter decodes with tinygrad==0.14.0 (requirements-dev.txt)")
 
-from rdna_flash_attn.interpreter import InterpretedLibrary, InterpreterError, floats  # noqa: E402
-from rdna_flash_attn.interpreter.dispatch import Dispatch, kernarg_segment  # noqa: E402
-from rdna_flash_attn.interpreter.executor import CompiledKernel  # noqa: E402
-from rdna_flash_attn.interpreter.matrix import compile_matrix  # noqa: E402
-from rdna_flash_attn.interpreter.program import CodeObjectImage  # noqa: E402
-from rdna_flash_attn.interpreter.trace import KernelTrace  # noqa: E402
-from rdna_flash_attn.interpreter.wave import Wave  # noqa: E402
+from rdna_fa_lab.interpreter import InterpretedLibrary, InterpreterError, floats  # noqa: E402
+from rdna_fa_lab.interpreter.dispatch import Dispatch, kernarg_segment  # noqa: E402
+from rdna_fa_lab.interpreter.executor import CompiledKernel  # noqa: E402
+from rdna_fa_lab.interpreter.matrix import compile_matrix  # noqa: E402
+from rdna_fa_lab.interpreter.program import CodeObjectImage  # noqa: E402
+from rdna_fa_lab.interpreter.trace import KernelTrace  # noqa: E402
+from rdna_fa_lab.interpreter.wave import Wave  # noqa: E402
+from rdna_fa_lab import cli as lab_cli, interpreted_selftest  # noqa: E402
 
 TARGETS = ("gfx1100", "gfx1201")
 SAMPLE_KERNELS = ("rdna_fa_fwd_f16_d64", "rdna_fa_bwd_dkdv_bf16_d128", "rdna_fa_bwd_dq_f16_d512")
@@ -99,7 +100,7 @@ def test_lds_smaller_than_the_kernel_touches_is_an_error():
     library, variant, args, buffers = _forward_launch("gfx1201")
     kernel = library.kernel(variant.symbol)
     segment = kernarg_segment(kernel.program, bytes(args), (1, 1, 1), (variant.threads, 1, 1))
-    from rdna_flash_attn.interpreter.library import tensor_region
+    from rdna_fa_lab.interpreter.library import tensor_region
     regions = [tensor_region(i, t) for i, t in enumerate(buffers)]
     too_small = kernel.program.descriptor.group_segment_fixed_size // 2
     dispatch = Dispatch(kernel, (1, 1, 1), (variant.threads, 1, 1), too_small, segment, regions, KernelTrace("x"))
@@ -133,7 +134,7 @@ def test_gfx11_wmma_with_different_half_waves_is_an_error():
     from tinygrad.runtime.autogen.amd.rdna3.enum import VOP3POp
     from tinygrad.runtime.autogen.amd.rdna3.ins import VOP3P
 
-    from rdna_flash_attn.interpreter.decode import Decoded
+    from rdna_fa_lab.interpreter.decode import Decoded
 
     inst = VOP3P(VOP3POp.V_WMMA_F32_16X16X16_F16, v[16:23], v[0:7], v[8:15], v[16:23])
     context = CompiledKernel(_image("gfx1100").program("rdna_fa_fwd_f16_d64")).context
@@ -174,10 +175,8 @@ def test_ops_accept_cpu_tensors_only_with_an_explicit_library():
     assert isinstance(plans.plan_forward(q, q, q), plans.Refusal)
 
 
-def test_selftest_interpret_command_runs_the_code_object(capsys):
-    from rdna_flash_attn.tools import cli
-
-    assert cli.main(["selftest", "--interpret", "--target", "gfx1201"]) == 0
+def test_the_labs_selftest_runs_the_code_object(capsys):
+    assert lab_cli.main(["selftest", "--target", "gfx1201"]) == 0
     printed = capsys.readouterr().out
     assert "rdna_fa_gfx1201.hsaco, interpreted on the CPU" in printed and "FAIL" not in printed
 
@@ -187,8 +186,8 @@ def test_packed_f16_ops_select_halves_and_round_once():
     from tinygrad.runtime.autogen.amd.rdna3.enum import VOP3POp
     from tinygrad.runtime.autogen.amd.rdna3.ins import VOP3P
 
-    from rdna_flash_attn.interpreter.decode import Decoded
-    from rdna_flash_attn.interpreter.vector import compile_vector
+    from rdna_fa_lab.interpreter.decode import Decoded
+    from rdna_fa_lab.interpreter.vector import compile_vector
 
     context = CompiledKernel(_image("gfx1100").program("rdna_fa_fwd_f16_d64")).context
     rng = np.random.default_rng(0)
@@ -375,23 +374,13 @@ def test_code_object_v4_runs_like_v5():
     assert torch.isfinite(buffers[3]).all()
 
 
-def test_selftest_interpret_reports_an_interpreter_error_in_one_line(capsys, monkeypatch):
-    from rdna_flash_attn.tools import cli, selftest_cli
-
+def test_the_labs_selftest_reports_an_interpreter_error_in_one_line(capsys, monkeypatch):
     def refuse(target):
         raise InterpreterError("v_sin_f32_e32 is not implemented", "rdna_fa_fwd_f16_d64", 0x40)
-    monkeypatch.setattr(selftest_cli, "run_interpreted", refuse)
-    assert cli.main(["selftest", "--interpret", "--target", "gfx1100"]) == 1
+    monkeypatch.setattr(interpreted_selftest, "run_interpreted", refuse)
+    assert lab_cli.main(["selftest", "--target", "gfx1100"]) == 1
     printed = capsys.readouterr().out
     assert printed.count("\n") == 1 and "rdna_fa_fwd_f16_d64 pc 0x40" in printed and "Traceback" not in printed
-
-
-def test_selftest_target_without_interpret_is_a_usage_error(capsys):
-    from rdna_flash_attn.tools import cli
-
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["selftest", "--target", "gfx1201"])
-    assert exit_info.value.code == 2 and "--target needs --interpret" in capsys.readouterr().err
 
 
 def test_artifact_info_describes_the_interpreted_code_object():

@@ -1,7 +1,7 @@
 """The shipped AMD code objects themselves, executed instruction by instruction on the CPU
-(rdna_flash_attn.interpreter), forward and backward, against an fp64 reference.
+(rdna_fa_lab.interpreter), forward and backward, against an fp64 reference.
 
-Criterion (the GPU tests' own, tests/gpu/reference.py): max error vs fp64 at most 2x that of
+Criterion (the GPU tests' own, rdna_fa_lab/attention_reference.py): max error vs fp64 at most 2x that of
 PyTorch's math SDPA in the same dtype, on fresh random inputs, outputs poisoned beforehand.
 
 CI runs CI_CASES: every kernel variant class the launcher picks, on both gfx1100 and gfx1201, f16
@@ -20,17 +20,17 @@ import os
 import pytest
 import torch
 
+from rdna_fa_lab.attention_reference import (attention_fp64, backward_bound, grads_fp64, grads_input_dtype, max_error,
+                                             rising_scores, sdpa_math)
 from rdna_flash_attn.runtime import artifacts, loader as runtime, variants
 from rdna_flash_attn.ops import attention as ops, quantized
 
 from ..seeds import case_seed
 from ..test_quantized import dequantized_attention, reference_q_codes, reference_quantize
-from ..gpu.reference import (attention_fp64, backward_bound, grads_fp64, grads_input_dtype, max_error, rising_scores,
-                             sdpa_math)
 
 pytest.importorskip("tinygrad", reason="the interpreter decodes with tinygrad==0.14.0 (requirements-dev.txt)")
 
-from rdna_flash_attn.interpreter import InterpretedLibrary  # noqa: E402
+from rdna_fa_lab.interpreter import InterpretedLibrary  # noqa: E402
 
 TARGETS = ("gfx1100", "gfx1201")
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}

@@ -1,4 +1,4 @@
-"""The interpreter's wait check (rdna_flash_attn/interpreter/waits.py): a load's destination registers
+"""The interpreter's wait check (rdna_fa_lab/interpreter/waits.py): a load's destination registers
 are poisoned until an s_waitcnt (gfx11) or s_wait_*cnt (gfx12) retires it, so reading one before the
 wait, or overwriting one while the load is in flight, is an error. Small hand-assembled programs
 (tinygrad's encodings, the same bytes llvm-mc-19 gives) on both instruction sets; each error case
@@ -18,15 +18,15 @@ pytest.importorskip("tinygrad", reason="the interpreter decodes with tinygrad==0
 
 from tinygrad.renderer.amd.dsl import NULL, s, v  # noqa: E402
 
-from rdna_flash_attn.interpreter import InterpreterError  # noqa: E402
-from rdna_flash_attn.interpreter.dispatch import Dispatch, kernarg_segment  # noqa: E402
-from rdna_flash_attn.interpreter.executor import CompiledKernel  # noqa: E402
-from rdna_flash_attn.interpreter.library import tensor_region  # noqa: E402
-from rdna_flash_attn.interpreter.memory import AddressSpace, LocalDataShare, Region  # noqa: E402
-from rdna_flash_attn.interpreter.trace import KernelTrace  # noqa: E402
-from rdna_flash_attn.interpreter.waits import (SGPR_BIT, operand_masks, registers_text, sgpr_bits,  # noqa: E402
+from rdna_fa_lab.interpreter import InterpreterError  # noqa: E402
+from rdna_fa_lab.interpreter.dispatch import Dispatch, kernarg_segment  # noqa: E402
+from rdna_fa_lab.interpreter.executor import CompiledKernel  # noqa: E402
+from rdna_fa_lab.interpreter.library import tensor_region  # noqa: E402
+from rdna_fa_lab.interpreter.memory import AddressSpace, LocalDataShare, Region  # noqa: E402
+from rdna_fa_lab.interpreter.trace import KernelTrace  # noqa: E402
+from rdna_fa_lab.interpreter.waits import (SGPR_BIT, operand_masks, registers_text, sgpr_bits,  # noqa: E402
                                                wait_counts)
-from rdna_flash_attn.interpreter.wave import EXEC_LO, VCC_LO, Wave  # noqa: E402
+from rdna_fa_lab.interpreter.wave import EXEC_LO, VCC_LO, Wave  # noqa: E402
 from rdna_flash_attn.runtime import artifacts  # noqa: E402
 
 from .test_interpreter_rules import SAMPLE_KERNELS, _forward_launch, _image, _isa  # noqa: E402

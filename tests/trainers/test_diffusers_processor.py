@@ -22,7 +22,7 @@ from rdna_flash_attn.integrations.diffusers_attention import (
     install_attention_processor,
     restore_attention_processors,
 )
-from rdna_flash_attn.tools import diffusers_harness
+from rdna_fa_lab.hosts import diffusers_harness
 
 TORCH_SDPA = F.scaled_dot_product_attention
 

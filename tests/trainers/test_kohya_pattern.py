@@ -1,4 +1,4 @@
-"""kohya sd-scripts' --sdpa call pattern (tests/trainers/kohya_like.py) under the SDPA override:
+"""kohya sd-scripts' --sdpa call pattern (tests/trainers/scripts/kohya_like.py) under the SDPA override:
 calls run on the kernels, forward and backward, with or without a mask (head dim 16 has masked kernels);
 results and gradients match the unpatched block."""
 
@@ -11,7 +11,7 @@ import torch
 
 import rdna_flash_attn
 
-from .kohya_like import KohyaStyleBlock
+from .scripts.kohya_like import KohyaStyleBlock
 
 
 

@@ -3,29 +3,17 @@ headless Chromium, and clicking a checkbox there changes the dispatcher's settin
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "webui_settings_screenshot.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("webui_settings_screenshot", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+import rdna_flash_attn
+from bench import webui_settings_screenshot as script
 
 
 def test_clicking_the_training_checkbox_in_chromium_changes_the_setting(tmp_path):
     pytest.importorskip("gradio", reason="gradio not installed")
     pytest.importorskip("websocket", reason="websocket-client not installed")
-    script = load_script()
     if script.find_browser() is None:
         pytest.skip("no Chromium (apt-get install chromium)")
-    import rdna_flash_attn
-
     assert rdna_flash_attn.settings.training is True
     result = script.run_check(tmp_path / "settings.png")
     assert (result["before"], result["after"], result["checked_in_page"]) == (True, False, False)

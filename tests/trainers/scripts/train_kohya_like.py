@@ -3,14 +3,9 @@ cross-attention; writes the number of masked and unmasked SDPA calls to --out.""
 
 import argparse
 import json
-import os
-import sys
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kohya_like import KohyaStyleBlock  # noqa: E402
+from kohya_like import KohyaStyleBlock  # beside this script: its folder is first on sys.path, as for any script
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ import threading
 
 import torch
 
-from ..runtime import artifacts
+from rdna_flash_attn.runtime import artifacts
 from .dispatch import Dispatch, kernarg_segment
 from .errors import InterpreterError
 from .executor import CompiledKernel

@@ -3,7 +3,7 @@ diffusers-based WebUI) and the LoRA trainers built on diffusers run, one forward
 inputs their pipelines pass (text masks included), with the kernels reached the two ways this package
 offers: its attention processor (`install_attention_processor`, the diffusers/peft hook) or the SDPA
 override (`patch_sdpa`, what the launcher and the .pth hook install). Used by the coverage benchmark
-(tools/coverage.py).
+(rdna_fa_lab/coverage.py).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..dispatch.sdpa_patch import patch_sdpa
-from ..integrations.diffusers_attention import install_attention_processor
+from rdna_flash_attn.dispatch.sdpa_patch import patch_sdpa
+from rdna_flash_attn.integrations.diffusers_attention import install_attention_processor
 
 TEXT_WIDTH = 32
 TEXT_TOKENS = 7

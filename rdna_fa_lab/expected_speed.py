@@ -1,6 +1,6 @@
 """The kernels' expected speed on each RDNA GPU the static estimator models, beside published
-measurements of other kernels: expected_speed.json (made by the repository's bench/expected_speed.py
-from the estimators' records; bench/ is not installed, this file is), as text and as plot panels.
+measurements of other kernels: expected_speed.json (made by bench/expected_speed.py from the
+estimators' records), as text and as plot panels.
 
 Every figure of ours is a static estimate, not a measurement: a pipe model of the code objects'
 instructions per tile, calibrated by the ratio it over-predicts published kernels by, given as the

@@ -1,25 +1,16 @@
 """What the coverage benchmark's hosts that run from a folder or count at attention modules share: the
-folder first on sys.path, the git commit it is checked out at, this repository's WebUI extension's
-modules, and the attention FLOPs of module calls. (comfyui_harness keeps its own path handling: a test
-loads that file by its path, before the package can be imported.)"""
+git commit the folder is checked out at, this repository's WebUI extension's modules, and the
+attention FLOPs of module calls. (A host's folder goes first on sys.path through comfyui_harness,
+which a test loads by its path, before the package can be imported.)"""
 
 from __future__ import annotations
 
 import contextlib
 import importlib
 import subprocess
-import sys
 from pathlib import Path
 
 from torch import nn
-
-from .comfyui_harness import REPO_ROOT
-
-
-def put_first_on_path(folder: Path) -> None:
-    if str(folder) in sys.path:
-        sys.path.remove(str(folder))
-    sys.path.insert(0, str(folder))
 
 
 def commit(folder: Path) -> str | None:
@@ -37,12 +28,8 @@ def commit(folder: Path) -> str | None:
 
 
 def extension_module(name: str):
-    """This repository's WebUI extension's module `name` (extension/<name>.py); raises FileNotFoundError
-    outside a checkout of the repository (the extension is not part of the installed package)."""
-    if not (REPO_ROOT / "extension" / f"{name}.py").is_file():
-        raise FileNotFoundError(f"{REPO_ROOT} holds no WebUI extension (extension/): run from a clone of the repository")
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
+    """This repository's WebUI extension's module `name` (extension/<name>.py): the repository's root, which
+    holds the lab, is on sys.path whenever the lab is imported."""
     return importlib.import_module(f"extension.{name}")
 
 

@@ -28,6 +28,6 @@ def require_decoder():
         from tinygrad.renderer.amd import decode_inst
     except ImportError:
         raise MissingDecoder(
-            "the ISA interpreter decodes with tinygrad's AMD instruction tables: pip install 'rdna-flash-attn[interpret]' "
-            "(or pip install tinygrad==0.14.0)") from None
+            "the ISA interpreter decodes with tinygrad's AMD instruction tables: pip install tinygrad==0.14.0 "
+            "(rdna_fa_lab/requirements.txt)") from None
     return decode_inst

@@ -10,7 +10,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from ..runtime import codeobject
+from rdna_flash_attn.runtime import codeobject
 from .errors import InterpreterError
 
 _SHT_SYMTAB, _SHT_DYNSYM = 2, 11

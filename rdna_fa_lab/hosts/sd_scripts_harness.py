@@ -1,6 +1,6 @@
 """kohya sd-scripts as a host, in this process: its own model code from an sd-scripts folder on this
 machine, routed as this package's launcher routes a training run there (the SDPA override,
-`patch_sdpa`). Used by the coverage benchmark (tools/coverage.py).
+`patch_sdpa`). Used by the coverage benchmark (rdna_fa_lab/coverage.py).
 
 - SD1.5 and SDXL: sd-scripts' own U-Nets (library/original_unet.py, library/sdxl_original_unet.py),
   at their released sizes (sd-scripts fixes them in module constants; random weights, a 16 x 16
@@ -27,8 +27,7 @@ import torch
 from torch import nn
 
 from . import comfyui_harness
-from .comfyui_harness import initialise
-from .host_code import put_first_on_path
+from .comfyui_harness import initialise, put_first_on_path
 
 TEXT_TOKENS = 77
 SD15_TEXT_WIDTH, SDXL_TEXT_WIDTH, SDXL_LABEL_WIDTH = 768, 2048, 2816

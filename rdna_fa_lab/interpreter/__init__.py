@@ -1,7 +1,7 @@
 """A CPU interpreter of the RDNA3 (gfx11) and RDNA4 (gfx12) instruction sets that runs the shipped
 code objects themselves, so the exact bytes users get are executed and checked without AMD hardware.
 
-    from rdna_flash_attn.interpreter import InterpretedLibrary
+    from rdna_fa_lab.interpreter import InterpretedLibrary
     from rdna_flash_attn.ops import attention
     from rdna_flash_attn.runtime import loader
 
@@ -14,7 +14,7 @@ Modules: program (kernel code and descriptor from the ELF), decode (tinygrad's e
 semantics by family), waits (memory operations in flight and the waits that retire them),
 executor (per-instruction closures, the wave loop), dispatch (kernarg segment, initial state,
 workgroups and barriers), trace (instruction counts), library (the KernelLibrary launch
-interface). Needs tinygrad==0.14.0 for decoding (the `interpret` extra).
+interface). Needs numpy, and tinygrad==0.14.0 for decoding (rdna_fa_lab/requirements.txt).
 
 What it checks on every launch: each global/flat access lies inside one of the launch's tensors,
 each SMEM load inside the kernarg segment (or a tensor), each LDS access inside the allocation a real

@@ -2,7 +2,7 @@
 this repository's ComfyUI node through ComfyUI's own custom-node loader, and tiny random-weight models
 of its families built from ComfyUI's own model code, sampled by its own sampler.
 
-Used by the coverage benchmark (tools/coverage.py), the ComfyUI tests and bench/comfyui_unet_gpu.py.
+Used by the coverage benchmark (rdna_fa_lab/coverage.py), the ComfyUI tests and bench/comfyui_unet_gpu.py.
 ComfyUI's folder goes first on sys.path (its `nodes` module, not this repository's `nodes/`
 package). torchvision is often absent (PyPI's build is CUDA and breaks a CPU torch); ComfyUI imports
 it at module level only for Stable Cascade's EfficientNet encoder and ControlNet, Cosmos models and
@@ -30,10 +30,22 @@ from pathlib import Path
 
 import torch
 
-# This repository, in a checkout (the ComfyUI node is its root package). No import of the package here:
-# a test loads this file by its path to start ComfyUI before the core is imported.
+# This repository (the ComfyUI node is its root package). No import of the package or the lab here: a
+# test loads this file by its path to start ComfyUI before the core is imported.
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
+
+
+def put_first_on_path(folder: Path) -> None:
+    """A host's folder first on sys.path: its code imports its own modules as top-level names, as the
+    host runs it (ComfyUI's `comfy` and `nodes`, the WebUIs' `modules`, sd-scripts' `library`)."""
+    take_off_path(folder)
+    sys.path.insert(0, str(folder))
+
+
+def take_off_path(folder: Path) -> None:
+    if str(folder) in sys.path:
+        sys.path.remove(str(folder))
 
 
 def comfyui_folder() -> Path | None:
@@ -71,9 +83,7 @@ def stub_torchvision() -> None:
 def start_comfyui(folder: Path, cpu: bool = True, pytorch_attention: bool = False) -> None:
     """Import ComfyUI's argument parser with `--cpu` (or no option, to use the GPU), and
     `--use-pytorch-cross-attention` where asked, and nothing else of the caller's command line."""
-    if str(folder) in sys.path:
-        sys.path.remove(str(folder))
-    sys.path.insert(0, str(folder))
+    put_first_on_path(folder)
     stub_torchvision()
     argv = sys.argv
     sys.argv = [argv[0], *(["--cpu"] if cpu else []), *(["--use-pytorch-cross-attention"] if pytorch_attention else [])]
@@ -90,8 +100,7 @@ def start_comfyui(folder: Path, cpu: bool = True, pytorch_attention: bool = Fals
 def stop_comfyui(folder: Path) -> None:
     """Take ComfyUI's folder off sys.path and the torchvision stand-ins out of sys.modules, so code
     imported after the ComfyUI tests sees neither (ComfyUI's modules stay imported)."""
-    if str(folder) in sys.path:
-        sys.path.remove(str(folder))
+    take_off_path(folder)
     for name in TORCHVISION_STUBS:
         if getattr(sys.modules.get(name), "rdna_flash_attn_stub", False):
             del sys.modules[name]
@@ -515,9 +524,7 @@ def load_custom_node(path: Path) -> bool:
 
 def load_node_package(repo_root: Path = REPO_ROOT):
     """This repository's `nodes` package, as ComfyUI's custom-node loader imports the repository (ComfyUI
-    must be started first); raises FileNotFoundError outside a checkout of the repository."""
-    if not (repo_root / "nodes" / "__init__.py").is_file():
-        raise FileNotFoundError(f"{repo_root} holds no ComfyUI node (nodes/): run from a clone of the repository")
+    must be started first)."""
     import nodes as comfy_nodes
 
     if not load_custom_node(repo_root):

@@ -4,7 +4,7 @@ package ships it), where `sgm` is importable (Stability AI's generative-models, 
 into repositories/generative-models for SDXL) an SDXL-config UNet and SDXL's VAE decoder from it, and
 this repository's WebUI extension's forwards installed on ldm's and sgm's classes as A1111 installs an
 optimization (`extension.a1111.ForwardPatch`, with no hypernetwork and no upcast). Used by the
-coverage benchmark (tools/coverage.py).
+coverage benchmark (rdna_fa_lab/coverage.py).
 
 What it does not have: A1111's own modules (its sampler, hypernetworks, settings, SD3's
 `modules.models.sd3`); no package CI installs ships `sgm`.
@@ -80,8 +80,7 @@ def families() -> tuple[str, ...]:
 
 
 def extension_modules():
-    """This repository's WebUI extension's (a1111, ldm_attention) modules; raises FileNotFoundError
-    outside a checkout of the repository (the extension is not part of the installed package)."""
+    """This repository's WebUI extension's (a1111, ldm_attention) modules."""
     return extension_module("a1111"), extension_module("ldm_attention")
 
 

@@ -6,8 +6,8 @@ instructions in the main loop, read from the code object metadata (runtime/codeo
 from what runtime/variants.py says the kernel declares, hidden (implicit) kernel arguments, or a code object
 whose version is not the one its manifest entry names.
 
-    python -m rdna_flash_attn report                      # prebuilt/manifest.json
-    python -m rdna_flash_attn report build/x.hsaco --check --json report.json
+    python -m rdna_fa_lab report                      # prebuilt/manifest.json
+    python -m rdna_fa_lab report build/x.hsaco --check --json report.json
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..runtime import variants
-from ..runtime.artifacts import prebuilt_dir
-from ..runtime.codeobject import CodeObject, KernelResources, load_code_object
-from ..runtime.build_facts import CODE_OBJECT_VERSION, MANIFEST_FILE, listed_code_objects
+from rdna_flash_attn.runtime import variants
+from rdna_flash_attn.runtime.artifacts import prebuilt_dir
+from rdna_flash_attn.runtime.codeobject import CodeObject, KernelResources, load_code_object
+from rdna_flash_attn.runtime.build_facts import CODE_OBJECT_VERSION, MANIFEST_FILE, listed_code_objects
 
 DEFAULT_MANIFEST = prebuilt_dir() / MANIFEST_FILE
 LDS_LIMIT = variants.LDS_LIMIT  # bytes one workgroup may allocate on every RDNA target
@@ -394,7 +394,7 @@ def row_json(row: KernelRow) -> dict:
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m rdna_flash_attn report",
+        prog="python -m rdna_fa_lab report",
         description="Registers, LDS, scratch, spills, occupancy and WMMA counts of AMDGPU code objects.",
     )
     parser.add_argument("hsaco", nargs="*", type=Path, help="code objects (default: those in the manifest)")

@@ -1,5 +1,5 @@
 """SD.Next as a host, in this process: SD.Next's own attention set-up around the diffusers models it
-runs. Used by the coverage benchmark (tools/coverage.py).
+runs. Used by the coverage benchmark (rdna_fa_lab/coverage.py).
 
 What runs is SD.Next's code: `modules.devices.set_sdpa_params` at start-up (it saves torch's SDPA and
 stacks the SDP overrides chosen, e.g. its dynamic attention), the defaults SD.Next's
@@ -8,7 +8,7 @@ load what `sd_models.load_diffuser` calls: `attention.set_diffusers_attention` (
 `set_sdpa_params` again), `attention.set_attention_dispatcher` and `script_callbacks.model_loaded_callback`,
 then `before_process_callback` before the job. This repository's WebUI extension starts as in SD.Next
 (`extension.entry.setup()`, which finds SD.Next by its `modules.shared.url` and registers its callbacks
-in SD.Next's own `script_callbacks`). The models are diffusers' (tools/diffusers_harness.py), as SD.Next
+in SD.Next's own `script_callbacks`). The models are diffusers' (hosts/diffusers_harness.py), as SD.Next
 loads them.
 
 What is not SD.Next's: `modules.shared`, which starts the whole WebUI (Gradio, model loader, every
@@ -33,8 +33,9 @@ from pathlib import Path
 
 import torch
 
-from ..config import settings
-from .host_code import extension_module, put_first_on_path
+from rdna_flash_attn.config import settings
+from .comfyui_harness import put_first_on_path
+from .host_code import extension_module
 
 BACKENDS = ("zluda", "rocm")
 ROCM_GPU = "gfx1100"  # the RX 7900 XTX, for the ROCm defaults (RDNA2 and older get dynamic attention)

@@ -1,5 +1,6 @@
-"""report.py: occupancy arithmetic, loop/WMMA attribution on hand-written disassembly, and (when
-clang-19 and llvm-objdump are installed) the whole command on kernels compiled here."""
+"""The static resource report (rdna_fa_lab/resource_report.py): occupancy arithmetic, loop/WMMA
+attribution on hand-written disassembly, and (when clang-19 and llvm-objdump are installed) the whole
+command on kernels compiled here."""
 
 import json
 import re
@@ -8,12 +9,12 @@ import subprocess
 
 import pytest
 
-from rdna_flash_attn.tools import report
+from rdna_fa_lab import resource_report
 from rdna_flash_attn.runtime import variants
 from rdna_flash_attn.runtime.codeobject import KernelResources, load_code_object
 
 CLANG = shutil.which("clang-19")
-OBJDUMP = report.find_objdump()
+OBJDUMP = resource_report.find_objdump()
 needs_clang = pytest.mark.skipif(CLANG is None, reason="clang-19 is not installed")
 needs_objdump = pytest.mark.skipif(CLANG is None or OBJDUMP is None, reason="clang-19 or llvm-objdump absent")
 ALL_TARGETS = ["gfx1100", "gfx1101", "gfx1102", "gfx1103", "gfx1150", "gfx1151", "gfx1200", "gfx1201"]
@@ -44,31 +45,31 @@ def kernel(vgprs=32, lds=0, wave=32, wgp_mode=True) -> KernelResources:
     ],
 )
 def test_waves_limited_by_vgprs(target, vgprs, waves):
-    assert report.occupancy(target, kernel(vgprs=vgprs), 64).waves_per_simd == waves
+    assert resource_report.occupancy(target, kernel(vgprs=vgprs), 64).waves_per_simd == waves
 
 
 def test_wave64_uses_half_the_registers_per_simd():
-    assert report.occupancy("gfx1100", kernel(vgprs=141, wave=64), 64).waves_per_simd == 768 // 144
+    assert resource_report.occupancy("gfx1100", kernel(vgprs=141, wave=64), 64).waves_per_simd == 768 // 144
 
 
 def test_lds_is_allocated_in_1k_blocks():
     # 26214 bytes would fit 5 times into 128 KiB; rounded up to 26624 only 4 do: 4 groups x 4 waves / 4 SIMDs.
-    occ = report.occupancy("gfx1100", kernel(lds=26214), 128)
+    occ = resource_report.occupancy("gfx1100", kernel(lds=26214), 128)
     assert (occ.waves_per_simd, occ.limited_by) == (4, "LDS")
 
 
 def test_cu_mode_has_half_the_lds_and_simds():
     # WGP: 3 groups of 2 waves over 4 SIMDs; CU: 1 group of 2 waves over 2 SIMDs.
-    assert report.occupancy("gfx1100", kernel(lds=40960), 64).waves_per_simd == 2
-    assert report.occupancy("gfx1100", kernel(lds=40960, wgp_mode=False), 64).waves_per_simd == 1
+    assert resource_report.occupancy("gfx1100", kernel(lds=40960), 64).waves_per_simd == 2
+    assert resource_report.occupancy("gfx1100", kernel(lds=40960, wgp_mode=False), 64).waves_per_simd == 1
 
 
 def test_lds_larger_than_a_wgp_means_no_wave_fits():
-    assert report.occupancy("gfx1100", kernel(lds=200_000), 64).waves_per_simd == 0
+    assert resource_report.occupancy("gfx1100", kernel(lds=200_000), 64).waves_per_simd == 0
 
 
 def test_unknown_target_has_no_occupancy():
-    assert report.occupancy("gfx90a", kernel(), 64) is None
+    assert resource_report.occupancy("gfx90a", kernel(), 64) is None
 
 
 # --- WMMA in loops, from hand-written llvm-objdump output -----------------------------------------
@@ -98,7 +99,7 @@ Disassembly of section .text:
 
 
 def test_wmma_are_attributed_to_their_innermost_loop():
-    counts = report.count_wmma(_DISASSEMBLY)
+    counts = resource_report.count_wmma(_DISASSEMBLY)
     nested = counts["outer_inner"]
     # Inner loop 0x100c..0x1018 (two back edges: a `continue` and the latch) holds 0x100c, 0x1014;
     # the outer loop 0x1008..0x101c holds 0x1008; 0x1004 and 0x1024 are outside any loop.
@@ -142,7 +143,7 @@ KERNEL void scratch_kernel(float* out, int i) {
 """
 
 # Kernels whose LDS and workgroup size are known multiples of the allocation granules, so the
-# report's occupancy must equal the compiler's own estimate. `many_vgprs` keeps 12 accumulators live.
+# The report's occupancy must equal the compiler's own estimate. `many_vgprs` keeps 12 accumulators live.
 _OCCUPANCY = _PRELUDE + r"""
 #define LDS_KERNEL(name, threads, floats)                                  \
   KERNEL THREADS(threads) void name(float* out) {                          \
@@ -198,7 +199,7 @@ def compile_hip(tmp_path, source: str, target: str, *extra: str) -> tuple:
 
 
 def run_report(capsys, *argv) -> tuple:
-    rc = report.main([str(a) for a in argv])
+    rc = resource_report.main([str(a) for a in argv])
     return rc, capsys.readouterr().out
 
 
@@ -273,8 +274,8 @@ def test_manifest_input_and_missing_kernels(tmp_path, capsys):
 
 def test_unreadable_input_exits_2(tmp_path, capsys):
     (tmp_path / "bad.hsaco").write_bytes(b"not an elf")
-    assert report.main([str(tmp_path / "bad.hsaco")]) == 2
-    assert report.main(["--manifest", str(tmp_path / "absent.json")]) == 2
+    assert resource_report.main([str(tmp_path / "bad.hsaco")]) == 2
+    assert resource_report.main(["--manifest", str(tmp_path / "absent.json")]) == 2
 
 
 @needs_clang
@@ -284,7 +285,7 @@ def test_occupancy_matches_clang(tmp_path, target):
     names = re.findall(r"remark: Function Name: (\w+)", remarks)
     clang_waves = dict(zip(names, map(int, re.findall(r"Occupancy \[waves/SIMD\]: (\d+)", remarks))))
     co = load_code_object(hsaco)
-    ours = {k.name: report.occupancy(target, k, k.max_flat_workgroup_size).waves_per_simd for k in co.kernels}
+    ours = {k.name: resource_report.occupancy(target, k, k.max_flat_workgroup_size).waves_per_simd for k in co.kernels}
     assert len(ours) == 5 and ours == clang_waves
 
 
