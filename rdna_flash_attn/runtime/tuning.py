@@ -220,8 +220,8 @@ OVERRIDES = (
     Override("dq", {"open_key_tiles": False}, f"{SPILLED} with the loop's second copy", isa="gfx12", d_pad=(64,),
              masked=False),
     Override("dq", {"uniform_base": False}, f"{SPILLED} (VGPRs)", isa="gfx11", d_pad=(32,), masked=True),
-    Override("dq", {"peeled_steps": 1, "loop_unroll": 1}, f"after two peeled steps the last two unroll completely: "
-             f"{SPILLED}", isa="gfx11", d_pad=(64,)),
+    Override("dq", {"peeled_steps": 1, "loop_unroll": 1}, "after two peeled steps the last two unroll completely: "
+             + SPILLED, isa="gfx11", d_pad=(64,)),
 )
 
 

@@ -11,6 +11,7 @@ mirrors the kernel's *Shape struct; the static report checks the two agree.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from . import tuning
@@ -178,7 +179,7 @@ class BwdVariant(_WaveTiled):
     def traits(self, target: str) -> tuning.Traits:
         return tuning.traits(target, self.kind, self.dtype, self.d_pad, self.masked)
 
-    @property
+    @functools.cached_property  # read per launch: the table is walked once per variant
     def fused(self) -> bool:
         """A dK/dV workgroup makes both gradients (else half the workgroups make dV, half dK): the same on
         every ISA."""
