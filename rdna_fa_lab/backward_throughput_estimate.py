@@ -4,7 +4,7 @@ their disassembly (bench/estimate_gfx1100_backward.py prints and records it).
 Not a measurement. Same pipe model as throughput_estimate.py (the forward estimate); what differs
 is the counting: the backward main loops hold uniform branches (dQ: sweep 0 / 1; dK/dV: make_dk), so
 one iteration is traced through the control-flow graph per path instead of summing a span; no main loop
-branches on the causal flag (since update 11 of the results), and where dQ runs the tiles every query sees
+branches on the causal flag, and where dQ runs the tiles every query sees
 whole in a loop of their own, that loop is the one counted (main_loop); dK/dV's query fragments branch on
 whether any lane tests its scores, which none does in the estimate's calls (lane_vote). See
 bench/results/backward_estimate_gfx1100.md.
@@ -26,7 +26,7 @@ from .resource_report import occupancy
 from .throughput_estimate import (BATCH_HEADS, CALIBRATION, DTYPES, HARDWARE, SEQ, SIMDS_PER_CU, Insn, branch_target,
                                   disassemble, model, tally, target_of)
 
-# The backward's targets (issue 22) are at d64 and d128; SD1.5's 40, 80 and 160 are reported beside them,
+# The backward's targets are at d64 and d128; SD1.5's 40, 80 and 160 are reported beside them,
 # on useful FLOPs (d40 runs padded to 48).
 HEAD_DIMS = (40, 64, 80, 128, 160)
 

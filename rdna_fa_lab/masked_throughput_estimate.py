@@ -64,7 +64,7 @@ MASK_MAKERS = {
 VARLEN = "varlen (packed, cu_seqlens)"
 CASES = (*MASK_MAKERS, VARLEN)
 
-# Shapes masked and packed calls take in the models (issue 20): (name, dtype, d, mask case, batch, heads,
+# Shapes masked and packed calls take in the models: (name, dtype, d, mask case, batch, heads,
 # query lengths, key lengths, length every entry is padded to or None, the masked keys of a padding mask
 # as (first, end) or None), one length per batch entry. Flux's joint attention under the T5 mask (512
 # text tokens first, a 100-token prompt, then 4096 image tokens), Wan's cross-attention to its 512 T5

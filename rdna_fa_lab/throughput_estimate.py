@@ -9,7 +9,7 @@ ones (masked_throughput_estimate.py) are priced by the same model; the bench scr
 (bench/estimate_gfx1100.py forward, bench/estimate_8bit.py, bench/estimate_gfx1100_backward.py,
 bench/estimate_masked.py, and bench/estimate_external.py, the model's calibration on external kernels).
 
-The 8-bit forward ("8-bit QK+PV", kernels/fa_fwd8.h, gfx1201; issue 24) goes through the forward's reading
+The 8-bit forward ("8-bit QK+PV", kernels/fa_fwd8.h, gfx1201) goes through the forward's reading
 of the key-tile loop and its model unchanged, with one addition: an 8-bit WMMA costs half a 16-bit one on
 gfx12 (AMD's matrix instruction calculator: 8 cycles against 16). Where the kernel skips O's rescale on
 tiles without a new row maximum, that block counts on the forward's share of the tiles. K and V's
@@ -57,7 +57,7 @@ class Hardware:
     cache_gbs: float | None  # K/V re-reads hit L2 / Infinity Cache: AMD's 5.3 TB/s GCD-MCD peak; None: unknown
     lds_bytes_clk_cu: int  # assumed 128 (32 banks x 4 B per CU), see the .md
     operand_copies: int  # gfx11 WMMA operands are duplicated in both half-waves (DESIGN.md section 3)
-    published_tflops: float  # best measured forward published (issue 23's anchors), d128
+    published_tflops: float  # best measured forward published, d128 (the README's anchors)
     eight_bit_rate: float = 1.0  # 8-bit WMMA (iu8, fp8) issue rate over the 16-bit one (calculator: 8 vs 16 cycles)
 
     @property
@@ -77,7 +77,7 @@ HARDWARE = {
     "gfx1201": Hardware("RX 9070 XT", 64, 194.6, 1024, 640, None, 128, 1, 117.9, 2.0),  # gcnasm v201 assembly, bf16
 }
 
-# The calibration (issue 22; bench/estimate_external.py, bench/results/estimator_calibration.md): this
+# The calibration (bench/estimate_external.py, bench/results/estimator_calibration.md): this
 # model, run unchanged on external kernels whose RDNA throughput is published, over-predicts them.
 # Per target, measured / pessimistic estimate (geometric mean over the kernels whose own source was
 # measured) multiplies every figure; `*_nominal` keep the model's own. One factor, no mechanism: the

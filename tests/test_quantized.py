@@ -1,4 +1,4 @@
-"""The 8-bit forward's host side (ops/quantized.py, issue 24): a torch reference of its quantizing pass and
+"""The 8-bit forward's host side (ops/quantized.py): a torch reference of its quantizing pass and
 arithmetic, tied to the CPU model of the scheme (bench/quantized_attention_accuracy.py); the launches, the
 refusals, the setting, the variants. The kernels run in tests/gpu/test_quantized.py, against these
 references."""

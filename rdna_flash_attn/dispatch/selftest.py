@@ -52,7 +52,7 @@ DTYPES = (torch.float16, torch.bfloat16)
 # (batch, heads, key/value heads, query tokens, key tokens, head dim, softmax scale's sign): ragged tiles,
 # grouped heads, a negative scale (folded into Q's codes).
 EIGHT_BIT_CASES = ((1, 2, 2, 100, 130, 64, 1), (2, 4, 2, 77, 200, 128, 1), (1, 2, 1, 33, 64, 40, -1))
-EIGHT_BIT_BAR = MappingProxyType({"relative L1": 0.03, "1 - cosine": 0.001})  # issue 24's bar for "8-bit QK+PV"
+EIGHT_BIT_BAR = MappingProxyType({"relative L1": 0.03, "1 - cosine": 0.001})  # the 8-bit mode's bar (docs/8bit.md)
 
 
 @dataclass(frozen=True)

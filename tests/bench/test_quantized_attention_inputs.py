@@ -1,4 +1,4 @@
-"""The adversarial-input study of 8-bit QK+PV (bench/quantized_attention_inputs.py, issue 60 item 5): its
+"""The adversarial-input study of 8-bit QK+PV (bench/quantized_attention_inputs.py): its
 default scheme is the kernels' arithmetic, its generators make what they say, and its recorded numbers
 (bench/results/quantized_attention_inputs.json) come back for one small shape."""
 

@@ -1,4 +1,4 @@
-"""The 8-bit forward (kernels/quant8.h, fa_fwd8.h; issue 24) through the emulation of gfx12's 8-bit WMMA:
+"""The 8-bit forward (kernels/quant8.h, fa_fwd8.h) through the emulation of gfx12's 8-bit WMMA:
 K and V's quantizing pass against the torch reference, and the output against float64 attention and
 against the same arithmetic done in float64 from the pass's output and the reference's Q codes (the
 kernel quantizes Q itself, in registers and LDS).
