@@ -1,5 +1,5 @@
 """docs/tuning.md's tables, generated from the tuning table: `python -m tests.tuning_page --write`
-rewrites them, tests/test_tuning_table.py fails while the page differs."""
+rewrites them, tests/build/test_tuning_table.py fails while the page differs."""
 
 from __future__ import annotations
 

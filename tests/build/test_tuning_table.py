@@ -9,9 +9,9 @@ import pytest
 
 from rdna_flash_attn.runtime import tuning, variants
 
-from . import tuning_page
+from .. import tuning_page
 
-KERNELS = Path(__file__).resolve().parent.parent / "kernels"
+KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 KERNEL_SOURCES = sorted(KERNELS.rglob("*.h")) + sorted(KERNELS.glob("*.hip"))
 
 
