@@ -232,6 +232,7 @@ class Traits:
     instance: Instance
     values: dict = field(hash=False)
     reasons: dict = field(hash=False)  # knob -> why, for the overridden ones
+    overrides: tuple = field(hash=False)  # the rows that set a choice apart from its rule
 
     def __getattr__(self, name: str):
         values = self.__dict__.get("values", {})
@@ -245,12 +246,14 @@ def traits(target: str, kernel: str, dtype: str, d_pad: int, masked: bool = Fals
     instance = Instance(isa_of(target), kernel, dtype, d_pad, masked)
     overrides = [o for o in OVERRIDES if o.matches(instance)]
     values: dict = {"out_frags": out_frags} if kernel == "fwd" else {}
-    reasons = {}
+    reasons, changed_by = {}, []
     for knob in KNOBS[kernel]:
-        values[knob.name] = knob.default(instance, values)
+        rule = values[knob.name] = knob.default(instance, values)
         for override in overrides:
             if knob.name in override.values:
                 values[knob.name] = override.values[knob.name]
                 reasons[knob.name] = override.why
+                if values[knob.name] != rule:
+                    changed_by.append(override)
     values.pop("out_frags", None)
-    return Traits(instance, values, reasons)
+    return Traits(instance, values, reasons, tuple(changed_by))
