@@ -505,8 +505,11 @@ RDNA_DEV void dq_body(const BwdArgs& a, u16* lds) {
       // (one visible key: the gradient is exactly zero).
       const float p_total = p_share + other_half(p_share);
       const float pdp_total = delta_share + other_half(delta_share);  // exchanges outside any branch
-      delta = p_total > 0.f ? pdp_total / p_total : 0.f;
-      norm = p_total > 0.f ? log2_approx(p_total) : 0.f;
+      // A NaN log-sum-exp (a row SDPA makes NaN, fa_fwd.h) makes both NaN, and through them every P of the
+      // row's masked kernels and every dS of it: the gradients are NaN where SDPA's are.
+      const bool nan_row = !(neg_offset == neg_offset);
+      delta = nan_row ? neg_offset : p_total > 0.f ? pdp_total / p_total : 0.f;
+      norm = nan_row ? neg_offset : p_total > 0.f ? log2_approx(p_total) : 0.f;
       if (chunk == 0 && lane < 16 && valid_query) {
         a.delta[stats] = delta;
         a.row_log2_sum[stats] = norm;

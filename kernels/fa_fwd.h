@@ -213,7 +213,8 @@ struct FwdLoop {
   // maximum by up to half an ulp, and exp2 of that overflows once the maximum nears 2^31: bf16 scores can
   // (Q and K of 3e4 at the default scale), f16 ones cannot where SDPA's own f16 products stay finite. So
   // bf16 tiles whose scaled maximum reaches kHugeScore round their scores first, as SDPA does; below it the
-  // excess is under 1/2. Kernels without it keep the fused exponent (NaN for scores near 2^31).
+  // excess is under 1/2. T::kRoundsEveryScore: where that branch costs registers, every score is scaled
+  // and rounded, one multiply more per score.
   // S's first head-dim steps run ahead of its loop, so that their C operand is a zero constant (inline on
   // gfx12; on gfx11 one zero block kept across tiles) rather than accumulators zeroed every tile: two, so
   // that the loop keeps the parity of kDimFrags (clang unrolls an odd trip count away), or as the traits say.
@@ -341,7 +342,14 @@ struct FwdLoop {
     // Scores near their dtype's range (|scaled score| >= 2^24) are scaled and rounded first, as SDPA does
     // (T::kRoundsHugeScores). A row without a key in the tile (-inf) takes the branch too, harmlessly: -inf
     // times the positive scale stays -inf.
-    if (T::kRoundsHugeScores && BIAS != kScoreBias && step_scale > 0.f && any_lane(abs_f32(tile_top) >= kHugeScore)) {
+    if constexpr (T::kRoundsEveryScore && BIAS != kScoreBias) {
+      #pragma unroll
+      for (int j = 0; j < kKeyFrags; ++j)
+        #pragma unroll
+        for (int s = 0; s < 8; ++s) s_acc[j][s] = mul_rounded_f32(s_acc[j][s], step_scale);
+      step_scale = 1.f;
+    } else if (T::kRoundsHugeScores && BIAS != kScoreBias && step_scale > 0.f &&
+               any_lane(abs_f32(tile_top) >= kHugeScore)) {
       #pragma unroll
       for (int j = 0; j < kKeyFrags; ++j)
         #pragma unroll
@@ -482,16 +490,20 @@ RDNA_DEV void fwd_body(const FwdArgs& a, u16* lds) {
   const float inv_total = loop.row_max == __builtin_inff() ? __builtin_nanf("") : total > 0.f ? 1.f / total : 0.f;
   const float ref = loop.row_max == kNegInf ? 0.f : loop.row_max;
   // A row that sees no key (masked, or before a bottom-right diagonal) gives zeros, and +inf as its
-  // log-sum-exp (flash-attn's convention), which makes every probability the backward recomputes 0.
+  // log-sum-exp (flash-attn's convention), which makes every probability the backward recomputes 0. A
+  // row SDPA makes NaN (a NaN or +inf bias, a score overflowing float32) gives NaN as its log-sum-exp
+  // and its probability sum, which make the backward's gradients NaN where SDPA's are.
   if (chunk == 0 && lane < 16 && query < seq.seqlen_q) {
     const i64 row = batch * a.lse_stride_b + head * a.lse_stride_h + seq.q_row0 + query;
     const bool sees_keys = exact_total > 0.f;
-    a.lse[row] = sees_keys ? (ref + loop.prob_shift + log2_approx(exact_total)) * kLn2 : __builtin_inff();
+    const bool nan_row = !(exact_total == exact_total) || loop.row_max == __builtin_inff();
+    const float no_softmax = nan_row ? __builtin_nanf("") : __builtin_inff();
+    a.lse[row] = sees_keys ? (ref + loop.prob_shift + log2_approx(exact_total)) * kLn2 : no_softmax;
     // Kept apart, unlike in the lse, they give the backward this pass's probabilities even where float32
     // cannot hold log2(keys) beside a row offset near 2^30 (a huge finite bias).
     if (a.row_offset != nullptr) {
-      a.row_offset[row] = sees_keys ? ref + loop.prob_shift : __builtin_inff();
-      a.row_log2_sum[row] = sees_keys ? log2_approx(exact_total) : 0.f;
+      a.row_offset[row] = sees_keys ? ref + loop.prob_shift : no_softmax;
+      a.row_log2_sum[row] = sees_keys ? log2_approx(exact_total) : nan_row ? no_softmax : 0.f;
     }
   }
 

@@ -27,8 +27,8 @@ import torch
 
 from rdna_flash_attn.ops import attention as ops, quantized
 
-from rdna_fa_lab.attention_reference import (attention_fp64, backward_bound, grads_fp64, grads_input_dtype, max_error,
-                                             sdpa_math)
+from rdna_fa_lab.attention_reference import (attention_fp64, backward_bound, grads_fp64, grads_input_dtype,
+                                             grads_sdpa_math, max_error, sdpa_math)
 
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -68,7 +68,9 @@ VARLEN_SHAPES = (
 VARLEN_HEAD_DIMS = (64, 40, 128, 512, 80)
 EIGHT_BIT_SHAPES = ((1, 1), (1, 63), (65, 64), (17, 65))
 # (dtype, magnitude of Q and K): as large as SDPA's math in the dtype keeps finite
-HUGE_SCORES = ((torch.bfloat16, 3e4), (torch.float16, 25.0))
+# bf16 at head dims whose kernels round huge tiles in a branch (64) and round every score (168, 200)
+HUGE_SCORES = ((torch.bfloat16, 3e4, 64), (torch.bfloat16, 3e4, 168), (torch.bfloat16, 3e4, 200),
+               (torch.float16, 25.0, 64))
 
 
 def case_id(case) -> str:
@@ -208,21 +210,29 @@ def masked(launch_context, device, dtype, head_dim, kind, seq_q, seq_k, seed):
 
 def mask_edge_value(launch_context, device, value):
     """One key of one row at the value, one row all -inf: NaN rows, one-hot rows and zero rows where
-    SDPA's float32 math gives them, the other rows within the forward's rule."""
+    SDPA's float32 math gives them, the other rows within the forward's rule; gradients NaN where SDPA's
+    float64 gradients are (a NaN row makes every dK and dV NaN), and within the backward's rule where
+    none is."""
     generator = torch.Generator().manual_seed(7)
-    q = _bhsd(1, 1, 20, 64, torch.float16, generator, device)
+    q, dout = (_bhsd(1, 1, 20, 64, torch.float16, generator, device) for _ in range(2))
     k, v = (_bhsd(1, 1, 70, 64, torch.float16, generator, device) for _ in range(2))
     mask = torch.zeros(1, 1, 20, 70, device=device)
     mask[..., 1, 66] = value
     mask[..., 3, :] = float("-inf")
-    with checked(launch_context, q, k, v, mask):
-        out, _ = ops.flash_attention_forward(q, k, v, attn_mask=mask)
+    with checked(launch_context, q, k, v, dout, mask):
+        out, lse = ops.flash_attention_forward(q, k, v, attn_mask=mask)
+        grads = ops.flash_attention_backward(dout, q, k, v, lse, attn_mask=mask)
     expected = torch.nn.functional.scaled_dot_product_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(),
                                                                 attn_mask=mask.cpu())
     out = out.cpu()
     assert torch.equal(out.isnan(), expected.isnan()), "NaN rows differ from SDPA's"
     rows = ~expected.isnan().any(-1)
     assert max_error(out[rows], expected[rows]) <= 2e-3
+    expected_grads = grads_sdpa_math(*(t.double().cpu() for t in (q, k, v, dout)), attn_mask=mask.double().cpu())
+    for name, grad, ref in zip(("dq", "dk", "dv"), grads, expected_grads):
+        assert torch.equal(grad.isnan().cpu(), ref.isnan().cpu()), f"{name}: NaN elements differ from SDPA's"
+    if not any(ref.isnan().any() for ref in expected_grads):
+        check_backward(grads, q, k, v, dout, False, mask)
 
 
 def varlen(launch_context, device, dtype, head_dim, lengths_q, lengths_k, causal, seed):
@@ -279,13 +289,13 @@ def eight_bit(launch_context, device, seq_q, seq_k, seed):
     assert cosine > 0.99, f"cosine similarity {cosine:.4f}"
 
 
-def huge_scores(launch_context, device, dtype, magnitude):
+def huge_scores(launch_context, device, dtype, magnitude, head_dim):
     """Scaled scores near 2^32 (bf16 Q and K at 3e4), where SDPA's rounded scores still give a one-hot
     softmax: ours must too, with no overflow of the probabilities and no NaN."""
     generator = torch.Generator().manual_seed(3)
-    q, k = (_bhsd(1, 2, seq, 64, torch.float32, generator, device) * magnitude for seq in (33, 70))
+    q, k = (_bhsd(1, 2, seq, head_dim, torch.float32, generator, device) * magnitude for seq in (33, 70))
     q, k = q.to(dtype), k.to(dtype)
-    v = _bhsd(1, 2, 70, 64, dtype, generator, device)
+    v = _bhsd(1, 2, 70, head_dim, dtype, generator, device)
     with checked(launch_context, q, k, v):
         out, lse = ops.flash_attention_forward(q, k, v)
     ref, ref_lse = attention_fp64(q, k, v)

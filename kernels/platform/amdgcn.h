@@ -77,6 +77,11 @@ RDNA_DEV float log2_approx(float x) { return __builtin_amdgcn_logf(x); }
 RDNA_DEV float max_f32(float a, float b) { return __builtin_fmaxf(a, b); }
 RDNA_DEV float min_f32(float a, float b) { return __builtin_fminf(a, b); }
 RDNA_DEV float fma_f32(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+// a * b rounded to float32, never contracted into a later addition's fma.
+RDNA_DEV float mul_rounded_f32(float a, float b) {
+#pragma clang fp contract(off)
+  return a * b;
+}
 RDNA_DEV float abs_f32(float x) { return __builtin_fabsf(x); }
 RDNA_DEV float round_even(float x) { return __builtin_rintf(x); }  // to the nearest integer, ties to even
 RDNA_DEV float as_f32(u32 x) { return __builtin_bit_cast(float, x); }

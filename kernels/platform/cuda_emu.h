@@ -74,6 +74,7 @@ RDNA_DEV float log2_approx(float x) { return log2f(x); }
 RDNA_DEV float max_f32(float a, float b) { return fmaxf(a, b); }
 RDNA_DEV float min_f32(float a, float b) { return fminf(a, b); }
 RDNA_DEV float fma_f32(float a, float b, float c) { return fmaf(a, b, c); }
+RDNA_DEV float mul_rounded_f32(float a, float b) { return __fmul_rn(a, b); }  // never contracted
 RDNA_DEV float abs_f32(float x) { return fabsf(x); }
 RDNA_DEV float round_even(float x) { return rintf(x); }  // to the nearest integer, ties to even
 RDNA_DEV float as_f32(u32 x) { return __uint_as_float(x); }

@@ -77,6 +77,9 @@ FWD_KNOBS = (
     Knob("rounds_huge_scores", lambda i, k: i.dtype == "bf16",
          "bf16 tiles whose scaled maximum reaches 2^24 round their scores first, as SDPA does (a fused "
          "exponent overflows near 2^31); f16 scores cannot get there"),
+    Knob("rounds_every_score", lambda i, k: False,
+         "every score is scaled and rounded before its exponent, one multiply more per score: only where "
+         "the branch that rounds huge tiles alone costs registers"),
     Knob("peeled_score_steps", lambda i, k: 2 if i.dim_frags > 1 else 1,
          "S's first head-dim steps run ahead of its loop from a zero C operand; two keep the loop's parity"),
     Knob("peeled_score_steps_score_bias", lambda i, k: k["peeled_score_steps"],
@@ -181,8 +184,9 @@ OVERRIDES = (
              d_pad=(320,)),
     Override("fwd", {"sixteen_bit_vt": False}, f"{SPILLED} (256 VGPRs); not peeling S instead cost its key-padding "
              "loop 1.7 % (static estimate)", isa="gfx11", dtype="f16", d_pad=(64,), masked=True),
-    Override("fwd", {"rounds_huge_scores": False}, f"{SPILLED} with the branch (11 and 13 output fragments): these keep "
-             "the fused exponent, NaN for scaled scores near 2^31", dtype="bf16", d_pad=(176, 208)),
+    Override("fwd", {"rounds_huge_scores": False, "rounds_every_score": True},
+             f"{SPILLED} with the branch (11 and 13 output fragments): these round every score",
+             dtype="bf16", d_pad=(176, 208)),
     Override("fwd", {"peeled_score_steps": 0, "peeled_score_steps_score_bias": 0},
              "the zero block's 8 VGPRs cannot be spared past d256", isa="gfx11", d_pad=(320, 384, 512)),
     Override("fwd", {"peeled_score_steps": 0, "peeled_score_steps_score_bias": 0},

@@ -67,9 +67,9 @@ def test_8bit_passes_and_forward(emulated_layer, seq_q, seq_k):
     grid.eight_bit(launch_here, GPU, seq_q, seq_k, seed=seq_q * 100 + seq_k)
 
 
-@pytest.mark.parametrize("dtype,magnitude", grid.HUGE_SCORES, ids=str)
-def test_scores_near_the_dtypes_range(emulated_layer, dtype, magnitude):
-    grid.huge_scores(launch_here, GPU, dtype, magnitude)
+@pytest.mark.parametrize("dtype,magnitude,head_dim", grid.HUGE_SCORES, ids=str)
+def test_scores_near_the_dtypes_range(emulated_layer, dtype, magnitude, head_dim):
+    grid.huge_scores(launch_here, GPU, dtype, magnitude, head_dim)
 
 
 @pytest.mark.parametrize("long_side", ("queries", "keys"))

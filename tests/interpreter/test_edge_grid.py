@@ -75,7 +75,7 @@ def test_8bit_passes_and_forward(seq_q, seq_k):
     grid.eight_bit(on("gfx1201"), CPU, seq_q, seq_k, seed=seq_q * 100 + seq_k)
 
 
-@pytest.mark.parametrize("dtype,magnitude", grid.HUGE_SCORES, ids=str)
+@pytest.mark.parametrize("dtype,magnitude,head_dim", grid.HUGE_SCORES, ids=str)
 @pytest.mark.parametrize("target", TARGETS)
-def test_scores_near_the_dtypes_range(target, dtype, magnitude):
-    grid.huge_scores(on(target), CPU, dtype, magnitude)
+def test_scores_near_the_dtypes_range(target, dtype, magnitude, head_dim):
+    grid.huge_scores(on(target), CPU, dtype, magnitude, head_dim)
