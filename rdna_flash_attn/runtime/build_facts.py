@@ -12,7 +12,7 @@ import hashlib
 from pathlib import Path
 
 MANIFEST_FILE = "manifest.json"
-PREBUILT_TARGETS = ("gfx1100", "gfx1101", "gfx1102", "gfx1103", "gfx1150", "gfx1151", "gfx1200", "gfx1201")
+PREBUILT_TARGETS = ("gfx1100", "gfx1101", "gfx1102", "gfx1103", "gfx1150", "gfx1151", "gfx1152", "gfx1200", "gfx1201")
 # Code object version 5 is what HIP 6.0 and newer emit and load by default; version 4 is built beside it
 # for the targets HIP 5.x knows (gfx1100-gfx1103), whose runtimes had it as their default. The machine
 # code is the same: the kernels read no implicit (hidden) kernel argument, so only the ELF ABI version and
