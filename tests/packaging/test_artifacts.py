@@ -13,7 +13,7 @@ import torch
 
 import rdna_flash_attn
 from rdna_flash_attn.runtime import artifacts, build_facts, loader as runtime, variants
-from rdna_flash_attn.tools import rebuild
+from rdna_flash_attn.tools import cli, doctor, rebuild
 
 from .conftest import REPO_PREBUILT, fallback_reason_of_one_call
 
@@ -60,6 +60,28 @@ def test_non_rdna_target_forced_on_says_the_kernels_need_rdna(amd_gpu):
     rdna_flash_attn.settings.force = True  # past the policy, so the artifact lookup itself answers
     reason = fallback_reason_of_one_call()
     assert reason.startswith("no code object for gfx90a: the kernels run on RDNA3/RDNA4 GPUs")
+
+
+@pytest.mark.parametrize("target", ["gfx1170", "gfx1171"])
+def test_rdna4m_never_loads_gfx11_code_even_forced_or_built_locally(amd_gpu, target):
+    amd_gpu.target = target
+    make_local_build(target)  # gfx11 machine code filed under the RDNA 4m name
+    rdna_flash_attn.settings.force = True
+    reason = fallback_reason_of_one_call()
+    assert reason.startswith(f"{target} is an RDNA 4m APU: it runs gfx12-style WMMA under a gfx11 number, so the "
+                             "gfx11 code objects cannot run there")
+    assert amd_gpu.hip.loaded == []
+
+
+def test_doctor_says_plainly_why_rdna4m_runs_on_sdpa(amd_gpu, monkeypatch, capsys):
+    amd_gpu.target = "gfx1170"
+    monkeypatch.setattr(doctor, "gpu_devices", lambda: [torch.device("cuda", 0)])
+    assert cli.main(["doctor"]) == 0
+    lines = [" ".join(line.split()) for line in capsys.readouterr().out.splitlines()]
+    plain = "gfx1170 is an RDNA 4m APU: it runs gfx12-style WMMA under a gfx11 number"
+    assert any(line.startswith(f"gfx target gfx1170: {plain}") for line in lines)
+    assert any(line.startswith(f"kernels OFF: {plain}") for line in lines)
+    assert amd_gpu.hip.loaded == []
 
 
 def test_a_local_build_serves_a_target_without_a_prebuilt(amd_gpu):

@@ -132,6 +132,15 @@ def test_cli_refuses_an_unknown_target(capsys):
     assert "rebuild: 'gfx90a' is not an RDNA3/RDNA4 GPU target" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("target", ["gfx1170", "gfx1171"])
+def test_cli_refuses_rdna4m_targets_whatever_the_compiler(fake_clang, target, capsys):
+    clang = fake_clang("clang version 22.1.8")
+    assert cli.main(["rebuild", "--target", target, "--clang", str(clang)]) == 1
+    err = capsys.readouterr().err
+    assert f"rebuild: {target} is an RDNA 4m APU: it runs gfx12-style WMMA under a gfx11 number" in err
+    assert not artifacts.local_build_dir().exists()
+
+
 def test_cli_without_a_gpu_or_target_asks_for_one(capsys):
     assert cli.main(["rebuild"]) == 1
     assert "name the target, e.g. --target gfx1100" in capsys.readouterr().err
