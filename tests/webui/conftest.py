@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from extension import availability, entry, forge, guard, options, reforge
+from extension import attention_functions, availability, entry, forge, guard, options, reforge
 
 FAKES = Path(__file__).parent / "fakes"
 HOST_PACKAGES = ("modules", "backend", "modules_forge", "sgm", "ldm_patched")
@@ -44,6 +44,7 @@ def extension_state():
     options._subscribers.clear()
     availability._explained.clear()
     guard._reported.clear()
+    attention_functions._unknown_forms_logged.clear()
     entry._said_no_host = False
     _drop_host_modules()
 
