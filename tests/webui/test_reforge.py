@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from extension import entry, reforge
+import rdna_flash_attn
+from extension import entry, options, reforge
 from rdna_fa_lab.hosts import webui_harness
 from rdna_fa_lab.hosts.comfyui_harness import initialise, take_off_path
 
@@ -241,3 +242,30 @@ def test_real_video_vae_attention_blocks_run_on_the_kernels(real_ldm_patched, fa
     out, reference = routed_against_float64(block, x)
     assert len(fake_gpu.launches) == 1 and tuple(fake_gpu.launches[0][0].shape) == (2, 1, 64, 64)  # 2 frames
     torch.testing.assert_close(out.double(), reference, **BF16_TOL)
+
+
+def test_the_float32_setting_puts_a_float32_vae_on_the_kernels_in_bfloat16(ldm_patched, fake_gpu):
+    from modules import script_callbacks
+
+    model_module = importlib.import_module("ldm_patched.ldm.modules.diffusionmodules.model")
+    entry.setup()
+    model = torch.nn.Sequential(model_module.AttnBlock())
+    script_callbacks.model_loaded_callback(model)
+    generator = torch.Generator().manual_seed(seeds.case_seed("float32 vae"))
+    q, k, v = (torch.randn(1, 64, 8, 8, generator=generator) for _ in range(3))  # --no-half-vae: float32
+    model[0](q, k, v)
+    assert fake_gpu.launches == [] and model_module.calls["vae_attention"] == 1  # off by default
+    options.apply("rdna_fa_fp32_cast", True)
+    out = model[0](q, k, v)
+    assert len(fake_gpu.launches) == 1 and fake_gpu.launches[0][0].dtype == torch.bfloat16
+    assert out.dtype == torch.float32 and model_module.calls["vae_attention"] == 1
+    reference = model_module.pytorch_attention(q.double(), k.double(), v.double())
+    torch.testing.assert_close(out.double(), reference, atol=2e-2, rtol=2e-2)  # bfloat16 inputs
+
+
+def test_the_float32_setting_keeps_the_environments_cast(monkeypatch):
+    monkeypatch.setattr(options, "_fp32_cast_from_env", "fp16")
+    options.apply("rdna_fa_fp32_cast", True)
+    assert rdna_flash_attn.settings.fp32_cast == "fp16" and options.current("rdna_fa_fp32_cast") is True
+    options.apply("rdna_fa_fp32_cast", False)
+    assert rdna_flash_attn.settings.fp32_cast == "off" and options.current("rdna_fa_fp32_cast") is False
