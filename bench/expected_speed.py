@@ -174,7 +174,7 @@ def build() -> dict:
         "band": "[pessimistic, optimistic] of the model, both times the target's calibration factor",
         "by_head_dim": f"{forward['constants']['seq']} tokens, batch x heads {forward['constants']['batch_heads']}, "
                        "non-causal; the backward as training runs it (one dQ sweep)",
-        "not_estimated": "gfx1101-gfx1103, gfx1150, gfx1151, gfx1200: the estimator models the RX 7900 XTX (gfx1100) "
+        "not_estimated": "gfx1101-gfx1103, gfx1150-gfx1152, gfx1200: the estimator models the RX 7900 XTX (gfx1100) "
                          "and the RX 9070 XT (gfx1201) only",
         "provenance": {
             "generated_by": "python -m bench.expected_speed",

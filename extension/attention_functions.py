@@ -5,27 +5,33 @@ module that holds one."""
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 
 import torch
 
 import rdna_flash_attn
+from rdna_flash_attn.config import LOGGER_NAME
 
 from . import guard
 from .options import toggles
 
-KNOWN_PARAMETERS = ("mask", "attn_precision", "skip_reshape")  # after (q, k, v, heads)
+log = logging.getLogger(LOGGER_NAME)
+
+KNOWN_PARAMETERS = ("mask", "attn_precision", "skip_reshape", "skip_output_reshape")  # after (q, k, v, heads)
 
 
 def routed_attention_function(original, fallback_name: str = "Forge's attention_function"):
     """A ComfyUI-style attention function, as Forge's `attention_function`, reForge's and Forge Classic's
-    `optimized_attention` have it: `(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False)`
-    (Forge Classic's, and SD3's own `attention` in A1111 and Forge, stop after mask), q, k, v (B, N, H*D),
-    or (B, H, N, D) with skip_reshape; returns (B, N, H*D). The kernels accumulate in float32, which is what an `attn_precision` of
-    float32 asks for. Float masks go to the kernels where every backend of the host reads them alike
-    (`_mask_read_alike`), 3-D ones where `original` reads them as (batch, queries, keys)
-    (`_reads_3d_masks_batch_first`, tried at the first such call). A call the kernels do not take goes
-    to `original` with its own arguments."""
+    `optimized_attention` have it: `(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
+    skip_output_reshape=False)` (Forge's stops before skip_output_reshape, Forge Classic's, and SD3's own
+    `attention` in A1111 and Forge, after mask), q, k, v (B, N, H*D), or (B, H, N, D) with skip_reshape;
+    returns (B, N, H*D), or (B, H, N, D) with skip_output_reshape (reForge's Cosmos). The kernels
+    accumulate in float32, which is what an `attn_precision` of float32 asks for. Float masks go to the
+    kernels where every backend of the host reads them alike (`_mask_read_alike`), 3-D ones where
+    `original` reads them as (batch, queries, keys) (`_reads_3d_masks_batch_first`, tried at the first
+    such call). A call the kernels do not take goes to `original` with its own arguments; one of a form
+    not known here is logged once (`_log_unknown_form_once`)."""
     batch_first = None  # whether `original` reads 3-D masks batch first: unknown until one comes
 
     def mask_taken(mask) -> bool:
@@ -38,7 +44,7 @@ def routed_attention_function(original, fallback_name: str = "Forge's attention_
             batch_first = _reads_3d_masks_batch_first(original)
         return batch_first
 
-    def on_kernels(q, k, v, heads, mask, skip_reshape):
+    def on_kernels(q, k, v, heads, mask, skip_reshape, skip_output_reshape):
         if skip_reshape:
             q4, k4, v4 = q, k, v
         else:
@@ -46,15 +52,19 @@ def routed_attention_function(original, fallback_name: str = "Forge's attention_
         if mask is not None and mask.dim() == 3:  # (batch, queries, keys): mask_taken
             mask = mask[:, None]
         out = rdna_flash_attn.attention_or_reason(q4, k4, v4, attn_mask=mask, fallback_name=fallback_name)
-        return out.transpose(1, 2).flatten(2) if isinstance(out, torch.Tensor) else None
+        if not isinstance(out, torch.Tensor):
+            return None
+        return out if skip_output_reshape else out.transpose(1, 2).flatten(2)
 
     def attention_function(q, k, v, heads, *args, **kwargs):
         named = dict(zip(KNOWN_PARAMETERS, args), **kwargs)
         skip_reshape, mask = named.get("skip_reshape", False), named.get("mask")
-        known_form = len(args) <= len(KNOWN_PARAMETERS) and set(named) <= set(KNOWN_PARAMETERS)
-        if known_form and toggles.unet and _routable(q, k, v, heads, skip_reshape) and mask_taken(mask):
+        unknown = sorted(set(named) - set(KNOWN_PARAMETERS))
+        if unknown or len(args) > len(KNOWN_PARAMETERS):
+            _log_unknown_form_once(unknown, len(args), fallback_name)
+        elif toggles.unet and _routable(q, k, v, heads, skip_reshape) and mask_taken(mask):
             try:
-                out = on_kernels(q, k, v, heads, mask, skip_reshape)
+                out = on_kernels(q, k, v, heads, mask, skip_reshape, named.get("skip_output_reshape", False))
             except Exception as error:
                 guard.report_failure("attention_function", error)
                 out = None
@@ -64,6 +74,19 @@ def routed_attention_function(original, fallback_name: str = "Forge's attention_
 
     attention_function.rdna_original = original
     return attention_function
+
+
+_unknown_forms_logged: set[str] = set()
+
+
+def _log_unknown_form_once(unknown: list[str], positional: int, fallback_name: str) -> None:
+    """One INFO line per distinct call form the routing does not know (a keyword or a positional
+    argument past skip_output_reshape): such calls run on the host's function, unseen by stats()."""
+    form = f"keyword {', '.join(unknown)}" if unknown else f"{positional} arguments after heads"
+    if form not in _unknown_forms_logged:
+        _unknown_forms_logged.add(form)
+        log.info("not using the kernels: attention call with %s, unknown to the extension (%s runs these calls)",
+                 form, fallback_name)
 
 
 def _mask_read_alike(mask) -> bool:

@@ -18,15 +18,15 @@ _said_no_host = False
 
 
 def setup() -> str | None:
-    """Set the extension up for the running WebUI; returns its name ("a1111", "forge", "sdnext"), or
-    None where there is none. Never raises."""
+    """Set the extension up for the running WebUI; returns its adapter's name ("a1111", "forge", "reforge",
+    "sdnext"), or None where there is none. Never raises."""
     global _said_no_host
     try:
         name = host.detect()
         if name is None:
             if not _said_no_host:
                 _said_no_host = True
-                log.warning("%s: no supported WebUI found (A1111, Forge or SD.Next); not active", PREFIX)
+                log.warning("%s: no supported WebUI found (%s); not active", PREFIX, host.SUPPORTED)
             return None
         from modules import shared
 

@@ -7,6 +7,8 @@ import importlib
 import importlib.util
 import sys
 
+SUPPORTED = "A1111, Forge, reForge, Forge Classic or SD.Next"  # what the console names when none is found
+
 
 def _importable(name: str) -> bool:
     try:

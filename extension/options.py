@@ -26,9 +26,13 @@ class Toggles:
 
 
 toggles = Toggles()
-# Defaults follow the environment (RDNA_FA_TRAINING, RDNA_FA_PRECISION, RDNA_FA_LOG_LEVEL) read at import.
+# Defaults follow the environment (RDNA_FA_TRAINING, RDNA_FA_PRECISION, RDNA_FA_FP32_CAST, RDNA_FA_LOG_LEVEL)
+# read at import.
 _training_from_env = settings.training
 _precision_from_env = settings.precision
+_fp32_cast_from_env = settings.fp32_cast
+# bfloat16 keeps float32's range: a VAE is kept in float32 (--no-half-vae) where float16 overflows into NaNs
+FP32_CAST_WHEN_ON = "bf16"
 _log_level_from_env = settings.log_level  # what "log fallbacks: off" returns to
 _subscribers: list[Callable[[], None]] = []
 
@@ -53,6 +57,14 @@ def _set_training(on: bool) -> None:
 
 def _set_eight_bit(on: bool) -> None:
     settings.precision = "8bit-qkpv" if on else "exact"
+
+
+def _set_fp32_cast(on: bool) -> None:
+    # on: the environment's cast where it names one (fp16), else bfloat16; off: float32 calls fall back
+    if on:
+        settings.fp32_cast = _fp32_cast_from_env if _fp32_cast_from_env != "off" else FP32_CAST_WHEN_ON
+    else:
+        settings.fp32_cast = "off"
 
 
 def _shows_info(level: str | None) -> bool:
@@ -95,6 +107,9 @@ OPTIONS = (
     Option("rdna_fa_8bit", "8-bit attention for generation on RDNA4 (RX 9060/9070): faster, approximate "
            "(int8 Q K^T, fp8 P V); RDNA3 and training stay exact", _precision_from_env == "8bit-qkpv",
            _set_eight_bit, lambda: settings.precision == "8bit-qkpv"),
+    Option("rdna_fa_fp32_cast", "Run float32 attention on the kernels in bfloat16: a float32 VAE (--no-half-vae), "
+           "--no-half, upcast attention",
+           _fp32_cast_from_env != "off", _set_fp32_cast, lambda: settings.fp32_cast != "off"),
     Option("rdna_fa_log_fallbacks", "Log why attention calls fall back (once per reason)", False,
            _set_log_fallbacks, _logs_fallbacks),
 )

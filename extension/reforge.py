@@ -4,9 +4,10 @@ and have no optimizer registry (A1111's `SdOptimization` is gone there).
 The UNet's `CrossAttention.forward` looks `optimized_attention` / `optimized_attention_masked` up in
 `ldm_patched.ldm.modules.attention` at call time, and other modules (SD3, Flux, IP-Adapter, SAG ...)
 bound them at import: every module holding one of them, the attention module itself included, gets the
-routing function, and the same modules get the host's back on unload. The VAE's `AttnBlock` keeps its
-attention function per instance (`self.optimized_attention`), set when the block is built: each loaded
-model's blocks get the routing function at its load. Calls the kernels do not take run on the host's
+routing function, and the same modules get the host's back on unload. The VAE's attention blocks keep
+their attention function per instance (`self.optimized_attention`, from `vae_attention()` when the block is
+built): the image VAE's `AttnBlock`, Wan's video VAE `AttentionBlock` and Cosmos' tokenizer
+`CausalAttnBlock` alike; each loaded model's blocks get the routing function at its load. Calls the kernels do not take run on the host's
 own function with their own arguments. 3-D float masks (Flux's style-model bias, padded prompts) reach
 the kernels where the WebUI's function reads them as (batch, queries, keys), as all of today's reForge
 backends do; Forge Classic's PyTorch backend does not.
@@ -24,6 +25,8 @@ from .attention_functions import Rebinding, routed_attention_function, routed_si
 
 ATTENTION_MODULE = "ldm_patched.ldm.modules.attention"
 VAE_ATTENTION_BLOCK = "AttnBlock"
+# vae_attention() hands a block one of this module's functions, (q, k, v) -> out, each (B, C, H, W)
+VAE_ATTENTION_MODULE = "ldm_patched.ldm.modules.diffusionmodules.model"
 CLASSIC_VERSION = "classic"  # modules_forge.forge_version.version on Forge Classic
 
 
@@ -41,13 +44,21 @@ rebinding = Rebinding(ATTENTION_MODULE, {"optimized_attention": _route, "optimiz
 _vae_blocks: weakref.WeakSet = weakref.WeakSet()  # blocks whose attention function we replaced
 
 
+def _is_vae_attention(module, found) -> bool:
+    """Whether `found`, a block's `optimized_attention`, is the VAE's single-head spatial attention: an
+    `AttnBlock`'s, or any block's that took it from `vae_attention()` (the video VAEs' blocks)."""
+    if not callable(found) or hasattr(found, "rdna_original"):
+        return False
+    return type(module).__name__ == VAE_ATTENTION_BLOCK or getattr(found, "__module__", None) == VAE_ATTENTION_MODULE
+
+
 def route_vae_blocks(model) -> None:
     """Put the routing function on every VAE attention block of `model` that still has its own."""
     if not isinstance(model, torch.nn.Module):
         return
     for module in model.modules():
         found = getattr(module, "optimized_attention", None)
-        if type(module).__name__ != VAE_ATTENTION_BLOCK or not callable(found) or hasattr(found, "rdna_original"):
+        if not _is_vae_attention(module, found):
             continue
         module.optimized_attention = routed_single_head_spatial(found, fallback_name="the VAE's own attention")
         _vae_blocks.add(module)

@@ -34,11 +34,11 @@ LDS_LIMIT = variants.LDS_LIMIT  # bytes one workgroup may allocate on every RDNA
 # --- Occupancy facts --------------------------------------------------------------------------
 # VGPR file per SIMD, in wave32 registers, and the wave32 allocation granule. gfx1100, gfx1101,
 # gfx1151 and gfx12 have the 1.5x file (192 KiB = 1536 x 32 lanes x 4 bytes, granule 24); gfx1102,
-# gfx1103 and gfx1150 the base one (128 KiB = 1024, granule 16). Sources: LLVM AMDGPU.td (the
+# gfx1103, gfx1150 and gfx1152 the base one (128 KiB = 1024, granule 16). Sources: LLVM AMDGPU.td (the
 # targets with Feature1_5xVGPRs, formerly FeatureGFX11FullVGPRs), AMDGPUBaseInfo.cpp
 # getTotalNumVGPRs / getVGPRAllocGranule; Mesa ac_gpu_info.c (768 wave64 VGPRs per SIMD on Navi31,
 # Navi32, Strix Halo and gfx12, else 512). tests/test_report.py checks the resulting occupancy
-# against clang-19's own estimate (-Rpass-analysis=kernel-resource-usage) on all eight targets.
+# against clang-19's own estimate (-Rpass-analysis=kernel-resource-usage) on all nine targets.
 _VGPR_FILE_192K = (1536, 24)
 _VGPR_FILE_128K = (1024, 16)
 VGPR_FILE = {
@@ -48,6 +48,7 @@ VGPR_FILE = {
     "gfx1103": _VGPR_FILE_128K,
     "gfx1150": _VGPR_FILE_128K,
     "gfx1151": _VGPR_FILE_192K,
+    "gfx1152": _VGPR_FILE_128K,
     "gfx1200": _VGPR_FILE_192K,
     "gfx1201": _VGPR_FILE_192K,
 }

@@ -1,4 +1,5 @@
-"""SD-WebUI entry point (A1111, Forge and SD.Next load every scripts/*.py of an extension).
+"""SD-WebUI entry point (A1111, Forge, reForge, Forge Classic and SD.Next load every scripts/*.py of an
+extension).
 
 Loads this repository's `rdna_flash_attn` and `extension/` packages from their folders without
 putting the repository root on sys.path (its top-level names would shadow the WebUI's), then hands

@@ -151,9 +151,10 @@ def test_reads_kernels_and_target_from_synthetic_code_object():
     assert (k.max_flat_workgroup_size, k.wavefront_size, k.workgroup_processor_mode) == (128, 32, True)
 
 
-def test_target_falls_back_to_e_flags():
-    co = parse_code_object(_synthetic_code_object({"amdhsa.kernels": [_KERNEL_META]}, e_flags=0x4A))
-    assert co.target == "gfx1151"
+@pytest.mark.parametrize("e_flags, target", [(0x4A, "gfx1151"), (0x55, "gfx1152")])
+def test_target_falls_back_to_e_flags(e_flags, target):
+    co = parse_code_object(_synthetic_code_object({"amdhsa.kernels": [_KERNEL_META]}, e_flags=e_flags))
+    assert co.target == target
 
 
 def test_processor_of_strips_triple_and_features():

@@ -181,7 +181,7 @@ def test_policy_keeps_kernels_off_and_force_overrides_it(fake_gpu, info, word):
 
 
 @pytest.mark.parametrize("target", ["gfx1100", "gfx1101", "gfx1102", "gfx1103",
-                                    "gfx1150", "gfx1151", "gfx1200", "gfx1201"])
+                                    "gfx1150", "gfx1151", "gfx1152", "gfx1200", "gfx1201"])
 def test_rdna3_and_rdna4_targets_are_on(fake_gpu, target):
     fake_gpu.devices.info["gfx_target"] = target
     fake_gpu.devices.info["backend"] = "rocm"

@@ -17,7 +17,7 @@ CLANG = shutil.which("clang-19")
 OBJDUMP = resource_report.find_objdump()
 needs_clang = pytest.mark.skipif(CLANG is None, reason="clang-19 is not installed")
 needs_objdump = pytest.mark.skipif(CLANG is None or OBJDUMP is None, reason="clang-19 or llvm-objdump absent")
-ALL_TARGETS = ["gfx1100", "gfx1101", "gfx1102", "gfx1103", "gfx1150", "gfx1151", "gfx1200", "gfx1201"]
+ALL_TARGETS = ["gfx1100", "gfx1101", "gfx1102", "gfx1103", "gfx1150", "gfx1151", "gfx1152", "gfx1200", "gfx1201"]
 
 
 def kernel(vgprs=32, lds=0, wave=32, wgp_mode=True) -> KernelResources:
@@ -40,6 +40,7 @@ def kernel(vgprs=32, lds=0, wave=32, wgp_mode=True) -> KernelResources:
         ("gfx1102", 141, 7),  # 1024 // roundup(141, 16) = 1024 // 144
         ("gfx1103", 128, 8),  # 1024 // 128
         ("gfx1150", 96, 10),  # 1024 // 96
+        ("gfx1152", 256, 4),  # 1024 // 256, as clang-19 estimates it for gfx1152
         ("gfx1200", 130, 10),  # 1536 // 144
         ("gfx1201", 192, 8),  # 1536 // 192
     ],

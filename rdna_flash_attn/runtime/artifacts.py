@@ -26,7 +26,7 @@ from .. import environment
 from ..config import LOGGER_NAME, settings
 from . import variants
 from .build_facts import (CODE_OBJECT_VERSION, CODE_OBJECT_VERSIONS, LEGACY_CODE_OBJECT_VERSION, MAIN_SOURCE,
-                          MANIFEST_FILE, listed_code_objects, manifest_table, verify_code_objects)
+                          MANIFEST_FILE, listed_code_objects, manifest_table, rdna4m_refusal, verify_code_objects)
 from .build_facts import source_hash as sources_and_variants_hash
 
 log = logging.getLogger(LOGGER_NAME)
@@ -199,7 +199,10 @@ def _no_code_object(target: str, manifest: dict) -> str:
 
 def amd_artifacts(target: str) -> list[Artifact]:
     """The code objects of a GPU target, default version first: the local build of these sources if
-    there is one, else the prebuilt ones."""
+    there is one, else the prebuilt ones. ArtifactError for an RDNA 4m target, whatever lies in the folders."""
+    refusal = rdna4m_refusal(target)
+    if refusal:
+        raise ArtifactError(refusal)
     return _local_artifacts(target) or _prebuilt_artifacts(target)
 
 

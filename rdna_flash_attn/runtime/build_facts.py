@@ -12,7 +12,7 @@ import hashlib
 from pathlib import Path
 
 MANIFEST_FILE = "manifest.json"
-PREBUILT_TARGETS = ("gfx1100", "gfx1101", "gfx1102", "gfx1103", "gfx1150", "gfx1151", "gfx1200", "gfx1201")
+PREBUILT_TARGETS = ("gfx1100", "gfx1101", "gfx1102", "gfx1103", "gfx1150", "gfx1151", "gfx1152", "gfx1200", "gfx1201")
 # Code object version 5 is what HIP 6.0 and newer emit and load by default; version 4 is built beside it
 # for the targets HIP 5.x knows (gfx1100-gfx1103), whose runtimes had it as their default. The machine
 # code is the same: the kernels read no implicit (hidden) kernel argument, so only the ELF ABI version and
@@ -21,11 +21,22 @@ CODE_OBJECT_VERSION = 5
 LEGACY_CODE_OBJECT_VERSION = 4
 CODE_OBJECT_VERSIONS = (CODE_OBJECT_VERSION, LEGACY_CODE_OBJECT_VERSION)  # default first
 LEGACY_TARGETS = ("gfx1100", "gfx1101", "gfx1102", "gfx1103")
+# The "RDNA 4m" APUs (gfx1170, gfx1171) run gfx12-style WMMA under gfx11 numbers: a gfx11 code object's
+# matrix instructions mean something else there, and neither clang-19 nor clang-22 builds for them.
+RDNA4M_PREFIX = "gfx117"
 MAIN_SOURCE = "attention.hip"
 INSTANCES_HEADER = "instances.inc"
 # -cuid: clang otherwise names a symbol after a hash of paths and options, and the code objects would
 # differ between checkouts.
 CLANG_FLAGS = "-x hip --cuda-device-only --no-gpu-bundle-output -nogpulib -nogpuinc -O3 -std=c++17 -cuid=rdna_flash_attn"
+
+
+def rdna4m_refusal(target: str) -> str | None:
+    """Why no code object may ever be loaded or built for an RDNA 4m target, or None for any other."""
+    if not target.startswith(RDNA4M_PREFIX):
+        return None
+    return (f"{target} is an RDNA 4m APU: it runs gfx12-style WMMA under a gfx11 number, so the gfx11 code "
+            "objects cannot run there, and no compiler this project uses (clang-19, clang-22) builds for it")
 
 
 def clang_flags(code_object_version: int = CODE_OBJECT_VERSION) -> list[str]:

@@ -35,6 +35,7 @@ _MACH_TO_PROCESSOR = {
     0x44: "gfx1103",
     0x43: "gfx1150",
     0x4A: "gfx1151",
+    0x55: "gfx1152",
     0x48: "gfx1200",
     0x4E: "gfx1201",
 }

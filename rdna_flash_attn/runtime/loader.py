@@ -29,8 +29,9 @@ DEFAULT_EMULATED_LAYER = "gfx11"
 # first (what they emit themselves), and v5 only if v4 is refused. See docs/hip_runtimes.md.
 FIRST_HIP_PREFERRING_V5 = (6, 0)
 # The first HIP release whose runtime knows a target (ROCm/clr rocclr/device/device.cpp's ISA table):
-# an older runtime refuses its code objects whatever their version.
-FIRST_HIP_KNOWING_TARGET = {"gfx1150": (6, 0), "gfx1151": (6, 0), "gfx1200": (6, 2), "gfx1201": (6, 2)}
+# an older runtime refuses its code objects whatever their version. gfx1152 came after rocm-6.2.2.
+FIRST_HIP_KNOWING_TARGET = {"gfx1150": (6, 0), "gfx1151": (6, 0), "gfx1152": (6, 3), "gfx1200": (6, 2),
+                            "gfx1201": (6, 2)}
 
 
 def hip_version_tuple(version: str | None) -> tuple[int, int] | None:

@@ -45,7 +45,8 @@ def _doctor_device(device: torch.device) -> None:
     print(f"{device}:")
     _line("  name", info.name)
     _line("  backend", info.backend)
-    _line("  gfx target", info.gfx_target or "-")
+    rdna4m = artifacts.rdna4m_refusal(info.gfx_target or "")
+    _line("  gfx target", f"{info.gfx_target}: {rdna4m}" if rdna4m else info.gfx_target or "-")
     _line("  runtime", info.runtime_version or "-")
     try:  # loading checks the sha256 against the manifest
         library = loader.loaded_library(info)

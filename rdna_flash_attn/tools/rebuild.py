@@ -30,7 +30,8 @@ import torch
 from ..dispatch import selftest
 from ..runtime import artifacts, device as devices, loader, variants
 from ..runtime.build_facts import (CODE_OBJECT_VERSION, CODE_OBJECT_VERSIONS, INSTANCES_HEADER, MAIN_SOURCE,
-                                   MANIFEST_FILE, artifact_name, clang_flags, code_object_versions, manifest_table)
+                                   MANIFEST_FILE, artifact_name, clang_flags, code_object_versions, manifest_table,
+                                   rdna4m_refusal)
 
 RDNA_TARGET = re.compile(r"gfx1[12][0-9a-f]{2}")  # the gfx11 and gfx12 matrix layers (isa/isa.h)
 MIN_CLANG_MAJOR = 19
@@ -57,6 +58,9 @@ def check_target(target: str) -> str:
     name = target.strip().lower()
     if not RDNA_TARGET.fullmatch(name):
         raise BuildError(f"{target!r} is not an RDNA3/RDNA4 GPU target (gfx11xx or gfx12xx, e.g. gfx1100)")
+    refusal = rdna4m_refusal(name)
+    if refusal:
+        raise BuildError(refusal)
     return name
 
 

@@ -13,7 +13,7 @@ import torch
 
 import rdna_flash_attn
 from rdna_flash_attn.runtime import artifacts, build_facts, loader as runtime, variants
-from rdna_flash_attn.tools import rebuild
+from rdna_flash_attn.tools import cli, doctor, rebuild
 
 from .conftest import REPO_PREBUILT, fallback_reason_of_one_call
 
@@ -49,10 +49,10 @@ def test_missing_code_object_is_a_clear_reason_and_sdpa_runs(prebuilt_copy, amd_
 
 
 def test_rdna_target_without_a_prebuilt_names_the_rebuild_command(amd_gpu):
-    amd_gpu.target = "gfx1152"
+    amd_gpu.target = "gfx1153"
     reason = fallback_reason_of_one_call()
-    assert reason.startswith("no prebuilt code object for gfx1152 (prebuilt: gfx1100, ")
-    assert "python -m rdna_flash_attn rebuild --target gfx1152" in reason
+    assert reason.startswith("no prebuilt code object for gfx1153 (prebuilt: gfx1100, ")
+    assert "python -m rdna_flash_attn rebuild --target gfx1153" in reason
 
 
 def test_non_rdna_target_forced_on_says_the_kernels_need_rdna(amd_gpu):
@@ -62,14 +62,36 @@ def test_non_rdna_target_forced_on_says_the_kernels_need_rdna(amd_gpu):
     assert reason.startswith("no code object for gfx90a: the kernels run on RDNA3/RDNA4 GPUs")
 
 
+@pytest.mark.parametrize("target", ["gfx1170", "gfx1171"])
+def test_rdna4m_never_loads_gfx11_code_even_forced_or_built_locally(amd_gpu, target):
+    amd_gpu.target = target
+    make_local_build(target)  # gfx11 machine code filed under the RDNA 4m name
+    rdna_flash_attn.settings.force = True
+    reason = fallback_reason_of_one_call()
+    assert reason.startswith(f"{target} is an RDNA 4m APU: it runs gfx12-style WMMA under a gfx11 number, so the "
+                             "gfx11 code objects cannot run there")
+    assert amd_gpu.hip.loaded == []
+
+
+def test_doctor_says_plainly_why_rdna4m_runs_on_sdpa(amd_gpu, monkeypatch, capsys):
+    amd_gpu.target = "gfx1170"
+    monkeypatch.setattr(doctor, "gpu_devices", lambda: [torch.device("cuda", 0)])
+    assert cli.main(["doctor"]) == 0
+    lines = [" ".join(line.split()) for line in capsys.readouterr().out.splitlines()]
+    plain = "gfx1170 is an RDNA 4m APU: it runs gfx12-style WMMA under a gfx11 number"
+    assert any(line.startswith(f"gfx target gfx1170: {plain}") for line in lines)
+    assert any(line.startswith(f"kernels OFF: {plain}") for line in lines)
+    assert amd_gpu.hip.loaded == []
+
+
 def test_a_local_build_serves_a_target_without_a_prebuilt(amd_gpu):
-    amd_gpu.target = "gfx1152"
-    folder = make_local_build("gfx1152")
-    artifact = artifacts.amd_artifact("gfx1152")
-    assert artifact.local and artifact.path == folder / "rdna_fa_gfx1152.hsaco"
+    amd_gpu.target = "gfx1153"
+    folder = make_local_build("gfx1153")
+    artifact = artifacts.amd_artifact("gfx1153")
+    assert artifact.local and artifact.path == folder / "rdna_fa_gfx1153.hsaco"
     assert runtime.loaded_library_for(torch.device("cuda", 0)).artifact.local
     assert amd_gpu.hip.loaded == [artifact.path.read_bytes()]
-    assert artifacts.local_build_targets() == ["gfx1152"]
+    assert artifacts.local_build_targets() == ["gfx1153"]
 
 
 def test_a_local_build_is_preferred_to_the_prebuilt_one(amd_gpu):
@@ -102,6 +124,7 @@ def test_verify_prebuilt_names_each_problem(prebuilt_copy):
     (prebuilt_copy / "rdna_fa_gfx1102.hsaco").write_bytes(b"x")
     (prebuilt_copy / "rdna_fa_gfx1200.hsaco").unlink()
     verified, problems = artifacts.verify_prebuilt()
-    assert "gfx1102" not in verified and "gfx1200" not in verified and len(verified) == 6
+    assert "gfx1102" not in verified and "gfx1200" not in verified
+    assert len(verified) == len(build_facts.PREBUILT_TARGETS) - 2
     assert problems[0].startswith("gfx1102: rdna_fa_gfx1102.hsaco does not match the sha256")
     assert problems[1] == "gfx1200: rdna_fa_gfx1200.hsaco is missing"

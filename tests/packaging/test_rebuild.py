@@ -113,9 +113,9 @@ def test_no_clang_at_all_is_one_clear_message(only_on_path):
 
 
 def test_cli_with_a_too_old_clang_changes_nothing_and_sdpa_keeps_running(fake_clang, amd_gpu, capsys):
-    amd_gpu.target = "gfx1152"
+    amd_gpu.target = "gfx1153"
     old = fake_clang("clang version 16.0.6")
-    assert cli.main(["rebuild", "--target", "gfx1152", "--clang", str(old)]) == 1
+    assert cli.main(["rebuild", "--target", "gfx1153", "--clang", str(old)]) == 1
     out, err = capsys.readouterr()
     assert "Traceback" not in err and out == ""
     assert err.splitlines() == [
@@ -124,12 +124,21 @@ def test_cli_with_a_too_old_clang_changes_nothing_and_sdpa_keeps_running(fake_cl
         "rebuild: nothing changed; attention keeps running where it did (prebuilt kernels or PyTorch SDPA)",
     ]
     assert not artifacts.local_build_dir().exists()
-    assert "no prebuilt code object for gfx1152" in fallback_reason_of_one_call()
+    assert "no prebuilt code object for gfx1153" in fallback_reason_of_one_call()
 
 
 def test_cli_refuses_an_unknown_target(capsys):
     assert cli.main(["rebuild", "--target", "gfx90a"]) == 1
     assert "rebuild: 'gfx90a' is not an RDNA3/RDNA4 GPU target" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("target", ["gfx1170", "gfx1171"])
+def test_cli_refuses_rdna4m_targets_whatever_the_compiler(fake_clang, target, capsys):
+    clang = fake_clang("clang version 22.1.8")
+    assert cli.main(["rebuild", "--target", target, "--clang", str(clang)]) == 1
+    err = capsys.readouterr().err
+    assert f"rebuild: {target} is an RDNA 4m APU: it runs gfx12-style WMMA under a gfx11 number" in err
+    assert not artifacts.local_build_dir().exists()
 
 
 def test_cli_without_a_gpu_or_target_asks_for_one(capsys):
@@ -146,28 +155,28 @@ def test_clang_that_does_not_know_the_target(fake_clang):
 
 
 def test_build_into_the_user_cache_is_used_by_the_runtime(fake_clang, amd_gpu, capsys):
-    amd_gpu.target = "gfx1152"
+    amd_gpu.target = "gfx1153"
     clang = fake_clang("clang version 19.1.7")
-    assert cli.main(["rebuild", "--target", "gfx1152,gfx1100", "--clang", str(clang), "--jobs", "2"]) == 0
+    assert cli.main(["rebuild", "--target", "gfx1153,gfx1100", "--clang", str(clang), "--jobs", "2"]) == 0
     out = capsys.readouterr().out
     folder = artifacts.local_build_dir()
     assert folder.parent == Path(rdna_flash_attn.settings.cache_dir) / "kernels"
-    assert re.search(r"\[\d/3\] gfx1152: compiling code object v5 \(\d+ kernels", out)
-    assert re.search(r"\[\d/3\] gfx1152: v5 done in", out) and re.search(r"\[\d/3\] gfx1100: v4 done in", out)
+    assert re.search(r"\[\d/3\] gfx1153: compiling code object v5 \(\d+ kernels", out)
+    assert re.search(r"\[\d/3\] gfx1153: v5 done in", out) and re.search(r"\[\d/3\] gfx1100: v4 done in", out)
     assert "no GPU of these targets here: the self-test runs on first use" in out  # torch sees no GPU here
 
     # what clang was asked: the prebuilt command, with the generated variant list on the include path
-    compiled = (folder / "rdna_fa_gfx1152.hsaco").read_text().split()
-    assert compiled[:-3] == build_facts.clang_flags(5) + ["--offload-arch=gfx1152"]
+    compiled = (folder / "rdna_fa_gfx1153.hsaco").read_text().split()
+    assert compiled[:-3] == build_facts.clang_flags(5) + ["--offload-arch=gfx1153"]
     compiled_v4 = (folder / "rdna_fa_gfx1100.cov4.hsaco").read_text().split()
     assert compiled_v4[:-3] == build_facts.clang_flags(4) + ["--offload-arch=gfx1100"]
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["source_hash"] == artifacts.source_hash() and manifest["compiler"] == "clang version 19.1.7"
-    assert sorted(manifest["targets"]) == ["gfx1100", "gfx1152"] and sorted(manifest["targets_cov4"]) == ["gfx1100"]
+    assert sorted(manifest["targets"]) == ["gfx1100", "gfx1153"] and sorted(manifest["targets_cov4"]) == ["gfx1100"]
     assert list(folder.glob(".*")) == []  # no partial files left
 
-    artifact = artifacts.amd_artifact("gfx1152")
-    assert artifact.local and artifact.read_verified() == (folder / "rdna_fa_gfx1152.hsaco").read_bytes()
+    artifact = artifacts.amd_artifact("gfx1153")
+    assert artifact.local and artifact.read_verified() == (folder / "rdna_fa_gfx1153.hsaco").read_bytes()
     assert artifacts.amd_artifact("gfx1100").local  # the user asked: preferred to the prebuilt one
 
     assert cli.main(["rebuild", "--clear"]) == 0
@@ -201,13 +210,13 @@ def test_doctor_shows_prebuilt_local_builds_and_compiler(prebuilt_copy, fake_cla
     (prebuilt_copy / "rdna_fa_gfx1101.hsaco").write_bytes(b"x")
     clang = fake_clang("clang version 20.1.0", name="clang-20")
     only_on_path(clang.parent)
-    rebuild.build_local(["gfx1152"], progress=lambda line: None)
+    rebuild.build_local(["gfx1153"], progress=lambda line: None)
     capsys.readouterr()
     assert cli.main(["doctor"]) == 0
     out = re.sub(r" +", " ", capsys.readouterr().out)
-    assert f"prebuilt {prebuilt_copy}: 7 targets sha256-verified (gfx1100, gfx1102," in out
+    assert f"prebuilt {prebuilt_copy}: 8 targets sha256-verified (gfx1100, gfx1102," in out
     assert "PROBLEM gfx1101: rdna_fa_gfx1101.hsaco does not match the sha256" in out
-    assert f"local builds {artifacts.local_build_dir()}: gfx1152 (used instead of prebuilt)" in out
+    assert f"local builds {artifacts.local_build_dir()}: gfx1153 (used instead of prebuilt)" in out
     assert f"compiler {clang} (clang version 20.1.0)" in out
 
 

@@ -4,12 +4,13 @@ state put back afterwards (patched class forwards, rebound module globals, setti
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 from pathlib import Path
 
 import pytest
 
-from extension import availability, entry, forge, guard, options, reforge
+from extension import attention_functions, availability, entry, forge, guard, options, reforge
 
 FAKES = Path(__file__).parent / "fakes"
 HOST_PACKAGES = ("modules", "backend", "modules_forge", "sgm", "ldm_patched")
@@ -20,6 +21,11 @@ def _drop_host_modules() -> None:
     for name in list(sys.modules):
         if name.split(".")[0] in HOST_PACKAGES:
             del sys.modules[name]
+    # inspect remembers each module's file by name: a real WebUI's namespace package of a fake's name
+    # would then fail inspect.getmodule (which torch.library.custom_op calls at reForge's import)
+    for name in list(inspect._filesbymodname):
+        if name.split(".")[0] in HOST_PACKAGES:
+            del inspect._filesbymodname[name]
 
 
 def _ldm_classes():
@@ -44,6 +50,7 @@ def extension_state():
     options._subscribers.clear()
     availability._explained.clear()
     guard._reported.clear()
+    attention_functions._unknown_forms_logged.clear()
     entry._said_no_host = False
     _drop_host_modules()
 

@@ -93,6 +93,10 @@ def test_settings_registered_in_their_own_section_and_applied_on_change(fake_gpu
     assert rdna_flash_attn.settings.precision == "8bit-qkpv"
     assert shared.opts.set("rdna_fa_8bit", False)
     assert rdna_flash_attn.settings.precision == "exact"
+    assert shared.opts.set("rdna_fa_fp32_cast", True)
+    assert rdna_flash_attn.settings.fp32_cast == "bf16"
+    assert shared.opts.set("rdna_fa_fp32_cast", False)
+    assert rdna_flash_attn.settings.fp32_cast == "off"
     assert shared.opts.set("rdna_fa_log_fallbacks", True)
     assert rdna_flash_attn.settings.log_level == "INFO"
     assert shared.opts.set("rdna_fa_unet", False) and shared.opts.set("rdna_fa_vae", False)

@@ -7,12 +7,19 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from extension import entry, reforge
+import rdna_flash_attn
+from extension import entry, options, reforge
+from rdna_fa_lab.hosts import webui_harness
+from rdna_fa_lab.hosts.comfyui_harness import initialise, take_off_path
+
+from .. import seeds
 
 KERNEL_TOL = dict(atol=2e-3, rtol=1e-2)  # fp16 kernels (float32 math) vs the host's SDPA on fp16 inputs
 
@@ -134,3 +141,131 @@ def test_sd3s_four_dimensional_v_runs_on_the_kernels(ldm_patched, fake_gpu):
     assert len(fake_gpu.launches) == 1 and ldm_patched.calls["optimized_attention"] == 0
     torch.testing.assert_close(out.float(), ldm_patched.attention_pytorch(q.float(), k.float(), v.float(), 4),
                                **KERNEL_TOL)
+
+
+def test_cosmos_heads_first_call_with_heads_first_output_runs_on_the_kernels(ldm_patched, fake_gpu):
+    # reForge's Cosmos v1 passes (B, H, L, D) and takes (B, H, L, D) back: skip_reshape, skip_output_reshape
+    entry.setup()
+    generator = torch.Generator().manual_seed(seeds.case_seed("cosmos skip_output_reshape"))
+    q, k, v = (torch.randn(2, 4, 48, 64, generator=generator).half() for _ in range(3))
+    out = ldm_patched.optimized_attention(q, k, v, 4, skip_reshape=True, mask=None, skip_output_reshape=True)
+    assert len(fake_gpu.launches) == 1 and ldm_patched.calls["optimized_attention"] == 0
+    reference = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    assert out.shape == (2, 4, 48, 64)
+    torch.testing.assert_close(out.double(), reference, **KERNEL_TOL)
+
+
+def test_a_call_form_the_routing_does_not_know_runs_the_hosts_function_and_is_logged_once(fake_gpu, log_records):
+    seen = []
+
+    def host_attention(q, k, v, heads, mask=None, **kwargs):
+        seen.append(kwargs)
+        return q
+
+    routed = reforge.routed_attention_function(host_attention, fallback_name="the WebUI's own attention")
+    q, k, v = qkv()
+    for _ in range(2):
+        assert routed(q, k, v, 8, transformer_options={"block": 1}) is q
+    assert fake_gpu.launches == [] and seen == [{"transformer_options": {"block": 1}}] * 2
+    (line,) = [r.message for r in log_records.records if "unknown to the extension" in r.message]
+    assert line.endswith("not using the kernels: attention call with keyword transformer_options, unknown to the "
+                         "extension (the WebUI's own attention runs these calls)")
+
+
+def test_video_vae_blocks_that_took_vae_attention_route_and_come_back(ldm_patched, fake_gpu):
+    from modules import script_callbacks
+
+    model_module = importlib.import_module("ldm_patched.ldm.modules.diffusionmodules.model")
+    wan_vae = importlib.import_module("ldm_patched.ldm.wan.vae")
+    entry.setup()
+    model = torch.nn.Sequential(wan_vae.AttentionBlock())
+    script_callbacks.model_loaded_callback(model)
+    generator = torch.Generator().manual_seed(seeds.case_seed("wan vae block"))
+    frames = torch.randn(3, 3 * 64, 8, 8, generator=generator).half()  # q, k, v of 3 frames, one projection
+    out = model[0](frames)
+    assert len(fake_gpu.launches) == 1 and model_module.calls["vae_attention"] == 0
+    q, k, v = (t.double().flatten(2).transpose(1, 2)[:, None] for t in frames.chunk(3, dim=1))
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v)[:, 0].transpose(1, 2).reshape(3, 64, 8, 8)
+    torch.testing.assert_close(out.double(), reference, **KERNEL_TOL)
+    script_callbacks.script_unloaded_callback()
+    assert model[0].optimized_attention is model_module.pytorch_attention
+
+
+# Folders of real reForge / Forge Classic checkouts (os.pathsep-separated, as the coverage tests take them);
+# none in CI, where the fakes above stand for them
+REAL_FOLDERS = [Path(p) for p in os.environ.get("RDNA_FA_TEST_WEBUIS", "").split(os.pathsep) if p]
+REAL_LDM_PATCHED = [folder for folder in REAL_FOLDERS if (folder / "ldm_patched" / "ldm" / "wan" / "vae.py").is_file()]
+BF16_TOL = dict(atol=3e-2, rtol=3e-2)  # the model's bf16 layers around the attention, against float64
+
+
+@pytest.fixture(params=REAL_LDM_PATCHED, ids=str)
+def real_ldm_patched(request):
+    """A real reForge folder's own model code importable (its PyTorch attention chosen, on the CPU), as the
+    coverage benchmark loads it; the extension's state and the host's modules go back afterwards."""
+    webui = webui_harness.detect(request.param)
+    webui_harness.start(webui, cpu=True)
+    request.addfinalizer(lambda: take_off_path(webui.folder))
+    return webui
+
+
+def routed_against_float64(block: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the block's bf16 output with the extension's routing in place, as at a model load; the block's
+    float64 output on the host's own attention)."""
+    initialise(block, seed=seeds.case_seed(type(block).__name__))
+    with torch.no_grad():
+        reference = block.double()(x.double())
+        reforge.rebinding.apply()
+        reforge.route_vae_blocks(block)
+        out = block.to(torch.bfloat16)(x.to(torch.bfloat16))
+    return out, reference
+
+
+@pytest.mark.skipif(not REAL_LDM_PATCHED, reason="no reForge folder with Wan's VAE in RDNA_FA_TEST_WEBUIS")
+def test_real_cosmos_v1_attention_runs_on_the_kernels(real_ldm_patched, fake_gpu):
+    blocks = importlib.import_module("ldm_patched.ldm.cosmos.blocks")
+    operations = importlib.import_module("ldm_patched.modules.ops").disable_weight_init
+    block = blocks.Attention(128, heads=2, dim_head=64, qkv_norm="RRI", operations=operations)
+    x = torch.randn(32, 2, 128, generator=torch.Generator().manual_seed(seeds.case_seed("cosmos v1")))  # (S, B, K)
+    out, reference = routed_against_float64(block, x)
+    assert len(fake_gpu.launches) == 1
+    torch.testing.assert_close(out.double(), reference, **BF16_TOL)
+
+
+@pytest.mark.skipif(not REAL_LDM_PATCHED, reason="no reForge folder with Wan's VAE in RDNA_FA_TEST_WEBUIS")
+@pytest.mark.parametrize("block_of", [
+    lambda: importlib.import_module("ldm_patched.ldm.wan.vae").AttentionBlock(64),
+    lambda: importlib.import_module("ldm_patched.ldm.cosmos.cosmos_tokenizer.layers3d").CausalAttnBlock(64, 32),
+], ids=["wan", "cosmos"])
+def test_real_video_vae_attention_blocks_run_on_the_kernels(real_ldm_patched, fake_gpu, block_of):
+    block = block_of()
+    x = torch.randn(1, 64, 2, 8, 8, generator=torch.Generator().manual_seed(seeds.case_seed("video vae")))
+    out, reference = routed_against_float64(block, x)
+    assert len(fake_gpu.launches) == 1 and tuple(fake_gpu.launches[0][0].shape) == (2, 1, 64, 64)  # 2 frames
+    torch.testing.assert_close(out.double(), reference, **BF16_TOL)
+
+
+def test_the_float32_setting_puts_a_float32_vae_on_the_kernels_in_bfloat16(ldm_patched, fake_gpu):
+    from modules import script_callbacks
+
+    model_module = importlib.import_module("ldm_patched.ldm.modules.diffusionmodules.model")
+    entry.setup()
+    model = torch.nn.Sequential(model_module.AttnBlock())
+    script_callbacks.model_loaded_callback(model)
+    generator = torch.Generator().manual_seed(seeds.case_seed("float32 vae"))
+    q, k, v = (torch.randn(1, 64, 8, 8, generator=generator) for _ in range(3))  # --no-half-vae: float32
+    model[0](q, k, v)
+    assert fake_gpu.launches == [] and model_module.calls["vae_attention"] == 1  # off by default
+    options.apply("rdna_fa_fp32_cast", True)
+    out = model[0](q, k, v)
+    assert len(fake_gpu.launches) == 1 and fake_gpu.launches[0][0].dtype == torch.bfloat16
+    assert out.dtype == torch.float32 and model_module.calls["vae_attention"] == 1
+    reference = model_module.pytorch_attention(q.double(), k.double(), v.double())
+    torch.testing.assert_close(out.double(), reference, atol=2e-2, rtol=2e-2)  # bfloat16 inputs
+
+
+def test_the_float32_setting_keeps_the_environments_cast(monkeypatch):
+    monkeypatch.setattr(options, "_fp32_cast_from_env", "fp16")
+    options.apply("rdna_fa_fp32_cast", True)
+    assert rdna_flash_attn.settings.fp32_cast == "fp16" and options.current("rdna_fa_fp32_cast") is True
+    options.apply("rdna_fa_fp32_cast", False)
+    assert rdna_flash_attn.settings.fp32_cast == "off" and options.current("rdna_fa_fp32_cast") is False

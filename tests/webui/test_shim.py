@@ -40,7 +40,7 @@ def test_outside_any_webui_it_says_so_once(tmp_path):
     result = run("import runpy, sys; runpy.run_path(sys.argv[1]); runpy.run_path(sys.argv[1])", REPO, tmp_path)
     assert result.returncode == 0, result.stderr
     assert our_lines(result.stderr) == [
-        "RDNA Flash Attention: no supported WebUI found (A1111, Forge or SD.Next); not active"
+        "RDNA Flash Attention: no supported WebUI found (A1111, Forge, reForge, Forge Classic or SD.Next); not active"
     ]
 
 

@@ -1,5 +1,5 @@
 """Fake of reForge's ldm_patched/ldm/modules/diffusionmodules/model.py: the VAE's AttnBlock keeps its
-attention function per instance, chosen when the block is built."""
+attention function per instance, chosen by vae_attention() when the block is built."""
 
 import torch
 
@@ -14,10 +14,14 @@ def pytorch_attention(q, k, v):
     return out.transpose(2, 3).reshape(b, c, h, w)
 
 
+def vae_attention():
+    return pytorch_attention
+
+
 class AttnBlock(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.optimized_attention = pytorch_attention
+        self.optimized_attention = vae_attention()
 
     def forward(self, q, k, v):
         return self.optimized_attention(q, k, v)
