@@ -5,9 +5,10 @@ torch's context parallelism (torch.distributed.tensor.experimental.context_paral
 each rank's chunk, called directly, so no override of `F.scaled_dot_product_attention` reaches it; xDiT's
 default backend calls the forward op directly too. Here both ops get a kernel at the GPU's dispatch key
 (CUDA, which ROCm builds of PyTorch use for HIP) that runs our kernels on the calls the dispatcher takes
-(on RDNA GPUs only, decided per call as for every other entry) and hands every other call, with its dispatch key set, to the kernel that was registered before
-(torch.library.get_kernel, PyTorch 2.9 and newer). Autograd stays torch's: its derivative of the forward
-op is the backward op, which recomputes from the out and logsumexp it is given, as ring attention needs.
+(on RDNA GPUs only, decided per call as for every other entry) and hands every other call, with its
+dispatch key set, to the kernel that was registered before (torch.library.get_kernel, PyTorch 2.9 and
+newer). Autograd stays torch's: its derivative of the forward op is the backward op, which recomputes from
+the out and logsumexp it is given, as ring attention needs.
 
 Calls taken: float16/bfloat16 without dropout or debug mask, causal only with as many queries as keys
 (the op's causal mask is then the same in every alignment), on a device whose kernels passed their

@@ -20,7 +20,8 @@ if not hasattr(torch.library, "get_kernel"):
 from ..call_path import interpreted_gpu  # noqa: E402
 
 
-@pytest.mark.parametrize("target, dtype, causal", [("gfx1201", torch.bfloat16, True), ("gfx1100", torch.float16, False)])
+@pytest.mark.parametrize("target, dtype, causal",
+                         [("gfx1201", torch.bfloat16, True), ("gfx1100", torch.float16, False)])
 def test_the_aten_ops_on_the_code_objects_match_fp64(target, dtype, causal):
     generator = torch.Generator().manual_seed(case_seed((target, dtype, causal)))
     q, k, v, dout = (torch.randn(1, 2, 40, 64, generator=generator).to(dtype) for _ in range(4))

@@ -1,7 +1,7 @@
-"""The .pth hook: off unless RDNA_FA_PATCH_SDPA (or RDNA_FA_ATEN_OPS) is set when the program imports torch (at start, or
-by the program itself before its `import torch`, as ai-toolkit does from its .env file); then the
-override is installed right after that import (nothing imported earlier); a failure never stops the
-interpreter. Proved with a real interpreter start in a virtual environment holding the hook."""
+"""The .pth hook: off unless RDNA_FA_PATCH_SDPA (or RDNA_FA_ATEN_OPS) is set when the program imports
+torch (at start, or by the program itself before its `import torch`, as ai-toolkit does from its .env
+file); then the override is installed right after that import (nothing imported earlier); a failure never
+stops the interpreter. Proved with a real interpreter start in a virtual environment holding the hook."""
 
 from __future__ import annotations
 
