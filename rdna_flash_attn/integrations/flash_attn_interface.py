@@ -383,7 +383,8 @@ def flash_attn_varlen_kvpacked_func(
                                   return_attn_probs)
 
 
-# --- the private forward/backward pair (flash-attn >= 2.7), which diffusers' context parallelism drives -----
+# --- the private forward/backward pair (flash-attn >= 2.7): diffusers' context parallelism, yunchang's and
+# xDiT's ring attention drive it ----------------------------------------------------------------------------
 
 
 def _refuse_private(function: str, dropout_p, softcap) -> None:

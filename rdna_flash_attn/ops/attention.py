@@ -19,7 +19,7 @@ from .plans import DTYPE_NAMES, LOG2_E, MASK_KINDS, MAX_GRID_YZ, ForwardPlan, Pa
 __all__ = ["KernelUnavailable", "BackwardStats", "backward_stats_like", "check_cu_seqlens", "artifact_info",
            "forward_launcher", "launch_forward", "launch_backward", "launch_varlen_forward", "launch_varlen_backward",
            "flash_attention_forward", "flash_attention_backward", "launch_backward_from_output",
-           "flash_attention_backward_from_output", "flash_attention_varlen_forward",
+           "flash_attention_varlen_forward",
            "flash_attention_varlen_backward", "kernel_layout", "packed_kernel_layout", "output_like"]
 
 
@@ -326,21 +326,6 @@ def launch_backward_from_output(dout, q, k, v, out, lse, is_causal: bool = False
     saved = BackwardStats(out_low, row_offset, torch.zeros_like(row_offset))
     return launch_backward(dout, q, k, v, row_offset, is_causal, scale, attn_mask=attn_mask, bottom_right=bottom_right,
                            out=out, saved=saved)
-
-
-def flash_attention_backward_from_output(dout, q, k, v, out, lse, is_causal: bool = False, scale: float | None = None,
-                                         *, attn_mask: torch.Tensor | None = None, bottom_right: bool = False):
-    """launch_backward_from_output, its arguments checked here first: ValueError for those the kernels do
-    not take. dout and out are laid out for the kernels as q is (kernel_layout)."""
-    plans.planned(plans.plan_forward(q, k, v, is_causal, scale, attn_mask, backward=True, bottom_right=bottom_right))
-    if dout.shape != q.shape or out.shape != q.shape or out.dtype != q.dtype:
-        raise ValueError("dout and out must match the query's shape (out its dtype too)")
-    if lse.shape != q.shape[:3]:
-        raise ValueError("lse must be (batch, heads, seq_q)")
-    dout, out = kernel_layout(dout), kernel_layout(out)
-    plans.planned(plans.plan_forward(dout, k, v))
-    return launch_backward_from_output(dout, q, k, v, out, lse, is_causal, scale, attn_mask=attn_mask,
-                                       bottom_right=bottom_right)
 
 
 def _launch_gradients(dout, q, k, v, lse, dq, dk, dv, causal: int, scale, attn_mask, batch: int, seq_q: int,
