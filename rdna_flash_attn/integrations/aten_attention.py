@@ -108,7 +108,7 @@ def _rng_placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]
     """The op's philox seed and offset, unused without dropout, in the dtypes its builds give."""
     if torch.version.hip:
         return torch.zeros((), dtype=torch.long, device=device), torch.zeros((), dtype=torch.long, device=device)
-    return (torch.zeros(2, dtype=torch.uint64, device=device), torch.zeros((), dtype=torch.uint64, device=device))
+    return torch.zeros(2, dtype=torch.uint64, device=device), torch.zeros((), dtype=torch.uint64, device=device)
 
 
 def _forward_kernel(original):
@@ -117,13 +117,11 @@ def _forward_kernel(original):
                                                                               scale)
         if isinstance(plan, Refusal):
             router.count_fallback(plan.reason, _FALLBACK)
-            return original(keyset, query, key, value, dropout_p, is_causal, return_debug_mask,
-                                       scale=scale)
+            return original(keyset, query, key, value, dropout_p, is_causal, return_debug_mask, scale=scale)
         out, lse = ops.launch_forward(plan.kernel, query, key, value, launcher=plan.launcher)
         router.count_kernel_call()
         seed, offset = _rng_placeholders(query.device)
-        return (out, lse, None, None, query.shape[2], key.shape[2], seed, offset,
-                query.new_empty(0))
+        return out, lse, None, None, query.shape[2], key.shape[2], seed, offset, query.new_empty(0)
 
     return forward
 
@@ -137,8 +135,8 @@ def _backward_kernel(original):
             plan = Refusal("grad_out or out in another dtype than the query")
         if isinstance(plan, Refusal):
             router.count_fallback(plan.reason, _FALLBACK)
-            return original(keyset, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
-                                       max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, scale=scale)
+            return original(keyset, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+                            dropout_p, is_causal, philox_seed, philox_offset, scale=scale)
         grads = ops.launch_backward_from_output(ops.kernel_layout(grad_out), query, key, value,
                                                 ops.kernel_layout(out), logsumexp, bool(is_causal), plan.kernel.scale)
         router.count_kernel_call()

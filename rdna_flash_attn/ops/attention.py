@@ -19,8 +19,8 @@ from .plans import DTYPE_NAMES, LOG2_E, MASK_KINDS, MAX_GRID_YZ, ForwardPlan, Pa
 __all__ = ["KernelUnavailable", "BackwardStats", "backward_stats_like", "check_cu_seqlens", "artifact_info",
            "forward_launcher", "launch_forward", "launch_backward", "launch_varlen_forward", "launch_varlen_backward",
            "flash_attention_forward", "flash_attention_backward", "launch_backward_from_output",
-           "flash_attention_varlen_forward",
-           "flash_attention_varlen_backward", "kernel_layout", "packed_kernel_layout", "output_like"]
+           "flash_attention_varlen_forward", "flash_attention_varlen_backward", "kernel_layout", "packed_kernel_layout",
+           "output_like"]
 
 
 def _set_problem(args, q, k, attn_mask: torch.Tensor | None, cu_seqlens_q=None, cu_seqlens_k=None) -> None:
