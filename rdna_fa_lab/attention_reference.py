@@ -112,6 +112,16 @@ def backward_bound(input_dtype_error: float) -> float:
     return 2 * input_dtype_error + FA2_ABSOLUTE_FLOOR
 
 
+def summed_backward_bound(input_dtype_error: float, reference: torch.Tensor, dtype: torch.dtype,
+                          roundings: int) -> float:
+    """FlashAttention-2's criterion for a gradient that ring attention sums from partial gradients, each
+    returned in `dtype` as flash-attn (and torch's attention ops) return them: the input-dtype attention's
+    error plus one rounding of the gradient to `dtype` per partial and per cast of the sum (`roundings`),
+    doubled, plus flash-attn's floor. `reference`: the float64 gradient."""
+    rounding = max_error(reference.to(dtype), reference)
+    return backward_bound(input_dtype_error + roundings * rounding)
+
+
 def rising_scores(batch, heads, seq_q, seq_k, head_dim, rise, dtype, generator, device="cuda"):
     """Q and K (B, H, S, D) whose scores at the default scale, in base 2, rise by `rise` from each block of
     64 keys to the next and spread over 3 units inside one: with rise > 0 a forward's key tiles keep

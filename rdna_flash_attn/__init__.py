@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # what _load_api binds, spelled out for type checkers and tes
     from .dispatch.router import (attention_or_reason, explain, precision, reset_stats, scaled_dot_product_attention,
                                   stats)
     from .dispatch.sdpa_patch import disable_sdpa_patch, enable_sdpa_patch, patch_sdpa, sdpa_patch_enabled
+    from .integrations.aten_attention import serve_aten_attention, stop_serving_aten_attention
     from .integrations.diffusers_attention import install_attention_processor, restore_attention_processors
     from .integrations.flash_attn_interface import flash_attn_func
 
@@ -55,6 +56,8 @@ _API = {
     "enable_sdpa_patch": "dispatch.sdpa_patch",
     "patch_sdpa": "dispatch.sdpa_patch",
     "sdpa_patch_enabled": "dispatch.sdpa_patch",
+    "serve_aten_attention": "integrations.aten_attention",
+    "stop_serving_aten_attention": "integrations.aten_attention",
     "install_attention_processor": "integrations.diffusers_attention",
     "restore_attention_processors": "integrations.diffusers_attention",
     "flash_attn_func": "integrations.flash_attn_interface",
@@ -98,8 +101,10 @@ __all__ = [
     "precision",
     "reset_stats",
     "restore_attention_processors",
+    "serve_aten_attention",
     "scaled_dot_product_attention",
     "sdpa_patch_enabled",
     "settings",
     "stats",
+    "stop_serving_aten_attention",
 ]

@@ -122,6 +122,12 @@ class Settings:
         "exact | 8bit-qkpv: 8bit-qkpv runs inference calls (no gradients, mask or causal) on RDNA4 (gfx12) in "
         "approximate 8-bit attention (int8 Q K^T, fp8 P V); RDNA3 has no faster 8-bit rate and stays exact.",
     )
+    aten_ops: bool = _option(
+        "RDNA_FA_ATEN_OPS",
+        False,
+        "1: the kernels also serve torch's aten::_scaled_dot_product_flash_attention and its backward on RDNA "
+        "GPUs (torch's context parallelism and xDiT's default backend call them directly); PyTorch 2.9 or newer.",
+    )
     log_level: str | None = _option(
         "RDNA_FA_LOG_LEVEL",
         None,
@@ -171,6 +177,7 @@ _CHECKS = {
     "training": _check_bool,
     "fp32_cast": _check_fp32_cast,
     "precision": check_precision,
+    "aten_ops": _check_bool,
     "log_level": _check_log_level,
     "cache_dir": _check_optional_str,
 }

@@ -72,6 +72,30 @@ def _math_attention(q, k, v, is_causal=False, scale=None, attn_mask=None, bottom
     return (probs @ v.float()).to(q.dtype), lse
 
 
+def _math_gradients_from_output(dout, q, k, v, out, lse, is_causal=False, scale=None, attn_mask=None,
+                                bottom_right=False):
+    """(dq, dk, dv) in float32 from a given out and lse, as flash-attn's backward computes them (the
+    probabilities from lse, rowsum(dout * out) from out), in the inputs' dtypes; a row whose lse is not
+    finite gets zero gradients."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    group = q.shape[1] // k.shape[1]
+    k_full, v_full = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
+    scores = (q.float() @ k_full.transpose(-2, -1)) * scale
+    if is_causal:
+        shift = k.shape[-2] - q.shape[-2] if bottom_right else 0
+        scores = scores.masked_fill(~torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril(shift), float("-inf"))
+    if attn_mask is not None:
+        scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
+                  else scores + attn_mask.float())
+    lse = lse.float().masked_fill(~torch.isfinite(lse), float("inf"))[..., None]
+    probs = (scores - lse).exp()
+    dscores = probs * (dout.float() @ v_full.transpose(-2, -1) - (dout.float() * out.float()).sum(-1, keepdim=True))
+    dq = dscores @ k_full * scale
+    dk, dv = dscores.transpose(-2, -1) @ q.float() * scale, probs.transpose(-2, -1) @ dout.float()
+    dk, dv = (g.unflatten(1, (k.shape[1], group)).sum(2) for g in (dk, dv))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 class FakeDevices:
     """device.describe's double: every device is the one these attributes describe (counts calls)."""
 
@@ -110,6 +134,7 @@ class FakeKernels:
         self.launches = []  # (q, k, v, is_causal, scale) of each plain forward launch
         self.differentiable_launches = 0
         self.varlen_launches = 0
+        self.backward_from_output_launches = 0
         self.prepared_launches = 0  # forward_launcher calls: one per plan of a forward-only call
         self.error = 0.0  # added to every output: a broken kernel
         self.raises: Exception | None = None
@@ -155,6 +180,11 @@ class FakeKernels:
         return self.flash_attention_with_lse(q, k, v, is_causal, scale, attn_mask=attn_mask,
                                              bottom_right=bottom_right)[0]
 
+    def launch_backward_from_output(self, dout, q, k, v, out, lse, is_causal=False, scale=None, *, attn_mask=None,
+                                    bottom_right=False):
+        self.backward_from_output_launches += 1
+        return _math_gradients_from_output(dout, q, k, v, out, lse, is_causal, scale, _plain(attn_mask), bottom_right)
+
     def varlen_attention(self, plan, q, k, v, cu_seqlens_q, cu_seqlens_k):
         """Packed batches: each entry through _math_attention, causal bottom-right; (out, lse (H, total_q))."""
         assert isinstance(plan, plans.VarlenPlan)
@@ -183,6 +213,7 @@ def untested_fake_gpu(monkeypatch) -> FakeKernels:
     monkeypatch.setattr(ops, "flash_attention_forward", kernels.flash_attention_forward)
     monkeypatch.setattr(ops, "forward_launcher", kernels.forward_launcher)
     monkeypatch.setattr(ops, "launch_forward", kernels.launch_forward)
+    monkeypatch.setattr(ops, "launch_backward_from_output", kernels.launch_backward_from_output)
     monkeypatch.setattr(autograd, "flash_attention", kernels.flash_attention)
     monkeypatch.setattr(autograd, "flash_attention_with_lse", kernels.flash_attention_with_lse)
     monkeypatch.setattr(autograd, "varlen_attention", kernels.varlen_attention)

@@ -66,6 +66,8 @@ INSTALLED = "installed"  # the diagram's box around the package's layers
 DEFERRED_IMPORTS = {
     ("rdna_flash_attn.integrations.autoload", "rdna_flash_attn.dispatch.sdpa_patch"):
         "the .pth hook loads autoload.py by its path before torch is imported; the package comes after torch",
+    ("rdna_flash_attn.integrations.autoload", "rdna_flash_attn.integrations.aten_attention"):
+        "the .pth hook loads autoload.py by its path before torch is imported; the package comes after torch",
     ("rdna_fa_lab.interpreted", "rdna_fa_lab.interpreter"):
         "the interpreter needs numpy and tinygrad; the lab's bench shows the expected speed without them",
     ("rdna_fa_lab.interpreted_selftest", "rdna_fa_lab.interpreter"):

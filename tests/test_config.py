@@ -16,12 +16,13 @@ from rdna_flash_attn.config import LOGGER_NAME, Settings, settings
 from rdna_flash_attn.runtime import loader
 
 ENV_VARS = {"RDNA_FA_DISABLE", "RDNA_FA_FORCE", "RDNA_FA_TRAINING", "RDNA_FA_FP32_CAST", "RDNA_FA_PRECISION",
-            "RDNA_FA_LOG_LEVEL", "RDNA_FA_CACHE_DIR"}
+            "RDNA_FA_LOG_LEVEL", "RDNA_FA_CACHE_DIR", "RDNA_FA_ATEN_OPS"}
 
 
 def test_defaults():
     assert Settings.from_env({}) == Settings(
-        disable=False, force=False, training=True, fp32_cast="off", precision="exact", log_level=None, cache_dir=None
+        disable=False, force=False, training=True, fp32_cast="off", precision="exact", log_level=None, cache_dir=None,
+        aten_ops=False,
     )
 
 

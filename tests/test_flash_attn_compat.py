@@ -762,6 +762,42 @@ def test_private_backward_matches_autograd_of_the_reference(kwargs):
     assert softmax_d.shape == (2, 4, 128) and not softmax_d[:, :, 14:].any()
 
 
+def test_private_backward_runs_on_the_kernels_from_the_given_out_and_lse(fake_gpu):
+    # causal with more queries than keys: the first 8 rows see no key, and get zero gradients
+    q, k, v = bshd(q_len=20, k_len=12, heads=4, kv_heads=2)
+    out, lse, _, rng_state = fa._flash_attn_forward(q, k, v, 0.0, None, True, -1, -1, None, None, False)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(13)).half()
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    softmax_d = fa._flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.0, None, True, -1, -1, None, None,
+                                        False, rng_state)
+    assert fake_gpu.backward_from_output_launches == 1
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    reference(*leaves, causal=True)[0].backward(dout.double())
+    for grad, expected in zip((dq, dk, dv), leaves):
+        torch.testing.assert_close(grad.double(), expected.grad, **tolerance(q.dtype))
+    assert not dq[:, :8].any() and torch.isinf(lse[:, :, :8]).all()
+    torch.testing.assert_close(softmax_d[:, :, :20], (dout.float() * out.float()).sum(-1).transpose(1, 2))
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_private_backward_takes_either_infinite_lse_as_a_row_without_keys(kernels, request):
+    # +inf is flash-attn's mark; -inf is what a log-sum-exp merge leaves: both give zero gradients there
+    if kernels:
+        request.getfixturevalue("fake_gpu")
+    q, k, v = bshd(q_len=20, k_len=12, heads=4, kv_heads=2, dtype=torch.float16 if kernels else torch.float32)
+    out, lse, *_ = fa._flash_attn_forward(q, k, v, 0.0, None, True, -1, -1, 0.0, None, False)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(14)).to(q.dtype)
+    grads = []
+    for marked in (lse, lse.masked_fill(torch.isinf(lse), -INF)):
+        buffers = [torch.empty_like(t) for t in (q, k, v)]
+        fa._flash_attn_backward(dout, q, k, v, out, marked, *buffers, 0.0, None, True, -1, -1, 0.0, None, False)
+        grads.append(buffers)
+    for with_plus, with_minus in zip(*grads):
+        assert torch.isfinite(with_minus).all()
+        torch.testing.assert_close(with_minus, with_plus, atol=0, rtol=0)
+    assert not grads[1][0][:, :8].any()
+
+
 def test_private_pair_supports_ring_attention_over_key_chunks():
     # diffusers' ring attention: a forward per key/value chunk, outputs merged by their lse, then a
     # backward per chunk with the merged out and lse; the chunks' gradients add up to the whole's.

@@ -138,12 +138,15 @@ def _kernel_dtypes(device_type: str, dtypes: tuple[torch.dtype, ...]
 
 
 def plan_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-                   *, bottom_right: bool = False) -> AttentionPlan | Refusal:
+                   *, bottom_right: bool = False, backward: bool = False) -> AttentionPlan | Refusal:
     """The plan for these SDPA arguments, or why the call falls back (`bottom_right`: flash-attn's causal
-    alignment, for its own callers). Eager calls of a signature decided before pay one lookup; calls of
-    a graph being compiled are decided while it is traced (dynamo's guards do the caching)."""
+    alignment, for its own callers; `backward`: the call's backward kernels are wanted though autograd
+    would not ask, for callers that run them on their own). Eager calls of a signature decided before pay
+    one lookup; calls of a graph being compiled are decided while it is traced (dynamo's guards do the
+    caching)."""
     if plans.is_compiling():
-        return _new_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, bottom_right, True)
+        return _new_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, bottom_right, True,
+                         backward)
     signature = None
     if (attn_mask is None and type(query) is torch.Tensor and type(key) is torch.Tensor and type(value) is torch.Tensor
             and type(is_causal) is bool and type(enable_gqa) is bool and type(dropout_p) in (float, int)
@@ -155,22 +158,24 @@ def plan_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
                          query.layout, key.layout, value.layout, query.shape, key.shape, value.shape,
                          query.stride(), key.stride(), value.stride(),
                          query.data_ptr() & 15, key.data_ptr() & 15, value.data_ptr() & 15,
-                         dropout_p, is_causal, scale, enable_gqa, bottom_right, autocast_dtype(device.type),
+                         dropout_p, is_causal, scale, enable_gqa, bottom_right, backward, autocast_dtype(device.type),
                          torch.is_grad_enabled(), query.requires_grad, key.requires_grad, value.requires_grad)
         except (RuntimeError, NotImplementedError):  # tensors without strides or storage: decided every time
             signature = None
     if signature is None:  # masks, tensor subclasses, odd argument types: decided every time
-        return _new_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, bottom_right, False)
+        return _new_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, bottom_right, False,
+                         backward)
     plan = state.plans.get(signature)
     if plan is None:
         generation = state.generation
-        plan = _new_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, bottom_right, False)
+        plan = _new_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, bottom_right, False,
+                         backward)
         state.remember(signature, plan, generation)
     return plan
 
 
 def _new_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, bottom_right: bool,
-              tracing: bool) -> AttentionPlan | Refusal:
+              tracing: bool, backward_wanted: bool) -> AttentionPlan | Refusal:
     refusal = _settings_or_type_refusal(type(query), type(key), type(value))
     if refusal:
         return refusal
@@ -200,7 +205,7 @@ def _new_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     if isinstance(dtypes, Refusal):
         return dtypes
     run_dtype, out_dtype = dtypes
-    backward = autograd.needs_gradients(query, key, value)
+    backward = backward_wanted or autograd.needs_gradients(query, key, value)
     if backward and not settings.training:
         return Refusal(TRAINING_OFF)
     scale = None if scale is None else float(scale)

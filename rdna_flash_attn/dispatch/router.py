@@ -118,6 +118,16 @@ def reset_stats() -> None:
     state.exact_reasons.clear()
 
 
+def count_kernel_call() -> None:
+    """Counts a call an integration ran on the kernels through its own plan (stats()["kernel"])."""
+    state.kernel_calls += 1
+
+
+def count_fallback(reason: str, fallback_name: str) -> str:
+    """`reason` of a call an integration sent to its own fallback, counted in stats() and logged once."""
+    return _fell_back(reason, fallback_name)
+
+
 def _ran_exact(reason: str) -> None:
     """Counts, and logs once per reason, why a call asked to run in 8 bits ran exact."""
     state.exact_reasons[reason] += 1

@@ -9,6 +9,9 @@ early, so the program's import order (ZLUDA set-up, environment tweaks before `i
 own; a Python program that never imports torch pays the reading of this file and one finder on
 sys.meta_path that answers every import with a name comparison.
 
+RDNA_FA_ATEN_OPS=1, read at the same moment, has the kernels serve torch's flash attention aten ops as
+well (integrations/aten_attention.py).
+
 With RDNA_FA_FLASH_ATTN=1 at interpreter start, install() also puts rdna_flash_attn's stand-in for
 Dao-AILab's flash-attn (the flash_attn_shim folder beside this file: flash-attn 2.8.3's Python API on
 the dispatcher) first on sys.path, so that `import flash_attn` finds it, unless a real flash-attn is
@@ -39,6 +42,7 @@ else:  # loaded by its path from the .pth hook
 
 ENV_VAR = "RDNA_FA_PATCH_SDPA"
 FLASH_ATTN_ENV_VAR = "RDNA_FA_FLASH_ATTN"
+ATEN_OPS_ENV_VAR = "RDNA_FA_ATEN_OPS"
 # The folder that goes on sys.path: it holds the `flash_attn` package and its 2.8.3 metadata.
 FLASH_ATTN_SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flash_attn_shim")
 
@@ -53,6 +57,11 @@ def requested(environ=None) -> bool:
 def flash_attn_requested(environ=None) -> bool:
     """Whether the environment asks for the flash-attn stand-in (RDNA_FA_FLASH_ATTN=1)."""
     return environment.read_bool(os.environ if environ is None else environ, FLASH_ATTN_ENV_VAR)
+
+
+def aten_ops_requested(environ=None) -> bool:
+    """Whether the environment asks for torch's flash attention ops on the kernels (RDNA_FA_ATEN_OPS=1)."""
+    return environment.read_bool(os.environ if environ is None else environ, ATEN_OPS_ENV_VAR)
 
 
 def _same_folder(a: str, b: str) -> bool:
@@ -99,6 +108,24 @@ def _enable_now() -> None:
         log.warning("%s is set but the SDPA override could not be installed: %s: %s", ENV_VAR, type(exc).__name__, exc)
 
 
+def _serve_aten_now() -> None:
+    try:
+        from rdna_flash_attn.integrations import aten_attention
+
+        aten_attention.serve_if_requested()
+    except Exception as exc:  # never into the host's `import torch`
+        log.warning("%s is set but torch's flash attention ops could not be served: %s: %s", ATEN_OPS_ENV_VAR,
+                    type(exc).__name__, exc)
+
+
+def _after_torch() -> None:
+    """What the environment asks for once torch is imported."""
+    if requested():
+        _enable_now()
+    if aten_ops_requested():
+        _serve_aten_now()
+
+
 class _AfterTorchImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself: when `torch` is about to be imported, wraps the real loader so that the
     override is installed as soon as torch's own module code has run."""
@@ -107,7 +134,7 @@ class _AfterTorchImport(importlib.abc.MetaPathFinder):
         if fullname != "torch":
             return None
         sys.meta_path.remove(self)  # one shot, and the lookup below must not find us again
-        if not requested():
+        if not (requested() or aten_ops_requested()):
             return None
         try:
             spec = importlib.util.find_spec("torch")
@@ -120,7 +147,7 @@ class _AfterTorchImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             real_exec_module(module)
-            _enable_now()
+            _after_torch()
 
         try:
             spec.loader.exec_module = exec_module  # this spec's loader only: a fresh object per lookup
@@ -131,13 +158,12 @@ class _AfterTorchImport(importlib.abc.MetaPathFinder):
 
 def install() -> None:
     """Put the flash-attn stand-in on sys.path if RDNA_FA_FLASH_ATTN asks for it; install the override
-    now if torch is already imported and RDNA_FA_PATCH_SDPA asks for it, else decide right after
-    torch's import. Never raises."""
+    (RDNA_FA_PATCH_SDPA) and serve torch's flash attention ops (RDNA_FA_ATEN_OPS) now if torch is already
+    imported and the environment asks for them, else decide right after torch's import. Never raises."""
     provide_flash_attn()
     try:
         if "torch" in sys.modules:
-            if requested():
-                _enable_now()
+            _after_torch()
         elif not any(type(finder).__name__ == _AfterTorchImport.__name__ for finder in sys.meta_path):
             # By name, not isinstance: the hook's copy of this module and the package's are two modules.
             sys.meta_path.insert(0, _AfterTorchImport())

@@ -383,7 +383,8 @@ def flash_attn_varlen_kvpacked_func(
                                   return_attn_probs)
 
 
-# --- the private forward/backward pair (flash-attn >= 2.7), which diffusers' context parallelism drives -----
+# --- the private forward/backward pair (flash-attn >= 2.7): diffusers' context parallelism, yunchang's and
+# xDiT's ring attention drive it ----------------------------------------------------------------------------
 
 
 def _refuse_private(function: str, dropout_p, softcap) -> None:
@@ -490,22 +491,35 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
                          window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state=None):
     """flash-attn's `_flash_attn_backward`: writes the gradients of q, k and v into dq, dk and dv
     (those given) and returns softmax_d, rowsum(dout * out) as float32 (batch, heads, seq_q rounded up
-    to 128), zero past seq_q. Computed in float32 math from the given out and softmax_lse, as flash-attn
-    does, so ring attention's calls with the combined out and lse of every chunk get correct shares; the
-    kernels' backward derives that sum from its own keys instead."""
+    to 128), zero past seq_q. The probabilities come from the given softmax_lse and softmax_d from the
+    given out, as flash-attn computes them, so ring attention's calls with the merged out and lse of every
+    chunk get each chunk's share; a row whose lse is not finite (+inf, flash-attn's mark, or -inf) gets zero
+    gradients. The kernels run it where they take the call (as _flash_attn_forward's plan, with their
+    backward), float32 math everywhere else."""
     _refuse_private("_flash_attn_backward", dropout_p, softcap)
     _check_inputs(q, k, v, "(batch, seqlen, nheads, headdim)")
     _check_alibi(alibi_slopes, q.shape[0], q.shape[2])
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     q4, k4, v4, dout4, out4 = (t.transpose(1, 2) for t in (q, k, v, dout, out))
     left, right = _window(causal, (window_size_left, window_size_right), q4.shape[2], k4.shape[2])
+    causal_only = alibi_slopes is None and left < 0 and right == 0
+    mask = None if causal_only else _attn_mask(q4, k4, left, right, alibi_slopes)
     with torch.no_grad():
-        grads = _math_backward(dout4, q4, k4, v4, out4, softmax_lse.float(), scale,
-                               _attn_mask(q4, k4, left, right, alibi_slopes))
+        plan = planner.plan_attention(q4, k4, v4, mask, 0.0, causal_only, scale, k4.shape[1] != q4.shape[1],
+                                      bottom_right=True, backward=True)
+        if (not isinstance(plan, Refusal) and plan.kernel.dtype == q4.dtype and dout.dtype == q.dtype
+                and out.dtype == q.dtype):
+            kernel = plan.kernel
+            grads = ops.launch_backward_from_output(ops.kernel_layout(dout4), q4, k4, v4, ops.kernel_layout(out4),
+                                                    softmax_lse, kernel.is_causal, kernel.scale, attn_mask=kernel.mask,
+                                                    bottom_right=True)
+        else:  # a row whose lse is not finite saw no key, as on the kernels
+            lse = softmax_lse.float().masked_fill(~torch.isfinite(softmax_lse), float("inf"))
+            grads = _math_backward(dout4, q4, k4, v4, out4, lse, scale, _attn_mask(q4, k4, left, right, alibi_slopes))
         for target, grad in zip((dq, dk, dv), grads):
             if target is not None:
                 target.copy_(grad.transpose(1, 2))
-    softmax_d = grads[3]
+    softmax_d = (dout.float() * out.float()).sum(-1).transpose(1, 2)
     padded = math.ceil(softmax_d.shape[2] / 128) * 128
     return torch.nn.functional.pad(softmax_d, (0, padded - softmax_d.shape[2]))
 

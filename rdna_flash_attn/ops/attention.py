@@ -18,8 +18,9 @@ from .plans import DTYPE_NAMES, LOG2_E, MASK_KINDS, MAX_GRID_YZ, ForwardPlan, Pa
 
 __all__ = ["KernelUnavailable", "BackwardStats", "backward_stats_like", "check_cu_seqlens", "artifact_info",
            "forward_launcher", "launch_forward", "launch_backward", "launch_varlen_forward", "launch_varlen_backward",
-           "flash_attention_forward", "flash_attention_backward", "flash_attention_varlen_forward",
-           "flash_attention_varlen_backward", "kernel_layout", "packed_kernel_layout", "output_like"]
+           "flash_attention_forward", "flash_attention_backward", "launch_backward_from_output",
+           "flash_attention_varlen_forward", "flash_attention_varlen_backward", "kernel_layout", "packed_kernel_layout",
+           "output_like"]
 
 
 def _set_problem(args, q, k, attn_mask: torch.Tensor | None, cu_seqlens_q=None, cu_seqlens_k=None) -> None:
@@ -308,6 +309,22 @@ def flash_attention_backward(dout, q, k, v, lse, is_causal: bool = False, scale:
         raise ValueError("lse must be the forward's contiguous float32 (batch, heads, seq_q) log-sum-exp")
     _check_backward_stats(out, saved, q, lse)
     return launch_backward(dout, q, k, v, lse, is_causal, scale, attn_mask=attn_mask, bottom_right=bottom_right,
+                           out=out, saved=saved)
+
+
+def launch_backward_from_output(dout, q, k, v, out, lse, is_causal: bool = False, scale: float | None = None, *,
+                                attn_mask: torch.Tensor | None = None, bottom_right: bool = False):
+    """(dq, dk, dv) as launch_backward gives them, with the probabilities taken from the given lse and
+    delta = rowsum(dout * out) from the given out, as flash-attn's backward computes them. Ring attention
+    passes the out and lse merged over every key/value chunk, and each chunk's call then gets that chunk's
+    share of the gradients (the kernels' own sums would normalise over the chunk's keys alone). lse:
+    float32 (batch, heads, seq_q) natural log, any strides; a row whose lse is not finite (flash-attn's
+    +inf, or -inf) saw no key and gets zero gradients. out: q's shape, readable as the kernels read q."""
+    # The training forward's statistics, rebuilt from out and lse: offsets in base 2, the sums folded in.
+    row_offset = torch.where(torch.isfinite(lse), lse.float() * LOG2_E, float("inf")).contiguous()
+    out_low = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device).zero_()
+    saved = BackwardStats(out_low, row_offset, torch.zeros_like(row_offset))
+    return launch_backward(dout, q, k, v, row_offset, is_causal, scale, attn_mask=attn_mask, bottom_right=bottom_right,
                            out=out, saved=saved)
 
 

@@ -1,7 +1,7 @@
-"""The .pth hook: off unless RDNA_FA_PATCH_SDPA is set when the program imports torch (at start, or
-by the program itself before its `import torch`, as ai-toolkit does from its .env file); then the
-override is installed right after that import (nothing imported earlier); a failure never stops the
-interpreter. Proved with a real interpreter start in a virtual environment holding the hook."""
+"""The .pth hook: off unless RDNA_FA_PATCH_SDPA (or RDNA_FA_ATEN_OPS) is set when the program imports
+torch (at start, or by the program itself before its `import torch`, as ai-toolkit does from its .env
+file); then the override is installed right after that import (nothing imported earlier); a failure never
+stops the interpreter. Proved with a real interpreter start in a virtual environment holding the hook."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import logging
 import shutil
 
 import pytest
+import torch
 
 from rdna_flash_attn.integrations import autoload
 from rdna_flash_attn.dispatch import sdpa_patch
@@ -132,3 +133,19 @@ def test_install_errors_are_logged_not_raised(monkeypatch, log_records):
     warnings = [r for r in log_records.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "no HIP runtime" in warnings[0].getMessage()
     assert not sdpa_patch.sdpa_patch_enabled()
+
+
+ATEN_PROBE = ("import json, torch; print(json.dumps(torch._C._dispatch_has_kernel_for_dispatch_key("
+              "'aten::_scaled_dot_product_flash_attention', 'CUDA')))")
+
+
+@pytest.mark.skipif(not hasattr(torch.library, "get_kernel"), reason="needs PyTorch 2.9 or newer")
+def test_hook_serves_the_aten_flash_ops_after_torch_import_when_asked(hooked_python, child_env):
+    # PyTorch's CPU builds have no CUDA kernel for the op: ours is the one the probe sees.
+    served = run_child([hooked_python, "-c", ATEN_PROBE], dict(child_env, RDNA_FA_ATEN_OPS="1", RDNA_FA_FORCE="1"))
+    assert served.returncode == 0 and json.loads(served.stdout) is True, served.stderr
+    cpu_build = run_child([hooked_python, "-c", ATEN_PROBE], dict(child_env, RDNA_FA_ATEN_OPS="1"))
+    assert json.loads(cpu_build.stdout) is False
+    assert cpu_build.stderr.count("not serving torch's flash attention ops: not a ROCm build of PyTorch") == 1
+    off = run_child([hooked_python, "-c", ATEN_PROBE], child_env)
+    assert json.loads(off.stdout) is False and off.stderr == ""
