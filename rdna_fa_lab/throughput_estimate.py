@@ -8,6 +8,13 @@ the sources of every constant). The backward kernels (backward_throughput_estima
 ones (masked_throughput_estimate.py) are priced by the same model; the bench scripts print and record
 (bench/estimate_gfx1100.py forward, bench/estimate_8bit.py, bench/estimate_gfx1100_backward.py,
 bench/estimate_masked.py, and bench/estimate_external.py, the model's calibration on external kernels).
+The forward's counts are also priced in named cycle terms by speed_model.py, whose one fitted term is
+checked on held-out kernels (bench/speed_model.py).
+
+A tile's instructions are counted on the share of tiles that run them (tile_runs): O's rescale where the
+kernel skips it on tiles without a new row maximum, and in bf16 forwards the test of the tile's maximum
+against kHugeScore on every tile, while the rounding of such scores is a cold path that model inputs never
+take, counted apart (cold_path_counts).
 
 The 8-bit forward ("8-bit QK+PV", kernels/fa_fwd8.h, gfx1201) goes through the forward's reading
 of the key-tile loop and its model unchanged, with one addition: an 8-bit WMMA costs half a 16-bit one on
