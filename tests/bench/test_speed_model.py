@@ -109,6 +109,29 @@ def test_the_estimator_reads_every_shipped_forward_kernel(forward_rows, target):
         assert (row["cold_path"]["valu"] > 0) == rounds, (dtype, d)
 
 
+SHIPPED = json.loads((REPO / "prebuilt" / "manifest.json").read_text())["targets"]
+
+
+@pytest.mark.parametrize("target", [t for t in SHIPPED if t not in estimator.HARDWARE])
+def test_the_key_tile_is_read_in_every_other_shipped_code_object(target):
+    """The targets the model does not price: their forward tiles are read the same way, every WMMA found."""
+    objdump = find_objdump()
+    if objdump is None:
+        pytest.skip("llvm-objdump (>= 19) not installed")
+    functions = estimator.disassemble(objdump, REPO / "prebuilt" / f"rdna_fa_{target}.hsaco", target)
+    for dtype in estimator.DTYPES:
+        for d in estimator.HEAD_DIMS:
+            variant = variants.fwd_variant(dtype, d)
+            body = functions[variant.symbol]
+            main = estimator.main_loop(body)
+            loops = estimator.inner_loops(body, main, variant, estimator.peeled_score_steps(target, variant))
+            share = estimator.rescaled_tile_share(variant.block_n) if estimator.rescale_blocks(body, main, loops) else None
+            counts = estimator.count_tile(body, main, loops, share)
+            assert counts.wmma == (variant.d_pad + variant.d_chunk) // 16 * (variant.block_n // 16), (dtype, d)
+            cold = estimator.cold_path_counts(body, main, loops)
+            assert (cold.valu > 0) == variant.traits(target).rounds_huge_scores, (dtype, d)
+
+
 def test_the_huge_score_rounding_runs_on_no_tile_and_its_test_on_every_tile():
     objdump = find_objdump()
     if objdump is None:
