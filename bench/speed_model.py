@@ -6,9 +6,10 @@ shape, with their non-WMMA cycles per 16x64 tile against the budgets. Not a meas
         --png bench/results/speed_model.png
     python -m bench.speed_model --check bench/results/speed_model.json   # exit 1 if the record differs
 
-Reads two records: bench/results/estimator_calibration.json (the external kernels' per-wave counts,
-tallied from their own instruction streams by bench/estimate_external.py) and
-bench/results/forward_estimate_gfx1100.json (ours, bench/estimate_gfx1100.py). The stall allowance is
+Reads three records: bench/results/estimator_calibration.json (the external kernels' per-wave counts,
+tallied from their own instruction streams by bench/estimate_external.py),
+bench/results/forward_estimate_gfx1100.json and backward_estimate_gfx1100.json (ours,
+bench/estimate_gfx1100.py and bench/estimate_gfx1100_backward.py). The stall allowance is
 fitted per ISA on the kernels marked "fit" below; every other measured row is held out. A held-out row
 whose kernel has no stream of its own here says whose stream stands in for it.
 """
@@ -23,12 +24,14 @@ from pathlib import Path
 
 from bench.estimate_external import published_flops
 from rdna_fa_lab import speed_model as sm
+from rdna_fa_lab.backward_throughput_estimate import delta_read_seconds
 from rdna_fa_lab.throughput_estimate import HARDWARE, SIMDS_PER_CU
 from rdna_flash_attn.runtime import variants
 
 REPO = Path(__file__).resolve().parent.parent
 CALIBRATION = REPO / "bench" / "results" / "estimator_calibration.json"
 FORWARD = REPO / "bench" / "results" / "forward_estimate_gfx1100.json"
+BACKWARD = REPO / "bench" / "results" / "backward_estimate_gfx1100.json"
 
 GCNASM_V201 = "https://github.com/carlushuang/gcnasm/pull/32"
 GCNASM_V201_README = ("https://github.com/carlushuang/gcnasm/blob/ac57f91e87b99ccaa822a9e5012a5326ff201a5a/"
@@ -119,6 +122,15 @@ TARGETS = (
     ("gfx1100", "f16", 128, (1, 16, 4096, 128), "best measured gfx1100 (SDPA, comfy-kitchen int8)", (66.0, 67.0), 1.2),
     ("gfx1100", "f16", 64, (1, 16, 4096, 64), "best measured gfx1100 (SDPA, comfy-kitchen int8)", (66.0, 67.0), 1.2),
 )
+# Backward targets: (target, d, anchor label, anchor TFLOP/s low-high, ratio); ours as training runs it.
+BACKWARD_TARGETS = (
+    ("gfx1201", 128, "AOTriton 0.14 FlyDSL (dK/dV + dQ, 1x8x4096x128)", (53.0, 60.0), 1.4),
+    ("gfx1201", 64, "AOTriton 0.14 FlyDSL (dK/dV + dQ, d128's figure)", (53.0, 60.0), 1.4),
+    ("gfx1100", 128, "Triton tutorial backward (causal d64, 7900 XTX), the best published gfx1100", (24.9, 24.9), 2.0),
+    ("gfx1100", 64, "Triton tutorial backward (causal d64, 7900 XTX), the best published gfx1100", (24.9, 24.9), 2.0),
+)
+TRAINING_PATHS = ("sweep 1 (dQ)", "dK+dV", "dK", "dV")  # the training backward's paths: dQ's one sweep, dK/dV
+
 # Budgets in non-WMMA issue cycles per 16x64 tile: (target, d, budget).
 BUDGETS = (("gfx1201", 128, 240.0), ("gfx1100", 128, 300.0), ("gfx1100", 64, 250.0))
 
@@ -236,7 +248,7 @@ def targets_table(forward: dict, bands: dict) -> list[dict]:
         goal = [round(ratio * x, 1) for x in anchor_tflops]
         rows.append({"target": target, "dtype": dtype, "d": d, "shape": list(shape), "anchor": anchor,
                      "anchor_tflops": list(anchor_tflops), "ratio": ratio, "goal_tflops": goal,
-                     "ours_tflops": ours["tflops"], "met_at_mid": ours["tflops"]["mid"] >= max(goal),
+                     "ours_tflops": ours["tflops"], "met_at_mid": [ours["tflops"]["mid"] >= g for g in goal],
                      "terms": ours["terms"], "cycles": ours["cycles"], "non_wmma": ours["non_wmma"]})
     return rows
 
@@ -319,7 +331,55 @@ def forward_grid(forward: dict, bands: dict) -> list[dict]:
     return rows
 
 
-def build(calibration: dict, forward: dict) -> dict:
+def backward_seconds(record: dict, stall: float) -> tuple[float, dict[str, float]]:
+    """A training backward's seconds at one stall share, and each launch's named terms summed over its
+    wave-iterations (the launches of backward_throughput_estimate.kernel_time, each path's iteration priced
+    by the terms instead of its pipe model), plus dQ's prologue read."""
+    hw = HARDWARE[record["target"]]
+    seq, batch_heads = BACKWARD_SHAPE
+    total, terms = delta_read_seconds(hw, record["d"]), dict.fromkeys(sm.TERMS, 0.0)
+    simd_clk = hw.cus * SIMDS_PER_CU * hw.clock_hz
+    for kind, kernel in record["kernels"].items():
+        variant = variants.bwd_variant(kind, record["dtype"], record["d"])
+        groups = seq // variant.block_rows * kernel["jobs_per_block"] * batch_heads
+        share = 1 if kind == "dq" or variant.fused else 0.5  # split dK/dV waves run one of the two paths
+        wave_iters = groups * variant.waves * share * seq // kernel["block_tile"]
+        tail = next(iter(kernel["model"].values()))["tail_efficiency"]
+        for name, counts in kernel["counts_per_wave_iteration"].items():
+            if name not in TRAINING_PATHS:
+                continue
+            path = sm.tile_terms(counts, hw, kernel["waves_per_simd"], sm.TILE_KEYS, stall)
+            total += wave_iters * sum(path.values()) / simd_clk / tail
+            for k in sm.TERMS:
+                terms[k] += path[k] * wave_iters / (seq * seq * batch_heads / (16 * 64))
+    return total, terms
+
+
+BACKWARD_SHAPE = (4096, 16)  # tokens, batch x heads: the backward record's
+
+
+def backward_table(backward: dict, bands: dict) -> list[dict]:
+    """Our training backward in the named terms at each end of the stall band, against the targets (the
+    terms: SIMD cycles per 16x64 tile of the attention matrix, over both launches)."""
+    rows = []
+    for target, d, anchor, anchor_tflops, ratio in BACKWARD_TARGETS:
+        for dtype in ("f16", "bf16"):
+            record = next(r for r in backward["results"] if (r["target"], r["d"], r["dtype"]) == (target, d, dtype))
+            figures = {end: record["flops"] / backward_seconds(record, bands[target][end])[0] / 1e12
+                       for end in ("low", "mid", "high")}
+            goal = [round(ratio * x, 1) for x in anchor_tflops]
+            rows.append({"target": target, "d": d, "dtype": dtype, "anchor": anchor, "anchor_tflops": list(anchor_tflops),
+                         "ratio": ratio, "goal_tflops": goal,
+                         "ours_tflops": {"mid": round(figures["mid"], 1), "low": round(figures["high"], 1),
+                                         "high": round(figures["low"], 1)},
+                         "met_at_mid": [figures["mid"] >= g for g in goal],
+                         "terms": {k: round(v, 1) for k, v in backward_seconds(record, bands[target]["mid"])[1].items()},
+                         "pipe_model_calibrated": [record["estimate"]["now"]["tflops_pess"],
+                                                   record["estimate"]["now"]["tflops_opt"]]})
+    return rows
+
+
+def build(calibration: dict, forward: dict, backward: dict) -> dict:
     rows = external_rows(calibration)
     for row in rows:
         row["implied_stall"] = implied(row)
@@ -346,7 +406,15 @@ def build(calibration: dict, forward: dict) -> dict:
         "anchors": anchors_table(forward, bands),
         "budgets": budgets_table(forward, bands),
         "trans_sensitivity": trans_sensitivity(calibration, forward),
+        "backward": backward_table(backward, bands),
     }
+
+
+def _met_text(goal: list[float], met: list[bool]) -> str:
+    """Whether the band's middle meets the goal, per end of a goal given as a range."""
+    if len(set(goal)) == 1:
+        return "yes" if met[0] else "no"
+    return "; ".join(f"{g:g}: {'yes' if m else 'no'}" for g, m in zip(goal, met))
 
 
 def _band_text(figures: dict) -> str:
@@ -393,7 +461,7 @@ def markdown(result: dict) -> str:
         terms = " | ".join(f"{t['terms'][k]:g}" for k in sm.TERMS)
         lines.append(f"| {t['target']} | {t['dtype']} | {t['d']} | {'x'.join(map(str, t['shape']))} | {t['anchor']} "
                      f"{'–'.join(f'{a:g}' for a in dict.fromkeys(t['anchor_tflops']))} x{t['ratio']:g} | {goal} | "
-                     f"{_band_text(t['ours_tflops'])} | {'yes' if t['met_at_mid'] else 'no'} | {terms} |")
+                     f"{_band_text(t['ours_tflops'])} | {_met_text(t['goal_tflops'], t['met_at_mid'])} | {terms} |")
     lines += ["", "## Our forward at the anchors' shapes", "", "| anchor | target | shape | measured | ours, dtype: middle "
               "(low–high) | source |", "|" + "---|" * 6]
     for a in result["anchors"]:
@@ -420,6 +488,18 @@ def markdown(result: dict) -> str:
                      f"{need['mid']:g} ({need['high']:g}–{need['low']:g}) | {b['cycles_for_goal']:g} | "
                      f"{b['wmma_plus_trans_floor']:g} | {'yes' if b['beyond_physics'] else 'no'} | "
                      f"{b['cold_path_cycles']:g} |")
+    lines += ["", "## Our backward (as training runs it) in the named terms, against the targets", "",
+              "16 batch x heads, 4096 tokens, TFLOP/s in flash-attention's count (2.5x the forward's); terms: SIMD "
+              "cycles per 16x64 tile of the attention matrix over both launches, at the band's middle. The "
+              "earlier pipe model's calibrated figures beside them.", "",
+              "| target | d | dtype | anchor | goal | ours: middle (low–high) | met at the middle | "
+              + " | ".join(sm.TERMS) + " | pipe model, calibrated |", "|" + "---|" * 16]
+    for b in result["backward"]:
+        goal = "–".join(f"{g:g}" for g in dict.fromkeys(b["goal_tflops"]))
+        lines.append(f"| {b['target']} | {b['d']} | {b['dtype']} | {b['anchor']} x{b['ratio']:g} | {goal} | "
+                     f"{_band_text(b['ours_tflops'])} | {_met_text(b['goal_tflops'], b['met_at_mid'])} | "
+                     + " | ".join(f"{b['terms'][k]:g}" for k in sm.TERMS)
+                     + f" | {b['pipe_model_calibrated'][0]:g}–{b['pipe_model_calibrated'][1]:g} |")
     lines += ["", "## Sensitivity: transcendentals at the sensitivity price", "",
               "The stall band refitted on the same fit rows with TRANS priced at "
               + ", ".join(f"{isa} {c:g}" for isa, c in sm.TRANS_CYCLES_SENSITIVITY.items())
@@ -472,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--png", type=Path)
     parser.add_argument("--check", type=Path, help="exit 1 when this record is not what the inputs give")
     args = parser.parse_args(argv)
-    result = build(json.loads(CALIBRATION.read_text()), json.loads(FORWARD.read_text()))
+    result = build(*(json.loads(path.read_text()) for path in (CALIBRATION, FORWARD, BACKWARD)))
     text = json.dumps(result, indent=1) + "\n"
     if args.check:
         if args.check.read_text() != text:

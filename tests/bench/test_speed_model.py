@@ -21,8 +21,9 @@ COUNTS = {"wmma": 32, "valu": 150, "trans": 17, "salu": 20, "branch": 3, "vmem_r
           "lds_read_bytes": 8192, "lds_write_bytes": 2048, "global_load_bytes": 16384}
 
 
-def inputs() -> tuple[dict, dict]:
-    return (json.loads(bench_speed_model.CALIBRATION.read_text()), json.loads(bench_speed_model.FORWARD.read_text()))
+def inputs() -> tuple[dict, dict, dict]:
+    return tuple(json.loads(path.read_text()) for path in (bench_speed_model.CALIBRATION, bench_speed_model.FORWARD,
+                                                          bench_speed_model.BACKWARD))
 
 
 @pytest.mark.parametrize("target", ["gfx1100", "gfx1201"])
