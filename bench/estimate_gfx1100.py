@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         constants = {"seq": SEQ, "batch_heads": BATCH_HEADS, "trans_cycles_pess": TRANS_CYCLES_PESS,
                      "vmem_latency": VMEM_LATENCY, "lds_latency": LDS_LATENCY,
-                     "hardware": {k: {**asdict(v), "clock_hz": v.clock_hz, "wmma_cycles": v.wmma_cycles}
+                     "hardware": {k: {**asdict(v), "clock_hz": v.clock_hz, "wmma_cycles": v.wmma_cycles,
+                                      "operand_copies": v.operand_copies, "eight_bit_rate": v.eight_bit_rate}
                                   for k, v in HARDWARE.items()}}
         args.json.write_text(json.dumps({"constants": constants, "kernels": rows}, indent=1))
     if args.png:

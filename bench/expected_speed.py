@@ -5,13 +5,15 @@ an RDNA GPU.
     python -m bench.expected_speed            # writes rdna_fa_lab/expected_speed.json
     python -m bench.expected_speed --check    # exit 1 when that file is not what the records give
 
-Every figure of ours is a static estimate, not a measurement: the estimators' recorded outputs
-(bench/estimate_gfx1100.py -> bench/results/forward_estimate_gfx1100.json, bench/estimate_gfx1100_backward.py
--> backward_estimate_gfx1100.json, bench/estimate_masked.py -> masked_estimate.json at the models' shapes),
-each a pessimistic-optimistic band of the instruction-count model, multiplied by the calibration factor
-of bench/estimate_external.py (estimator_calibration.json: the same model over-predicts published
-kernels by that much). The published figures are other kernels' measurements: the calibration's own
-(estimator_calibration.json) and those of DESIGN.md section 3 listed in PUBLISHED below.
+Every figure of ours is a static estimate, not a measurement. The forward: the speed model in named cycle
+terms (rdna_fa_lab/speed_model.py) on the forward record's counts (bench/estimate_gfx1100.py ->
+bench/results/forward_estimate_gfx1100.json), at the two ends of its stall band (bench/speed_model.py ->
+speed_model.json), at the models' shapes (masked_estimate.json's `shapes` give them) and at the published
+kernels' shapes. The backward: bench/estimate_gfx1100_backward.py -> backward_estimate_gfx1100.json, a
+pessimistic-optimistic band of the earlier pipe model multiplied by the calibration factor of
+bench/estimate_external.py (estimator_calibration.json). The published figures are other kernels'
+measurements: the calibration's own (estimator_calibration.json) and those of DESIGN.md section 3 listed
+in PUBLISHED below.
 
 The file's `provenance` names the estimators (sha256 of each module and script), the records (sha256 and the commit
 that last wrote each) and the code objects the estimates were made from (sha256, source hash); the bench
@@ -30,6 +32,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench import speed_model
 from rdna_fa_lab import throughput_estimate
 
 BENCH = Path(__file__).resolve().parent
@@ -41,23 +44,19 @@ SCHEMA = 1
 ESTIMATORS = ("rdna_fa_lab/throughput_estimate.py", "rdna_fa_lab/backward_throughput_estimate.py",
               "rdna_fa_lab/masked_throughput_estimate.py", "bench/estimate_gfx1100.py",
               "bench/estimate_gfx1100_backward.py", "bench/estimate_masked.py", "bench/estimate_external.py",
-              "bench/expected_speed.py")
+              "rdna_fa_lab/speed_model.py", "bench/speed_model.py", "bench/expected_speed.py")
 FORWARD = "bench/results/forward_estimate_gfx1100.json"
 BACKWARD = "bench/results/backward_estimate_gfx1100.json"
 SHAPES = "bench/results/masked_estimate.json"
 CALIBRATION = "bench/results/estimator_calibration.json"
-RECORDS = (FORWARD, BACKWARD, SHAPES, CALIBRATION)
+SPEED_MODEL = "bench/results/speed_model.json"
+RECORDS = (FORWARD, BACKWARD, SHAPES, CALIBRATION, SPEED_MODEL)
 
 # The models' shapes of masked_estimate.json's `shapes` (no mask), in the order shown: (its name, label,
 # tokens: bench/estimate_masked.py's SHAPES; build() checks them against the record's useful FLOPs).
 WORKLOADS = (("SD1.5", "SD1.5 self-attention, 512 px", 4096), ("SDXL", "SDXL self-attention, 1024 px", 4096),
              ("Flux", "Flux joint attention, 1024 px", 4608),
              ("Wan 2.x self-attention", "Wan 2.x self-attention", 32760))
-# masked_estimate.json's rows at the shapes published kernels were measured at: its name -> the calibration
-# kernel (estimator_calibration.json `name`) measured there.
-AT_PUBLISHED_SHAPES = {"gcnasm v201's (RX 9070 XT: 117.9)": "gcnasm v201 (hand-written assembly)",
-                       "gcnasm v153's (RX 9070 XT: 94.8)": "gcnasm v153 (HIP)",
-                       "aiter Triton's (RX 7900 XTX: 60.84)": "aiter Triton flash attention (fwd_prefill)"}
 BACKWARD_HEAD_DIMS = (40, 64, 80, 128, 160)
 
 # Published measurements without a code object built here (DESIGN.md section 3, "Measured attention
@@ -71,8 +70,9 @@ PUBLISHED = (
     {"target": "gfx1100", "pass": "backward", "kernel": "Triton (2024)", "dtype": "f16", "head_dim": None,
      "shape": None, "tflops": [24.9, 24.9], "where": "DESIGN.md section 3: best published gfx1100 backward"},
     {"target": "gfx1201", "pass": "forward", "kernel": "AOTriton 0.14 FlyDSL", "dtype": "f16", "head_dim": 128,
-     "shape": None, "tflops": [92.5, 92.5], "where": "DESIGN.md section 3 (in PyTorch's SDPA once a torch build "
-                                                    "pins AOTriton 0.14)"},
+     "shape": [1, 8, 4096, 128], "tflops": [92.5, 92.5],
+     "where": "DESIGN.md section 3: AOTriton 0.14's gfx1201 tuning files (in PyTorch's SDPA once a torch build "
+              "pins AOTriton 0.14)"},
     {"target": "gfx1201", "pass": "forward", "kernel": "FlyDSL (ROCm/aiter PR #4188)", "dtype": "bf16", "head_dim": 128,
      "shape": [1, 24, 4096, 128], "tflops": [99.8, 99.8], "where": "README, table of the models' shapes"},
     {"target": "gfx1201", "pass": "forward", "kernel": "PyTorch SDPA, torch 2.14 (AOTriton 0.13b)", "dtype": None,
@@ -104,6 +104,13 @@ def _band(model: dict) -> list[float]:
     return [model["tflops_pess"], model["tflops_opt"]]
 
 
+def _forward(forward: dict, target: str, dtype: str, shape, stall_band: dict) -> list[float]:
+    """The speed model's forward at a shape: [high-stall end, low-stall end] of its band."""
+    record = speed_model.our_row(forward, target, dtype, shape[3])
+    figures = speed_model.ours_at(record, shape, stall_band)["tflops"]
+    return [figures["low"], figures["high"]]
+
+
 def _code_objects(forward: dict, backward: dict, shapes: dict) -> dict:
     """target -> the code object every record was made from; an error if the records disagree."""
     found: dict[str, dict] = {}
@@ -119,9 +126,10 @@ def _code_objects(forward: dict, backward: dict, shapes: dict) -> dict:
     return found
 
 
-def _published(calibration: dict, target: str, shape_rows: dict) -> list[dict]:
+def _published(calibration: dict, target: str, forward: dict, stall_band: dict) -> list[dict]:
     """The measurements of other kernels on `target`: those the calibration fits (their own source built
-    and measured on that GPU) and PUBLISHED's; `ours`: our estimate at the same shape, where one was made."""
+    and measured on that GPU) and PUBLISHED's; `ours`: our forward at the same shape and dtype, where both
+    are published."""
     rows = []
     for kernel in calibration["kernels"]:
         if kernel["target"] != target or not kernel["in_fit"]:
@@ -130,48 +138,54 @@ def _published(calibration: dict, target: str, shape_rows: dict) -> list[dict]:
         rows.append({"target": target, "pass": "backward" if backward else "forward", "kernel": kernel["name"],
                      "dtype": kernel["dtype"], "head_dim": kernel["shape"][-1], "shape": kernel["shape"],
                      "tflops": [kernel["published_tflops"]] * 2, "where": kernel["published_where"], "ours": None})
-        ours = next((shape_rows[name] for name, measured in AT_PUBLISHED_SHAPES.items()
-                     if measured == kernel["name"] and name in shape_rows), None)
-        if ours is not None and ours["batch"] == kernel["shape"][0] and ours["heads"] == kernel["shape"][1]:
-            rows[-1]["ours"] = [ours["tflops_pess"], ours["tflops_opt"]]
     rows += [dict(row, ours=None) for row in PUBLISHED if row["target"] == target]
+    for row in rows:
+        dtype = (row["dtype"] or "").split(" ")[0]
+        if row["pass"] == "forward" and row["shape"] and dtype in throughput_estimate.DTYPES:
+            row["ours"] = _forward(forward, target, dtype, row["shape"], stall_band)
     return rows
 
 
 def build() -> dict:
     """The data file's content, from the records."""
-    forward, backward, shapes, calibration = (_load(r) for r in RECORDS)
+    forward, backward, shapes, calibration, speed = (_load(r) for r in RECORDS)
     code_objects = _code_objects(forward, backward, shapes)
     gpus = {}
     for target, hw in throughput_estimate.HARDWARE.items():
+        stall_band = speed["stall_band"][target]
         shape_rows = {s["shape"]: s for s in shapes["shapes"] if s["target"] == target and s["mask"] == "none"}
         workloads = []
         for name, label, tokens in WORKLOADS:
             s = shape_rows[name]
             if abs(4 * s["batch"] * s["heads"] * tokens**2 * s["d"] / 1e9 - s["useful_gflop"]) > 0.05:
                 raise SystemExit(f"{SHAPES}: {name} is not {tokens} tokens any more: update WORKLOADS")
-            workloads.append({"workload": label, "dtype": s["dtype"], "head_dim": s["d"],
-                              "shape": [s["batch"], s["heads"], tokens, s["d"]],
-                              "tflops": [s["tflops_pess"], s["tflops_opt"]]})
+            shape = [s["batch"], s["heads"], tokens, s["d"]]
+            workloads.append({"workload": label, "dtype": s["dtype"], "head_dim": s["d"], "shape": shape,
+                              "tflops": _forward(forward, target, s["dtype"], shape, stall_band)})
         gpus[target] = {
             "gpu": hw.gpu,
             "peak_tflops": hw.peak_tflops,
+            "speed_model": {"stall_band": [stall_band["low"], stall_band["high"]],
+                            "fitted_on": [k["kernel"] for k in speed["kernels"]
+                                          if k["target"] == target and k["role"] == "fit"]},
             "calibration": {"factor": throughput_estimate.CALIBRATION[target],
-                            "source": throughput_estimate.CALIBRATION_SOURCE[target]},
+                            "source": throughput_estimate.CALIBRATION_SOURCE[target], "applies_to": "backward"},
             "forward_workloads": workloads,
-            "forward_by_head_dim": [{"dtype": k["dtype"], "head_dim": k["d"], "tflops": _band(k["model"])}
-                                    for k in forward["kernels"] if k["target"] == target],
+            "forward_by_head_dim": [{"dtype": g["dtype"], "head_dim": g["d"],
+                                     "tflops": [g["tflops"]["low"], g["tflops"]["high"]]}
+                                    for g in speed["forward_grid"] if g["target"] == target],
             "backward_by_head_dim": [{"dtype": r["dtype"], "head_dim": r["d"], "tflops": _band(r["estimate"]["now"])}
                                      for r in backward["results"]
                                      if r["target"] == target and r["d"] in BACKWARD_HEAD_DIMS],
-            "published": _published(calibration, target, shape_rows),
+            "published": _published(calibration, target, forward, stall_band),
         }
     return {
         "schema": SCHEMA,
         "what": "static estimate of the kernels' throughput on RDNA GPUs: a model of the code objects' "
-                "instructions, calibrated against published measurements of other kernels; not a measurement",
+                "instructions, fitted on published measurements of other kernels; not a measurement",
         "units": "TFLOP/s on useful FLOPs: forward 4*B*H*Sq*Sk*d, backward 2.5x that",
-        "band": "[pessimistic, optimistic] of the model, both times the target's calibration factor",
+        "band": "forward: the speed model at the high and the low end of its stall band; backward: "
+                "[pessimistic, optimistic] of the earlier pipe model, both times the target's calibration factor",
         "by_head_dim": f"{forward['constants']['seq']} tokens, batch x heads {forward['constants']['batch_heads']}, "
                        "non-causal; the backward as training runs it (one dQ sweep)",
         "not_estimated": "gfx1101-gfx1103, gfx1150-gfx1152, gfx1200: the estimator models the RX 7900 XTX (gfx1100) "

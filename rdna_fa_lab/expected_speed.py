@@ -2,9 +2,10 @@
 measurements of other kernels: expected_speed.json (made by bench/expected_speed.py from the
 estimators' records), as text and as plot panels.
 
-Every figure of ours is a static estimate, not a measurement: a pipe model of the code objects'
-instructions per tile, calibrated by the ratio it over-predicts published kernels by, given as the
-band between its pessimistic and optimistic bounds."""
+Every figure of ours is a static estimate, not a measurement: the forward from the speed model in named
+cycle terms (its stall allowance fitted on published kernels), given at the two ends of the stall band;
+the backward from the earlier pipe model, calibrated by the ratio it over-predicts published kernels by,
+given between its pessimistic and optimistic bounds."""
 
 from __future__ import annotations
 
@@ -113,7 +114,8 @@ def plot_forward(ax, target: str, gpu: dict) -> None:
     that shape where it was priced; published figures without a shape as lines."""
     labels, x, width = [], 0.0, 0.38
     for i, workload in enumerate(gpu["forward_workloads"]):
-        _ours_bar(ax, x, workload["tflops"], width * 1.6, "ours: estimate (pessimistic)" if i == 0 else None)
+        _ours_bar(ax, x, workload["tflops"], width * 1.6, "ours: estimate (the stall band's high end)" if i == 0
+                  else None)
         labels.append((x, f"{workload['workload'].split(',')[0]}\nd{workload['head_dim']} {workload['dtype']}"))
         x += 1
     ax.axvline(x - 0.5, color="gray", lw=0.8)
@@ -137,8 +139,10 @@ def plot_forward(ax, target: str, gpu: dict) -> None:
     ax.text(x - 0.6, gpu["peak_tflops"] + 1.5, f"peak {gpu['peak_tflops']:g} (dense f16 WMMA)", fontsize=6.5,
             ha="right")
     ax.set_ylabel("TFLOP/s")
-    ax.set_title(f"{gpu_label(target, gpu)} forward, estimate x{gpu['calibration']['factor']} calibrated: the models' "
-                 "shapes | other kernels' shapes", fontsize=8.5)
+    low, high = gpu["speed_model"]["stall_band"]
+    stall = f"{low:.2f}" if low == high else f"{low:.2f}-{high:.2f}"
+    ax.set_title(f"{gpu_label(target, gpu)} forward, speed model (stall {stall} of the non-WMMA work): the "
+                 "models' shapes | other kernels' shapes", fontsize=8.5)
     ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(0.0, 0.93))
     ax.grid(axis="y", alpha=0.3)
 

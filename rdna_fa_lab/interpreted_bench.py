@@ -158,8 +158,8 @@ def run_without_kernels(args: argparse.Namespace, device: torch.device, refusal:
             print(f"  {problem}")
     expected = expected_speed.load()
     note = expected_speed.code_objects_note(expected, {t: interpreted.shipped_sha256(t) for t in expected["gpus"]})
-    print(f"\n[2/2] expected speed on RDNA GPUs, TFLOP/s, pessimistic-optimistic: a static estimate (a model of "
-          f"the code objects' instructions, calibrated against published kernels), not a measurement")
+    print(f"\n[2/2] expected speed on RDNA GPUs, TFLOP/s, a band: a static estimate (a model of the code objects' "
+          f"instructions, fitted on published kernels), not a measurement")
     for line in expected_speed.table_lines(expected):
         print(f"  {line}")
     print("  measured (published), other kernels:")

@@ -135,15 +135,17 @@ def tile_counts(library, body, variant, dtype, head_dim, case) -> throughput_est
 
 def _rescale_weights(body, variant, fewer: Counter, more: Counter, waves: int) -> dict[int, float]:
     """Executions per tile and wave, by code offset, of each tile loop's O rescale block (and of the else it
-    jumps over) on rescaled_tile_share of the tiles, in the loops the added tile went through."""
+    jumps over) on rescaled_tile_share of the tiles, in the loops the added tile went through. Not the bf16
+    kernels' huge-score blocks (throughput_estimate.rescale_blocks), and not code no model input reaches (a
+    zero scale's else inside the block's span: throughput_estimate.live_addresses)."""
     share, base, weights = throughput_estimate.rescaled_tile_share(variant.block_n), body[0].addr, {}
     for span in throughput_estimate.key_tile_loops(body):
-        skipped = throughput_estimate.skipped_blocks(body, span, [])
-        for block in filter(lambda b: throughput_estimate.is_rescale(body, b), skipped):
+        live = throughput_estimate.live_addresses(body, span)
+        for block in throughput_estimate.rescale_blocks(body, span, []):
             branch = block[0] - 4 - base  # the 4-byte branch that skips the block
             trips = (more[branch] - fewer[branch]) / waves
             runs_per_tile = throughput_estimate.rescale_runs(body, block, share)
-            weights |= {addr - base: runs * trips for addr, runs in runs_per_tile.items()}
+            weights |= {addr - base: runs * trips for addr, runs in runs_per_tile.items() if addr in live}
     return weights
 
 

@@ -8,6 +8,13 @@ the sources of every constant). The backward kernels (backward_throughput_estima
 ones (masked_throughput_estimate.py) are priced by the same model; the bench scripts print and record
 (bench/estimate_gfx1100.py forward, bench/estimate_8bit.py, bench/estimate_gfx1100_backward.py,
 bench/estimate_masked.py, and bench/estimate_external.py, the model's calibration on external kernels).
+The forward's counts are also priced in named cycle terms by speed_model.py, whose one fitted term is
+checked on held-out kernels (bench/speed_model.py).
+
+A tile's instructions are counted on the share of tiles that run them (tile_runs): O's rescale where the
+kernel skips it on tiles without a new row maximum, and in bf16 forwards the test of the tile's maximum
+against kHugeScore on every tile, while the rounding of such scores is a cold path that model inputs never
+take, counted apart (cold_path_counts).
 
 The 8-bit forward ("8-bit QK+PV", kernels/fa_fwd8.h, gfx1201) goes through the forward's reading
 of the key-tile loop and its model unchanged, with one addition: an 8-bit WMMA costs half a 16-bit one on
@@ -28,7 +35,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rdna_flash_attn.runtime import variants
+from rdna_flash_attn.runtime import tuning, variants
 from rdna_flash_attn.runtime.codeobject import load_code_object
 from .resource_report import occupancy
 
@@ -49,6 +56,7 @@ LDS_LATENCY = 20  # SISchedule.td GFX11SpeedModel WriteLDS
 
 @dataclass(frozen=True)
 class Hardware:
+    target: str
     gpu: str
     cus: int
     peak_tflops: float  # dense f16 WMMA, DESIGN.md section 3
@@ -56,9 +64,21 @@ class Hardware:
     dram_gbs: float
     cache_gbs: float | None  # K/V re-reads hit L2 / Infinity Cache: AMD's 5.3 TB/s GCD-MCD peak; None: unknown
     lds_bytes_clk_cu: int  # assumed 128 (32 banks x 4 B per CU), see the .md
-    operand_copies: int  # gfx11 WMMA operands are duplicated in both half-waves (DESIGN.md section 3)
     published_tflops: float  # best measured forward published, d128 (the README's anchors)
-    eight_bit_rate: float = 1.0  # 8-bit WMMA (iu8, fp8) issue rate over the 16-bit one (calculator: 8 vs 16 cycles)
+
+    @property
+    def isa(self) -> tuning.MatrixIsa:  # the matrix ISA's capabilities: the tuning table's
+        return tuning.isa_of(self.target)
+
+    @property
+    def operand_copies(self) -> int:
+        """How many times a lane's 16x16 16-bit operand holds each value: its VGPRs over the 4 a single copy
+        takes (16 x 16 x 2 bytes over 32 lanes); gfx11 duplicates A and B in both half-waves."""
+        return self.isa.operand_vgprs // 4
+
+    @property
+    def eight_bit_rate(self) -> int:  # 8-bit WMMA (iu8, fp8) issue rate over the 16-bit one
+        return self.isa.eight_bit_rate
 
     @property
     def clock_hz(self) -> float:  # the clock the peak figure implies: 2.50 GHz (7900 XTX), 2.97 (9070 XT)
@@ -73,8 +93,8 @@ class Hardware:
 
 
 HARDWARE = {
-    "gfx1100": Hardware("RX 7900 XTX", 96, 122.9, 512, 960, 5300, 128, 2, 67.0),  # SDPA/AOTriton, comfy-kitchen
-    "gfx1201": Hardware("RX 9070 XT", 64, 194.6, 1024, 640, None, 128, 1, 117.9, 2.0),  # gcnasm v201 assembly, bf16
+    "gfx1100": Hardware("gfx1100", "RX 7900 XTX", 96, 122.9, 512, 960, 5300, 128, 67.0),  # SDPA/AOTriton, comfy-kitchen
+    "gfx1201": Hardware("gfx1201", "RX 9070 XT", 64, 194.6, 1024, 640, None, 128, 117.9),  # gcnasm v201 assembly, bf16
 }
 
 # The calibration (bench/estimate_external.py, bench/results/estimator_calibration.md): this
@@ -91,7 +111,7 @@ CALIBRATION_SOURCE = {
 }
 
 def target_of(hw: Hardware) -> str:
-    return next(target for target, known in HARDWARE.items() if known is hw)
+    return hw.target
 
 
 # --- Disassembly ---------------------------------------------------------------------------------
@@ -265,7 +285,9 @@ def inner_loops(body: list[Insn], main: tuple[int, int], variant, peeled_steps: 
     batches that holds both the K and the V^T stores; otherwise the copy is unrolled and counted once, like the rest of the
     tile. The WMMA count check in analyse() catches a loop that this misses. The compiler rotates the load loops, so one loop
     can have several backward branches; overlapping spans are merged into one loop."""
-    spans = sorted((s, e) for s, e in back_edges(body) if main[0] <= s and e <= main[1] and (s, e) != main)
+    live = live_addresses(body, main)  # a backward branch in code only a non-positive scale runs is no loop
+    spans = sorted((s, e) for s, e in back_edges(body)
+                   if main[0] <= s and e <= main[1] and (s, e) != main and e in live)
     merged: list[list[int]] = []
     for s, e in spans:
         if merged and s <= merged[-1][1]:
@@ -306,17 +328,40 @@ def branch_target(i: Insn) -> int | None:
     return None
 
 
+HUGE_SCORE_LITERAL = "0x4b800000"  # kHugeScore of kernels/fa_fwd.h, 2^24 as an f32 literal
+
+
+def up_to_jump(body: list[Insn], block: tuple[int, int]) -> list[Insn]:
+    """A block's instructions up to a jump over an else the block may end in (laid out behind it)."""
+    part = []
+    for i in body:
+        if block[0] <= i.addr <= block[1]:
+            if i.op == "s_branch":
+                break
+            part.append(i)
+    return part
+
+
 def is_huge_score_rounding(body: list[Insn], block: tuple[int, int]) -> bool:
     """Whether a skipped block is the forward's rounding of scores near their dtype's range (kHugeScore in
-    kernels/fa_fwd.h): multiplications and moves only. Model inputs never reach it."""
-    ops = [i.op for i in body if block[0] <= i.addr <= block[1] and classify(i.op) != "hint"]
-    return bool(ops) and all(op.startswith(("v_mul_f32", "v_dual_mul_f32", "v_mov_b32", "v_dual_mov_b32"))
+    kernels/fa_fwd.h): multiplications and moves (gfx12 keeps the scale in a scalar register) only, up to
+    a jump over a zero scale's else. Model inputs never reach it."""
+    ops = [i.op for i in up_to_jump(body, block) if classify(i.op) != "hint"]
+    return bool(ops) and all(op.startswith(("v_mul_f32", "v_dual_mul_f32", "v_mov_b32", "v_dual_mov_b32", "s_mov_b32"))
                              for op in ops)
 
 
-def rescale_blocks(body: list[Insn], main: tuple[int, int], loops: list[InnerLoop]) -> list[tuple[int, int]]:
-    """skipped_blocks but the huge-score rounding, which runs on no tile of model inputs."""
-    return [block for block in skipped_blocks(body, main, loops) if not is_huge_score_rounding(body, block)]
+def tests_huge_scores(body: list[Insn], block: tuple[int, int]) -> bool:
+    """Whether a block holds the test of the tile's maximum against kHugeScore: the bf16 forward runs it on
+    every tile with a positive scale (the block a zero scale jumps over)."""
+    return any(block[0] <= i.addr <= block[1] and i.op.startswith("v_cmp") and HUGE_SCORE_LITERAL in i.args
+               for i in body)
+
+
+def is_rescale(body: list[Insn], block: tuple[int, int]) -> bool:
+    """Whether a skipped block is the forward's O rescale: the factor's one exp2, no WMMA."""
+    kinds = [classify(i.op) for i in body if block[0] <= i.addr <= block[1]]
+    return kinds.count("trans") == 1 and "wmma" not in kinds
 
 
 def skipped_blocks(body: list[Insn], main: tuple[int, int], loops: list[InnerLoop]) -> list[tuple[int, int]]:
@@ -333,6 +378,105 @@ def skipped_blocks(body: list[Insn], main: tuple[int, int], loops: list[InnerLoo
     return blocks
 
 
+def rescale_blocks(body: list[Insn], main: tuple[int, int], loops: list[InnerLoop]) -> list[tuple[int, int]]:
+    """The O rescale blocks of the tile: skipped blocks with its one exp2, neither the huge-score rounding
+    nor the block its test sits in."""
+    return [block for block in skipped_blocks(body, main, loops)
+            if is_rescale(body, block) and not is_huge_score_rounding(body, block)
+            and not tests_huge_scores(body, block)]
+
+
+def branch_taken_share(body: list[Insn], i: Insn, rescale_share: float | None) -> float:
+    """The share of tiles on which a forward branch on a scalar condition is taken, on model inputs: the
+    huge-score rounding is skipped (a cold path, priced apart by cold_path_counts), the huge-score test
+    is run (a positive scale), and O's rescale runs on `rescale_share` of the tiles. A kernel without the
+    skipped rescale passes None; any other conditional block is an error."""
+    target = branch_target(i)
+    block = (i.addr + 4, target - 4)
+    if is_huge_score_rounding(body, block):
+        return 1.0
+    if tests_huge_scores(body, block):
+        return 0.0
+    if rescale_share is not None and is_rescale(body, block):
+        return 1.0 - rescale_share
+    raise RuntimeError(f"unexpected conditional block in the key-tile loop: {tuple(map(hex, block))}")
+
+
+def decides(i: Insn, main: tuple[int, int], loops: list[InnerLoop]) -> bool:
+    """Whether branch_taken_share decides this instruction's path: a forward branch on a scalar condition
+    inside the tile, outside its inner loops (whose code runs whole on every trip)."""
+    return (i.op.startswith(("s_cbranch_scc", "s_cbranch_vcc"))
+            and not any(loop.start <= i.addr <= loop.end for loop in loops)
+            and i.addr < branch_target(i) <= main[1])
+
+
+def live_addresses(body: list[Insn], main: tuple[int, int], rescale_share: float | None = 0.5) -> set[int]:
+    """The tile's instructions some path of model inputs reaches (branch_taken_share's paths; branches it
+    cannot decide followed both ways). Code that only a zero or negative scale runs (the else of the
+    huge-score test, with its own backward branch into O's rescale) is not among them."""
+    insns = [i for i in body if main[0] <= i.addr <= main[1]]
+    index = {i.addr: n for n, i in enumerate(insns)}
+    live, todo = set(), [main[0]]
+    while todo:
+        addr = todo.pop()
+        if addr in live or addr not in index:
+            continue
+        live.add(addr)
+        i = insns[index[addr]]
+        target = branch_target(i)
+        if i.op == "s_branch":
+            todo.append(target)
+            continue
+        share = None
+        if target is not None and i.op.startswith(("s_cbranch_scc", "s_cbranch_vcc")) and i.addr < target <= main[1]:
+            try:
+                share = branch_taken_share(body, i, rescale_share)
+            except RuntimeError:
+                share = None
+        if target is not None and share != 0.0:
+            todo.append(target)
+        if share != 1.0 and index[addr] + 1 < len(insns):
+            todo.append(insns[index[addr] + 1].addr)
+    return live
+
+
+def tile_runs(body: list[Insn], main: tuple[int, int], loops: list[InnerLoop],
+              rescale_share: float | None) -> dict[int, float]:
+    """Runs per tile of every instruction of the key-tile loop: one pass in address order carries the share
+    of tiles that reach each instruction along forward branches (branch_taken_share); an inner loop runs
+    its whole span `trips` times for each tile that enters it."""
+    runs: dict[int, float] = {}
+    reach = Counter({main[0]: 1.0})
+    insns = [i for i in body if main[0] <= i.addr <= main[1]]
+    n = 0
+    while n < len(insns):
+        i = insns[n]
+        loop = next((loop for loop in loops if loop.start == i.addr), None)
+        if loop is not None:
+            inside = [j for j in insns[n:] if j.addr <= loop.end]
+            entered = sum(reach[j.addr] for j in inside)
+            for j in inside:
+                runs[j.addr] = entered * loop.trips
+            n += len(inside)
+            if n < len(insns):
+                reach[insns[n].addr] += entered
+            continue
+        share_here = reach[i.addr]
+        runs[i.addr] = share_here
+        target = branch_target(i)
+        taken = 0.0
+        if i.op == "s_branch" and target > i.addr:
+            taken = 1.0
+        elif target is not None and decides(i, main, loops):
+            taken = branch_taken_share(body, i, rescale_share)
+        if taken:
+            reach[target] += share_here * taken
+        if n + 1 < len(insns):
+            reach[insns[n + 1].addr] += share_here * (1.0 - taken)
+        n += 1
+    return runs
+
+
 def else_block(body: list[Insn], block: tuple[int, int]) -> tuple[int, int] | None:
     """The code a skipped block jumps over at its end (an if-else: it runs only when the block does not),
     or None."""
@@ -342,15 +486,9 @@ def else_block(body: list[Insn], block: tuple[int, int]) -> tuple[int, int] | No
     return None
 
 
-def is_rescale(body: list[Insn], block: tuple[int, int]) -> bool:
-    """Whether a skipped block is the forward's O rescale: the factor's one exp2, no WMMA."""
-    kinds = [classify(i.op) for i in body if block[0] <= i.addr <= block[1]]
-    return kinds.count("trans") == 1 and "wmma" not in kinds
-
-
 def rescale_runs(body: list[Insn], block: tuple[int, int], share: float) -> dict[int, float]:
     """Runs per tile, by address, of an O rescale block (on `share` of the tiles) and of the else it jumps
-    over (on the rest)."""
+    over (on the rest): the masked estimator's weights for the executed trace."""
     other = else_block(body, block) or (0, -1)
     return {i.addr: share if block[0] <= i.addr <= block[1] else 1 - share
             for i in body if block[0] <= i.addr <= block[1] or other[0] <= i.addr <= other[1]}
@@ -359,31 +497,33 @@ def rescale_runs(body: list[Insn], block: tuple[int, int], share: float) -> dict
 RESCALE_REGION = "O rescale (a row's maximum rose)"
 
 
+def region_of(i: Insn, loops: list[InnerLoop], rescale: list[tuple[int, int]]) -> str:
+    loop = next((loop for loop in loops if loop.start <= i.addr <= loop.end), None)
+    if loop is not None:
+        return loop.role
+    if any(block[0] <= i.addr <= block[1] for block in rescale):
+        return RESCALE_REGION
+    return "rest of tile (S init, softmax, P^T, PV)"
+
+
 def count_tile(body: list[Insn], main: tuple[int, int], loops: list[InnerLoop],
                rescale_share: float | None = None) -> TileCounts:
-    """One key tile's instructions per wave. rescale_share: the forward's skipped block, if it has one, is
-    its O rescale (the traits' skips_rescale), counted as run on that share of the tiles; a
-    kernel without it passes None, and any skipped block is then an error. The huge-score rounding
-    (is_huge_score_rounding) is counted as never run."""
-    blocks = rescale_blocks(body, main, loops)
-    if len(blocks) > (0 if rescale_share is None else 1):
-        raise RuntimeError(f"unexpected conditional blocks in the key-tile loop: {[tuple(map(hex, b)) for b in blocks]}")
-    if blocks and not is_rescale(body, blocks[0]):
-        raise RuntimeError(f"the skipped block at {hex(blocks[0][0])} is not the O rescale (one exp2, no WMMA)")
-    runs = rescale_runs(body, blocks[0], rescale_share) if blocks else {}
-    never = {i.addr for block in skipped_blocks(body, main, loops) if is_huge_score_rounding(body, block)
-             for i in body if block[0] <= i.addr <= block[1]}
-    items = []
-    for i in body:
-        if i.addr in never:
-            continue
-        if i.addr in runs:
-            items.append((i, runs[i.addr], RESCALE_REGION))
-        elif main[0] <= i.addr <= main[1]:
-            loop = next((loop for loop in loops if loop.start <= i.addr <= loop.end), None)
-            items.append((i, loop.trips if loop else 1,
-                          loop.role if loop else "rest of tile (S init, softmax, P^T, PV)"))
+    """One key tile's instructions per wave, each counted on the share of tiles that runs it (tile_runs).
+    rescale_share: the share of tiles that rescale O where the kernel skips the rescale on the others (the
+    traits' skips_rescale); a kernel without it passes None. The huge-score rounding (a cold path) is
+    counted as never run: cold_path_counts prices it."""
+    runs = tile_runs(body, main, loops, rescale_share)
+    rescale = [part for block in rescale_blocks(body, main, loops)
+               for part in (block, else_block(body, block)) if part is not None]
+    items = [(i, runs[i.addr], region_of(i, loops, rescale)) for i in body if runs.get(i.addr)]
     return tally(items)
+
+
+def cold_path_counts(body: list[Insn], main: tuple[int, int], loops: list[InnerLoop]) -> TileCounts:
+    """The instructions of the huge-score rounding, once: what a tile whose scaled maximum reaches
+    kHugeScore runs more (bf16 forwards; an empty count elsewhere)."""
+    return tally([(i, 1, "huge-score rounding (cold)") for block in skipped_blocks(body, main, loops)
+                  if is_huge_score_rounding(body, block) for i in up_to_jump(body, block)])
 
 
 def rescaled_tile_share(block_n: int, keys: int = SEQ, rows: int = 16) -> float:
@@ -511,7 +651,8 @@ def analyse(path: Path, objdump: str) -> list[dict]:
             loops = inner_loops(body, main, variant, peeled_score_steps(co.target, variant))
             # A kernel without the skipped rescale block (skips_rescale) rescales every tile.
             share = rescaled_tile_share(variant.block_n) if rescale_blocks(body, main, loops) else 1.0
-            counts = count_tile(body, main, loops, share)
+            counts = count_tile(body, main, loops, share if share < 1.0 else None)
+            cold = cold_path_counts(body, main, loops)
             # S^T takes d_pad/16 x block_n/16 WMMAs per tile, O^T d_chunk/16 x block_n/16.
             expected = (variant.d_pad + variant.d_chunk) // 16 * (variant.block_n // 16)
             if counts.wmma != expected:
@@ -528,6 +669,8 @@ def analyse(path: Path, objdump: str) -> list[dict]:
                 "rescaled_tile_share": round(share, 4),
                 "inner_loops": [{"role": l.role, "span": [hex(l.start), hex(l.end)], "trips": l.trips} for l in loops],
                 "counts_per_wave_tile": asdict(counts),
+                "cold_path": {"what": "huge-score rounding: a tile whose scaled maximum reaches 2^24 (bf16); "
+                                      "no tile of model inputs", "valu": cold.valu, "salu": cold.salu},
                 "model": model(counts, hw, variant, occ.waves_per_simd,
                                # 4 * queries * keys * useful d, shared by the d_chunks workgroups
                                # that each recompute S for their share of the output columns

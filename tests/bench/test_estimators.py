@@ -86,6 +86,24 @@ def test_a_d128_tile_skips_only_its_o_rescale_as_the_interpreter_executes_it(gfx
         assert getattr(executed, kind) == pytest.approx(getattr(static, kind)), kind
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_a_bf16_tile_runs_its_huge_score_test_as_the_interpreter_executes_it(gfx1100, d):
+    """The bf16 forwards' huge-score test runs on every tile and its rounding on none, in the static count
+    as in the interpreter's run of model-like inputs; at d128 the rescale's else, which the interpreter's
+    fourth tile runs or not, leaves at most one issue between them."""
+    functions, library, _ = gfx1100
+    variant = variants.fwd_variant("bf16", d)
+    body = functions[variant.symbol]
+    main = estimator.main_loop(body)
+    loops = estimator.inner_loops(body, main, variant, estimator.peeled_score_steps("gfx1100", variant))
+    share = estimator.rescaled_tile_share(variant.block_n) if estimator.rescale_blocks(body, main, loops) else None
+    static = estimator.count_tile(body, main, loops, share)
+    executed = masked.tile_counts(library, body, variant, "bf16", d, "none")
+    for kind in ("wmma", "trans", "salu", "branch", "lds_read_insts", "global_load_insts"):
+        assert getattr(executed, kind) == pytest.approx(getattr(static, kind)), kind
+    assert abs(executed.valu - static.valu) <= (0 if share is None else 1)
+
+
 def test_the_rescaled_share_counts_the_tiles_that_meet_new_row_maxima():
     assert estimator.rescaled_tile_share(64, keys=64) == 1.0  # a row's first tile always rescales
     share_64, share_16 = estimator.rescaled_tile_share(64), estimator.rescaled_tile_share(16)

@@ -33,12 +33,24 @@ def test_the_shipped_file_is_what_the_records_give():
         "the estimators' records changed: python -m bench.expected_speed")
 
 
-def test_a_changed_record_would_show(monkeypatch):
+@pytest.mark.parametrize("change", ["stall band", "backward"])
+def test_a_changed_record_would_show(monkeypatch, change):
     records = {name: expected_speed._load(name) for name in expected_speed.RECORDS}
-    sdxl = next(s for s in records[expected_speed.SHAPES]["shapes"] if (s["shape"], s["target"]) == ("SDXL", "gfx1201"))
-    sdxl["tflops_pess"] += 1.0
+    if change == "stall band":
+        records[expected_speed.SPEED_MODEL]["stall_band"]["gfx1201"]["high"] += 0.1
+    else:
+        records[expected_speed.BACKWARD]["results"][0]["estimate"]["now"]["tflops_pess"] += 1.0
     monkeypatch.setattr(expected_speed, "_load", lambda name: records[name])
     assert without_commits(expected_speed.build()) != without_commits(shipped())
+
+
+def test_the_forward_is_the_speed_models():
+    data, speed = shipped(), expected_speed._load(expected_speed.SPEED_MODEL)
+    for target, gpu in data["gpus"].items():
+        grid = {(g["dtype"], g["d"]): g["tflops"] for g in speed["forward_grid"] if g["target"] == target}
+        for row in gpu["forward_by_head_dim"]:
+            figures = grid[(row["dtype"], row["head_dim"])]
+            assert row["tflops"] == [figures["low"], figures["high"]]
 
 
 def test_provenance_names_the_estimators_records_and_code_objects():
