@@ -66,18 +66,57 @@ def comfyui_version(folder: Path) -> str | None:
     return match.group(1) if match else None
 
 
-TORCHVISION_STUBS = ("torchvision", "torchvision.transforms", "torchvision.models")
+TORCHVISION_STUBS = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional", "torchvision.models",
+                     "torchvision.models.optical_flow", "torchvision.ops")
+TORCHAUDIO_STUBS = ("torchaudio", "torchaudio.functional", "torchaudio.transforms")
+
+
+class StandInAttribute:
+    """A name imported from a stand-in module: looking it up or deriving names from it works (module code
+    does so at import), calling it fails loudly."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __getattr__(self, attribute: str):
+        if attribute.startswith("__"):
+            raise AttributeError(attribute)
+        return StandInAttribute(f"{self.name}.{attribute}")
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self.name} is a stand-in: the library is not installed here")
+
+
+def _stand_in_module(name: str) -> types.ModuleType:
+    stub = types.ModuleType(name)
+    stub.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    stub.rdna_flash_attn_stub = True
+
+    def missing(attribute: str):
+        if attribute.startswith("__"):
+            raise AttributeError(attribute)
+        return StandInAttribute(f"{name}.{attribute}")
+
+    stub.__getattr__ = missing
+    return stub
+
+
+def _stub_library(names: tuple[str, ...]) -> None:
+    if importlib.util.find_spec(names[0]) is not None:
+        return
+    for name in names:
+        sys.modules.setdefault(name, _stand_in_module(name))
 
 
 def stub_torchvision() -> None:
-    """Bare torchvision stand-ins in sys.modules where torchvision is absent (see the module's docstring)."""
-    if importlib.util.find_spec("torchvision") is not None:
-        return
-    for name in TORCHVISION_STUBS:
-        stub = types.ModuleType(name)
-        stub.__spec__ = importlib.machinery.ModuleSpec(name, None)
-        stub.rdna_flash_attn_stub = True
-        sys.modules.setdefault(name, stub)
+    """torchvision stand-ins in sys.modules where torchvision is absent (see the module's docstring)."""
+    _stub_library(TORCHVISION_STUBS)
+
+
+def stub_torchaudio() -> None:
+    """torchaudio stand-ins where it is absent: ComfyUI 0.33 imports it at module level for its audio
+    models' feature extraction (LTX-2's audio VAE, Whisper, Gemma 4), none of which runs here."""
+    _stub_library(TORCHAUDIO_STUBS)
 
 
 def start_comfyui(folder: Path, cpu: bool = True, pytorch_attention: bool = False) -> None:
@@ -85,6 +124,7 @@ def start_comfyui(folder: Path, cpu: bool = True, pytorch_attention: bool = Fals
     `--use-pytorch-cross-attention` where asked, and nothing else of the caller's command line."""
     put_first_on_path(folder)
     stub_torchvision()
+    stub_torchaudio()
     argv = sys.argv
     sys.argv = [argv[0], *(["--cpu"] if cpu else []), *(["--use-pytorch-cross-attention"] if pytorch_attention else [])]
     try:
@@ -101,7 +141,7 @@ def stop_comfyui(folder: Path) -> None:
     """Take ComfyUI's folder off sys.path and the torchvision stand-ins out of sys.modules, so code
     imported after the ComfyUI tests sees neither (ComfyUI's modules stay imported)."""
     take_off_path(folder)
-    for name in TORCHVISION_STUBS:
+    for name in (*TORCHVISION_STUBS, *TORCHAUDIO_STUBS):
         if getattr(sys.modules.get(name), "rdna_flash_attn_stub", False):
             del sys.modules[name]
 
@@ -382,6 +422,39 @@ REAL_HEAD_DIMS.update({
 })
 
 
+# Families whose attention calls newer ComfyUI marks low_precision_attention=False (Stable Audio's DiT, Hunyuan3D
+# 2.1's DiT, LTXV's masked cross-attention): the node never casts such float32 calls to 16 bits, so these are
+# measured in bfloat16, as their users run them.
+MEASURED_DTYPE = {"stable_audio": torch.bfloat16, "hunyuan3d_21": torch.bfloat16, "ltxv": torch.bfloat16}
+
+# Settings newer ComfyUI requires of these families' model classes (no defaults there), with the values its
+# model detection gives the released checkpoints: family -> (the parameters' dataclass, {setting: value}).
+# Given only where this tree's dataclass has the field: older trees' constructors refuse unknown settings.
+FLUX_PARAMS, CHROMA_PARAMS = "comfy.ldm.flux.model:FluxParams", "comfy.ldm.chroma.model:ChromaParams"
+HUNYUAN_VIDEO_PARAMS = "comfy.ldm.hunyuan_video.model:HunyuanVideoParams"
+NEWER_SETTINGS = {
+    "flux": (FLUX_PARAMS, {"txt_ids_dims": []}),
+    "flux_masked": (FLUX_PARAMS, {"txt_ids_dims": []}),
+    "flux2": (FLUX_PARAMS, {"txt_ids_dims": [3]}),
+    "chroma": (CHROMA_PARAMS, {"txt_ids_dims": [], "vec_in_dim": None}),
+    "chroma_radiance": ("comfy.ldm.chroma_radiance.model:ChromaRadianceParams",
+                        {"txt_ids_dims": [], "vec_in_dim": None, "use_x0": False, "use_sequential_txt_ids": False}),
+    "hunyuan_video": (HUNYUAN_VIDEO_PARAMS, {"meanflow_sum": False}),
+    "hunyuan_video_masked": (HUNYUAN_VIDEO_PARAMS, {"meanflow_sum": False}),
+    "hunyuan_image21": (HUNYUAN_VIDEO_PARAMS, {"meanflow_sum": False}),
+    "hunyuan_video15": (HUNYUAN_VIDEO_PARAMS, {"meanflow_sum": True}),  # detection: True with a vision input
+}
+
+
+def settings_for_this_tree(name: str, config: dict) -> dict:
+    """`config` with the NEWER_SETTINGS this ComfyUI's model classes take."""
+    if name not in NEWER_SETTINGS:
+        return config
+    location, settings = NEWER_SETTINGS[name]
+    module_name, _, class_name = location.partition(":")
+    fields = getattr(getattr(importlib.import_module(module_name), class_name), "__dataclass_fields__", {})
+    return {**config, **{key: value for key, value in settings.items() if key in fields and key not in config}}
+
 def initialise(module: torch.nn.Module, seed: int = 0) -> None:
     """ComfyUI creates layers uninitialised: give every parameter a fixed random value."""
     generators = {}
@@ -423,7 +496,7 @@ def build(name: str, dtype=torch.float32, unet_config: dict | None = None, devic
     """A ComfyUI ModelPatcher around a random `name` model (the tiny config unless one is given)."""
     import comfy.model_patcher
 
-    config = model_config(name, dict(unet_config or MODELS[name][3]), dtype)
+    config = model_config(name, settings_for_this_tree(name, dict(unet_config or MODELS[name][3])), dtype)
     model = config.get_model(device=device)
     initialise(model)
     # SD3's position embedding is a buffer its checkpoint fills; ComfyUI creates it empty (whatever
