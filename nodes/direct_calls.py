@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 from contextvars import ContextVar
 
+from .overrides import routing_replaced
 from .routing import RoutingOptions, context_value, routed_backend
 
 WRAPPER_KEY = "rdna_flash_attn"
@@ -57,9 +58,12 @@ def running(options: RoutingOptions):
 
 
 def apply_model_wrapper(options: RoutingOptions):
-    """An APPLY_MODEL wrapper: the routed model's whole call runs with `options` in effect."""
+    """An APPLY_MODEL wrapper: the routed model's whole call runs with `options` in effect, unless a node
+    placed after ours replaced its override (then that node decides, the option-less calls included)."""
 
     def wrapper(executor, *args, **kwargs):
+        if routing_replaced(args, kwargs):
+            return executor(*args, **kwargs)
         with running(options):
             return executor(*args, **kwargs)
 

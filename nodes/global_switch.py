@@ -13,7 +13,8 @@ import os
 
 from . import direct_calls
 from .core import core_or_reason
-from .model_patch import OVERRIDE_KEY, OVERRIDE_MARK, PREVIOUS_ATTR, comfy_has_override
+from .model_patch import comfy_has_override
+from .overrides import OVERRIDE_KEY, OVERRIDE_MARK, PREVIOUS_ATTR, routing_replaced
 from .routing import RoutingOptions, routed_backend
 
 log = logging.getLogger("rdna_flash_attn")
@@ -36,7 +37,7 @@ setattr(global_override, PREVIOUS_ATTR, None)
 
 def global_apply_model(executor, *args, **kwargs):
     """The APPLY_MODEL wrapper that routes a model's option-less attention calls while enabled."""
-    if not _state["enabled"]:
+    if not _state["enabled"] or routing_replaced(args, kwargs):
         return executor(*args, **kwargs)
     with direct_calls.running(_state["options"]):
         return executor(*args, **kwargs)
