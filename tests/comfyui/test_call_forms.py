@@ -243,6 +243,27 @@ def test_low_precision_attention_false_keeps_float32_off_16_bit_kernels(node_pac
     assert len(seen) == 1 and len(fake_gpu.launches) == 2
 
 
+
+def test_low_precision_attention_false_runs_an_8bit_nodes_calls_exact(node_package, attention, fake_gpu):
+    """ComfyUI passes low_precision_attention=False as a keyword of optimized_attention where Sage-style
+    attention breaks the model (Wan's image cross-attention, Stable Audio, Hunyuan3D 2.1): a node set to
+    8-bit runs those calls on the exact kernels; its other calls reach the dispatcher as 8-bit (which on
+    this RDNA3 stand-in runs them exact, for its own reason)."""
+    routing = node_package.routing
+    transformer_options = {}
+    node_package.model_patch.install_override(transformer_options, routing.RoutingOptions(precision="8bit-qkpv"))
+    q, k, v = head_qkv()
+    out = attention.optimized_attention(q, k, v, 4, skip_reshape=True, skip_output_reshape=True,
+                                        transformer_options=transformer_options, low_precision_attention=False)
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    torch.testing.assert_close(out.float(), expected, atol=BF16_TOLERANCE, rtol=BF16_TOLERANCE)
+    assert rdna_flash_attn.stats()["kernel"] == 1 and rdna_flash_attn.stats()["exact_not_8bit_reasons"] == {}
+    assert routing.comfy_exact_not_8bit == {routing.NO_LOW_PRECISION: 1}
+    attention.optimized_attention(q, k, v, 4, skip_reshape=True, transformer_options=transformer_options)
+    rdna3_reason = "8-bit attention needs RDNA4 (gfx12); gfx1100 has no faster 8-bit matrix rate"
+    assert rdna_flash_attn.stats()["exact_not_8bit_reasons"] == {rdna3_reason: 1}
+    assert routing.comfy_exact_not_8bit == {routing.NO_LOW_PRECISION: 1} and len(fake_gpu.launches) == 2
+
 def test_pytorch_fallback_option_uses_comfyuis_pytorch_backend(node_package, attention, fake_gpu, monkeypatch):
     pytorch_calls = []
     original = attention.REGISTERED_ATTENTION_FUNCTIONS["pytorch"]
