@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import direct_calls
+from . import direct_calls, memory_estimate
 from .overrides import OVERRIDE_KEY, OVERRIDE_MARK, PREVIOUS_ATTR, comfy_backend_choice, note_backend_beneath
 from .routing import RoutingOptions, log_once, routed_backend
 
@@ -149,6 +149,7 @@ def patch_model(model, options: RoutingOptions):
     if comfy_has_override():
         install_override(transformer_options, options)
         direct_calls.add_to(patched, direct_calls.apply_model_wrapper(options))
+        memory_estimate.add_to(patched)
         return patched
     installed = install_replace_patches(patched, options)
     log_once(
@@ -165,4 +166,5 @@ def unpatch_model(model):
     remove_override(transformer_options)
     remove_replace_patches(transformer_options)
     direct_calls.remove_from(clone)
+    memory_estimate.remove_from(clone)
     return clone
