@@ -21,6 +21,9 @@ from pathlib import Path
 
 import torch
 
+from rdna_flash_attn.config import settings
+from rdna_flash_attn.runtime import loader
+
 from rdna_fa_lab.coverage import FlopCounter, ReferenceLibrary
 from rdna_fa_lab.hosts import comfyui_harness as harness
 
@@ -69,9 +72,6 @@ def main() -> int:
     folder = args.comfyui or harness.comfyui_folder()
     harness.start_comfyui(folder)
     node_package = harness.load_node_package()
-    from rdna_flash_attn.config import settings
-    from rdna_flash_attn.runtime import loader
-
     settings.force = True
     results = {}
     with loader.stand_in(FlopCounter(ReferenceLibrary(), "cpu")):
