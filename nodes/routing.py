@@ -213,6 +213,29 @@ def kernel_attention(named: dict, extra: dict, options: RoutingOptions) -> torch
     return out.transpose(1, 2).flatten(2)
 
 
+SDPA_PARAMETERS = ("attn_mask", "dropout_p", "is_causal")
+
+
+def sdpa_call_attention(q, k, v, args: tuple, kwargs: dict, options: RoutingOptions) -> torch.Tensor | str:
+    """The kernels' result for a call in SDPA's form (`torch.nn.functional.scaled_dot_product_attention(q,
+    k, v, *args, **kwargs)`, as ComfyUI's comfy.ops wrapper takes it), or the reason it falls back."""
+    core = core_or_reason()
+    if isinstance(core, str):
+        return core
+    if len(args) > len(SDPA_PARAMETERS) or set(kwargs) - {*SDPA_PARAMETERS, "scale", "enable_gqa"}:
+        return refuse("SDPA call form not recognised")
+    named = {**dict(zip(SDPA_PARAMETERS, args)), **kwargs}
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if _in_training(needs_grad) and not options.training:
+        return refuse("training (gradients or ComfyUI's in_training) and the node's use_for_training is off")
+    precision = contextlib.nullcontext() if _is_compiling() else core.precision(options.precision)
+    with precision:
+        return core.attention_or_reason(
+            q, k, v, attn_mask=named.get("attn_mask"), dropout_p=named.get("dropout_p", 0.0),
+            is_causal=named.get("is_causal", False), scale=named.get("scale"),
+            enable_gqa=named.get("enable_gqa", False), fallback_name="ComfyUI's SDPA",
+        )
+
 def _pytorch_backend(func: Callable) -> Callable:
     """ComfyUI's PyTorch SDPA backend (registered by name from 2025-09, a module function before)."""
     try:
