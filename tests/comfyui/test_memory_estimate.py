@@ -74,3 +74,15 @@ def test_a_disabled_node_drops_the_wrapper(model_node, fake_gpu, reserved):
     (disabled,) = model_node.patch(routed, False, True, "original backend")
     sample(disabled, "wan", steps=1)
     assert reserved[0] == reserved[1]
+
+
+def test_the_global_switch_reserves_as_memory_efficient(node_package, fake_gpu, reserved, monkeypatch):
+    unrouted = build("wan")
+    sample(unrouted, "wan", steps=1)
+    assert node_package.enable_global()
+    routed = build("wan")  # made while the switch is on
+    sample(routed, "wan", steps=1)
+    node_package.disable_global()
+    sample(routed, "wan", steps=1)  # its wrapper stays, and passes through once the switch is off
+    efficient = comfys_efficient_estimate(routed, cfg_latent_shape("wan"), monkeypatch)
+    assert reserved == [reserved[0], efficient, reserved[0]] and efficient < reserved[0]
