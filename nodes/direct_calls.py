@@ -2,26 +2,35 @@
 
 ComfyUI consults a model's `optimized_attention_override` only when the call passes the model's
 `transformer_options`. Many model files call the attention function they imported without them
-(PixArt, HunyuanDiT, Hunyuan3D 2.1, Wan-Animate's face blocks, some of SD3's blocks ...),
-so the per-model override never sees those calls. Here every `optimized_attention` /
-`optimized_attention_masked` name a `comfy.ldm` module bound at import is replaced by a router that
-runs the bound function unchanged, unless a routed model is running at that moment (an APPLY_MODEL
-wrapper on the routed clone says so through a context variable) and the call passed no options:
-then it takes the same route as the override's calls. Text encoders and VAEs, which run outside the
-diffusion model's call, keep their attention.
+(PixArt, HunyuanDiT, Hunyuan3D 2.1, Wan-Animate's face blocks, some of SD3's blocks ...), or look it up
+in ComfyUI's attention module at call time (SeedVR2's DiT, and MiniMax Music's through
+`optimized_attention_for_device`), so the per-model override never sees those calls. Here every
+`optimized_attention` / `optimized_attention_masked` name a `comfy.ldm` module bound, the attention
+module's own included, is replaced by a router that runs the bound function unchanged, unless a routed
+model is running at that moment (an APPLY_MODEL wrapper on the routed clone says so through a context
+variable) and the call passed no options: then it takes the same route as the override's calls.
+ComfyUI's own SDPA wrapper, `comfy.ops.scaled_dot_product_attention`, gets a router for its causal
+calls (HiDream-O1's autoregressive pass), which no attention function sees. Text encoders and VAEs,
+which run outside the diffusion model's call, keep their attention.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from contextvars import ContextVar
 
-from .routing import RoutingOptions, context_value, routed_backend
+import torch
+
+from .overrides import routing_replaced
+from .routing import RoutingOptions, context_value, routed_backend, routing_failed, sdpa_call_attention
 
 WRAPPER_KEY = "rdna_flash_attn"
 ATTENTION_NAMES = ("optimized_attention", "optimized_attention_masked")
 MODEL_PACKAGE = "comfy.ldm."
-ATTENTION_MODULE = "comfy.ldm.modules.attention"  # defines the functions; its own calls pass the options
+ATTENTION_MODULE = "comfy.ldm.modules.attention"  # defines the functions
+OPS_MODULE = "comfy.ops"
+SDPA_NAME = "scaled_dot_product_attention"
 
 _running: ContextVar[RoutingOptions | None] = ContextVar("rdna_flash_attn_model", default=None)
 
@@ -31,6 +40,7 @@ class UnscopedCallRouter:
 
     def __init__(self, original):
         self.original = original
+        functools.update_wrapper(self, original)
 
     def __call__(self, *args, **kwargs):
         options = _running.get()
@@ -39,16 +49,42 @@ class UnscopedCallRouter:
         return routed_backend(self.original, options)(*args, **kwargs)
 
 
+class CausalSdpaRouter:
+    """Stands in for comfy.ops.scaled_dot_product_attention: its causal calls within a routed model run
+    on the kernels (its other calls are ComfyUI's PyTorch backend running calls already decided)."""
+
+    def __init__(self, original):
+        self.original = original
+        functools.update_wrapper(self, original)
+
+    def __call__(self, q, k, v, *args, **kwargs):
+        options = _running.get()
+        is_causal = args[2] if len(args) > 2 else kwargs.get("is_causal", False)
+        if options is None or is_causal is not True:
+            return self.original(q, k, v, *args, **kwargs)
+        try:
+            out = sdpa_call_attention(q, k, v, args, kwargs, options)
+        except Exception as error:  # noqa: BLE001  (a fault of ours must cost the speed-up, never the sampling)
+            routing_failed(error)
+            out = None
+        return out if isinstance(out, torch.Tensor) else self.original(q, k, v, *args, **kwargs)
+
+
 def install_routers() -> None:
     """Put a router in place of every attention function bound in a loaded `comfy.ldm` module (once
     each; modules imported later get theirs at the next model the node routes)."""
     for name, module in list(sys.modules.items()):
-        if module is None or not name.startswith(MODEL_PACKAGE) or name == ATTENTION_MODULE:
+        if module is None or not name.startswith(MODEL_PACKAGE):
             continue
         for attribute in ATTENTION_NAMES:
             function = getattr(module, "__dict__", {}).get(attribute)
-            if callable(function) and getattr(function, "__module__", "") == ATTENTION_MODULE:
+            if (callable(function) and not isinstance(function, UnscopedCallRouter)
+                    and getattr(function, "__module__", "") == ATTENTION_MODULE):
                 setattr(module, attribute, UnscopedCallRouter(function))
+    ops = sys.modules.get(OPS_MODULE)
+    sdpa = getattr(ops, "__dict__", {}).get(SDPA_NAME)
+    if callable(sdpa) and not isinstance(sdpa, CausalSdpaRouter):
+        setattr(ops, SDPA_NAME, CausalSdpaRouter(sdpa))
 
 
 def running(options: RoutingOptions):
@@ -57,9 +93,12 @@ def running(options: RoutingOptions):
 
 
 def apply_model_wrapper(options: RoutingOptions):
-    """An APPLY_MODEL wrapper: the routed model's whole call runs with `options` in effect."""
+    """An APPLY_MODEL wrapper: the routed model's whole call runs with `options` in effect, unless a node
+    placed after ours replaced its override (then that node decides, the option-less calls included)."""
 
     def wrapper(executor, *args, **kwargs):
+        if routing_replaced(args, kwargs):
+            return executor(*args, **kwargs)
         with running(options):
             return executor(*args, **kwargs)
 

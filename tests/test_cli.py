@@ -104,6 +104,7 @@ def test_doctor_with_a_zluda_gpu(fake_cuda, monkeypatch, capsys):
     for text in ("cuda:0:", ZLUDA_NAME, "zluda", "gfx1100", "6.2.41512", "/p/gfx1100.hsaco", "ef" * 32,
                  "code object v5 loaded by HIP runtime 6.2.41512 (order tried: v5, v4)", "loadable yes (sha256 verified)", "self-test passed (run now)", "kernels ON"):
         assert text in out, text
+    assert "ComfyUI on cuda:0:" in out and "ComfyUI takes ZLUDA's CUDA build of PyTorch for NVIDIA" in out
     _, again, _ = run_cli(capsys, "doctor")
     assert "passed (cached)" in again
     assert "8-bit attention not available: 8-bit attention needs RDNA4 (gfx12); gfx1100 has no" in again

@@ -66,18 +66,57 @@ def comfyui_version(folder: Path) -> str | None:
     return match.group(1) if match else None
 
 
-TORCHVISION_STUBS = ("torchvision", "torchvision.transforms", "torchvision.models")
+TORCHVISION_STUBS = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional", "torchvision.models",
+                     "torchvision.models.optical_flow", "torchvision.ops")
+TORCHAUDIO_STUBS = ("torchaudio", "torchaudio.functional", "torchaudio.transforms")
+
+
+class StandInAttribute:
+    """A name imported from a stand-in module: looking it up or deriving names from it works (module code
+    does so at import), calling it fails loudly."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __getattr__(self, attribute: str):
+        if attribute.startswith("__"):
+            raise AttributeError(attribute)
+        return StandInAttribute(f"{self.name}.{attribute}")
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self.name} is a stand-in: the library is not installed here")
+
+
+def _stand_in_module(name: str) -> types.ModuleType:
+    stub = types.ModuleType(name)
+    stub.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    stub.rdna_flash_attn_stub = True
+
+    def missing(attribute: str):
+        if attribute.startswith("__"):
+            raise AttributeError(attribute)
+        return StandInAttribute(f"{name}.{attribute}")
+
+    stub.__getattr__ = missing
+    return stub
+
+
+def _stub_library(names: tuple[str, ...]) -> None:
+    if importlib.util.find_spec(names[0]) is not None:
+        return
+    for name in names:
+        sys.modules.setdefault(name, _stand_in_module(name))
 
 
 def stub_torchvision() -> None:
-    """Bare torchvision stand-ins in sys.modules where torchvision is absent (see the module's docstring)."""
-    if importlib.util.find_spec("torchvision") is not None:
-        return
-    for name in TORCHVISION_STUBS:
-        stub = types.ModuleType(name)
-        stub.__spec__ = importlib.machinery.ModuleSpec(name, None)
-        stub.rdna_flash_attn_stub = True
-        sys.modules.setdefault(name, stub)
+    """torchvision stand-ins in sys.modules where torchvision is absent (see the module's docstring)."""
+    _stub_library(TORCHVISION_STUBS)
+
+
+def stub_torchaudio() -> None:
+    """torchaudio stand-ins where it is absent: ComfyUI 0.33 imports it at module level for its audio
+    models' feature extraction (LTX-2's audio VAE, Whisper, Gemma 4), none of which runs here."""
+    _stub_library(TORCHAUDIO_STUBS)
 
 
 def start_comfyui(folder: Path, cpu: bool = True, pytorch_attention: bool = False) -> None:
@@ -85,6 +124,7 @@ def start_comfyui(folder: Path, cpu: bool = True, pytorch_attention: bool = Fals
     `--use-pytorch-cross-attention` where asked, and nothing else of the caller's command line."""
     put_first_on_path(folder)
     stub_torchvision()
+    stub_torchaudio()
     argv = sys.argv
     sys.argv = [argv[0], *(["--cpu"] if cpu else []), *(["--use-pytorch-cross-attention"] if pytorch_attention else [])]
     try:
@@ -101,7 +141,7 @@ def stop_comfyui(folder: Path) -> None:
     """Take ComfyUI's folder off sys.path and the torchvision stand-ins out of sys.modules, so code
     imported after the ComfyUI tests sees neither (ComfyUI's modules stay imported)."""
     take_off_path(folder)
-    for name in TORCHVISION_STUBS:
+    for name in (*TORCHVISION_STUBS, *TORCHAUDIO_STUBS):
         if getattr(sys.modules.get(name), "rdna_flash_attn_stub", False):
             del sys.modules[name]
 
@@ -338,6 +378,38 @@ LATENT_FRAMES.update({"mochi": 2, "hunyuan_video15": 2, "wan22": 2})
 LATENT_SIZE.update({"chroma_radiance": 32})  # pixels: 8 x 8 patches of 4
 LATENT_TOKENS["stable_audio"] = 64
 
+# Families of ComfyUI 0.33 (supported_models.ErnieImage, JoyImage, Ideogram4, Krea2), with the settings its
+# model detection gives the released checkpoints, scaled down.
+MODELS.update({
+    # ERNIE-Image: single-stream blocks over text and 128-channel image tokens (2 x 32 here; 32 x 128 for real)
+    "ernie": ("ErnieImage", "Flux2", {}, dict(image_model="ernie", hidden_size=64, num_attention_heads=2, num_layers=1,
+                                             ffn_hidden_size=128, in_channels=128, out_channels=128, patch_size=1,
+                                             text_in_dim=TEXT_WIDTH, rope_axes_dim=(8, 12, 12)), 128, False),
+    # JoyImage: HunyuanVideo-like double-stream blocks on Wan latents (2 x 32 here; 24 x 128 for real)
+    "joyimage": ("JoyImage", "Wan21", {}, dict(image_model="joyimage", patch_size=[1, 2, 2], in_channels=16,
+                                               hidden_size=64, num_attention_heads=2, text_dim=TEXT_WIDTH, num_layers=1,
+                                               rope_dim_list=[8, 12, 12]), 16, False),
+    # Ideogram 4: joint blocks at head dim 256, an LLM's features as text, masked where a prompt is padded
+    # (2 x 32 here; 18 x 256 for real)
+    "ideogram4": ("Ideogram4", "Flux2", {}, dict(image_model="ideogram4", in_channels=128, num_layers=1,
+                                                 num_attention_heads=2, attention_head_dim=32, intermediate_size=128,
+                                                 adaln_dim=32, llm_features_dim=TEXT_WIDTH, mrope_section=(4, 6, 6)),
+                  128, False),
+    # Krea 2: a single-stream DiT with grouped key/value heads and its own text blocks (2 x 32 over 1 key/value
+    # head here; 48 x 128 over 12 for real)
+    "krea2": ("Krea2", "Wan21", {}, dict(image_model="krea2", features=64, txtdim=TEXT_WIDTH, heads=2, kvheads=1,
+                                         layers=1, patch=2, channels=16, txtlayers=1, txtheads=2, txtkvheads=2),
+              16, False),
+    # SeedVR2 (video upscaling): a windowed video DiT over variable-length token groups, each window's attention
+    # looked up in ComfyUI's attention module at call time without the model's options; its conditioning is
+    # the low-resolution video's latent with a mask channel (2 x 32 here; 24 x 128 for the 7B, 20 x 128 for the 3B)
+    "seedvr2": ("SeedVR2", "SeedVR2", {}, dict(image_model="seedvr2", vid_dim=64, heads=2, head_dim=32, num_layers=2,
+                                               mm_layers=1, norm_eps=1e-5, mlp_type="normal", txt_in_dim=TEXT_WIDTH,
+                                               rope_type="rope3d", rope_dim=16, vid_in_channels=33,
+                                               vid_out_channels=16), 16, False),
+})
+LATENT_FRAMES.update({"joyimage": 1, "krea2": 1, "seedvr2": 1})
+
 # Masked calls: the same models given the masks ComfyUI attaches to some conditionings (Flux with a style
 # model's "attn_bias" strength; HunyuanVideo with a prompt shorter than its padded length). Lumina 2's text
 # encoder pads no prompt in this ComfyUI, so its masked refiner calls need a newer one; nor do the Qwen and
@@ -381,6 +453,50 @@ REAL_HEAD_DIMS.update({
     "stable_audio": (64,),  # Stable Audio Open 1.0: embed_dim 1536, 24 heads (cross-attention keys: 12 heads)
 })
 
+# The families of ComfyUI 0.33 measured here, from its comfy/model_detection.py and the released configs:
+REAL_HEAD_DIMS.update({
+    "ernie": (128,),  # ERNIE-Image: hidden_size 4096, 32 heads (the model's defaults, as detection leaves them)
+    "joyimage": (128,),  # JoyImage: hidden_size 3072, 24 heads
+    "ideogram4": (256,),  # Ideogram 4: 18 heads x 256 (the model's defaults); masked where a prompt is padded
+    "krea2": (128,),  # Krea 2: features 6144, 48 heads over 12 key/value heads
+    "seedvr2": (128,),  # SeedVR2 7B: vid_dim 3072, 24 heads; 3B: 2560, 20 heads (detection; head_dim 128)
+})
+# Ideogram 4's text encoder pads prompts and ComfyUI passes the mask on (model_base.Ideogram4 drops an all-ones
+# one): its masked calls are at head dim 256.
+MASKED_FAMILIES = (*MASKED_FAMILIES, "ideogram4")
+
+# Families whose attention calls newer ComfyUI marks low_precision_attention=False (Stable Audio's DiT, Hunyuan3D
+# 2.1's DiT, LTXV's masked cross-attention): the node never casts such float32 calls to 16 bits, so these are
+# measured in bfloat16, as their users run them.
+MEASURED_DTYPE = {"stable_audio": torch.bfloat16, "hunyuan3d_21": torch.bfloat16, "ltxv": torch.bfloat16}
+
+# Settings newer ComfyUI requires of these families' model classes (no defaults there), with the values its
+# model detection gives the released checkpoints: family -> (the parameters' dataclass, {setting: value}).
+# Given only where this tree's dataclass has the field: older trees' constructors refuse unknown settings.
+FLUX_PARAMS, CHROMA_PARAMS = "comfy.ldm.flux.model:FluxParams", "comfy.ldm.chroma.model:ChromaParams"
+HUNYUAN_VIDEO_PARAMS = "comfy.ldm.hunyuan_video.model:HunyuanVideoParams"
+NEWER_SETTINGS = {
+    "flux": (FLUX_PARAMS, {"txt_ids_dims": []}),
+    "flux_masked": (FLUX_PARAMS, {"txt_ids_dims": []}),
+    "flux2": (FLUX_PARAMS, {"txt_ids_dims": [3]}),
+    "chroma": (CHROMA_PARAMS, {"txt_ids_dims": [], "vec_in_dim": None}),
+    "chroma_radiance": ("comfy.ldm.chroma_radiance.model:ChromaRadianceParams",
+                        {"txt_ids_dims": [], "vec_in_dim": None, "use_x0": False, "use_sequential_txt_ids": False}),
+    "hunyuan_video": (HUNYUAN_VIDEO_PARAMS, {"meanflow_sum": False}),
+    "hunyuan_video_masked": (HUNYUAN_VIDEO_PARAMS, {"meanflow_sum": False}),
+    "hunyuan_image21": (HUNYUAN_VIDEO_PARAMS, {"meanflow_sum": False}),
+    "hunyuan_video15": (HUNYUAN_VIDEO_PARAMS, {"meanflow_sum": True}),  # detection: True with a vision input
+}
+
+
+def settings_for_this_tree(name: str, config: dict) -> dict:
+    """`config` with the NEWER_SETTINGS this ComfyUI's model classes take."""
+    if name not in NEWER_SETTINGS:
+        return config
+    location, settings = NEWER_SETTINGS[name]
+    module_name, _, class_name = location.partition(":")
+    fields = getattr(getattr(importlib.import_module(module_name), class_name), "__dataclass_fields__", {})
+    return {**config, **{key: value for key, value in settings.items() if key in fields and key not in config}}
 
 def initialise(module: torch.nn.Module, seed: int = 0) -> None:
     """ComfyUI creates layers uninitialised: give every parameter a fixed random value."""
@@ -397,6 +513,13 @@ def initialise(module: torch.nn.Module, seed: int = 0) -> None:
             else:
                 parameter.copy_(torch.rand(parameter.shape, **draw) * 0.2 - 0.1)
 
+
+def families_in_this_tree() -> list[str]:
+    """The families of MODELS whose model_base class the started ComfyUI has (newer families are absent
+    from older trees)."""
+    import comfy.model_base
+
+    return [name for name, entry in MODELS.items() if hasattr(comfy.model_base, entry[0])]
 
 def model_config(name: str, unet_config: dict, dtype: torch.dtype):
     """ComfyUI's model config object for model family `name` with this UNet/DiT config."""
@@ -423,7 +546,7 @@ def build(name: str, dtype=torch.float32, unet_config: dict | None = None, devic
     """A ComfyUI ModelPatcher around a random `name` model (the tiny config unless one is given)."""
     import comfy.model_patcher
 
-    config = model_config(name, dict(unet_config or MODELS[name][3]), dtype)
+    config = model_config(name, settings_for_this_tree(name, dict(unet_config or MODELS[name][3])), dtype)
     model = config.get_model(device=device)
     initialise(model)
     # SD3's position embedding is a buffer its checkpoint fills; ComfyUI creates it empty (whatever
@@ -432,6 +555,13 @@ def build(name: str, dtype=torch.float32, unet_config: dict | None = None, devic
     if isinstance(pos_embed, torch.Tensor) and not isinstance(pos_embed, torch.nn.Parameter):
         with torch.no_grad():
             pos_embed.copy_(torch.randn(pos_embed.shape, generator=torch.Generator().manual_seed(1)) * 0.1)
+    # Stable Audio's rotary frequencies, likewise a buffer its checkpoint fills (created empty): the values
+    # ComfyUI's code names for its default base of 10000.
+    for module in model.diffusion_model.modules():
+        if type(module).__module__ == "comfy.ldm.audio.dit" and type(module).__name__ == "RotaryEmbedding":
+            half = module.inv_freq.numel()
+            with torch.no_grad():
+                module.inv_freq.copy_(1.0 / (10000 ** (torch.arange(0, 2 * half, 2).float() / (2 * half))))
     return comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=CPU)
 
 
@@ -468,6 +598,9 @@ def _text_extras(name: str, generator: torch.Generator, tokens: int, text_width:
         return {"attention_mask": padded_prompt(tokens, padding=0)}
     if name in ("flux2", "hunyuan_video15"):  # LLM encoders: no pooled vector, but ComfyUI's text encoding
         return {"pooled_output": None}      # always sets the key, which their model_base reads
+    if name == "seedvr2":  # the SeedVR2Conditioning node's latent: 16 channels and a mask channel
+        frames = LATENT_FRAMES[name]
+        return {"condition": torch.randn(1, MODELS[name][4] + 1, frames, size, size, generator=generator)}
     if name in PADDED_PROMPT_VARIANTS:
         return {} if negative else {"attention_mask": padded_prompt(tokens)}
     if name == "flux_masked":

@@ -14,7 +14,7 @@ from ..integrations import autoload
 from ..ops import quantized
 from ..runtime import artifacts, device as devices, loader, variants
 from ..version import __version__
-from . import rebuild
+from . import comfyui_host, rebuild
 from .cli import lab_command
 
 
@@ -116,6 +116,19 @@ def _flash_attn_line() -> None:
                             "on the kernels")
 
 
+def _comfyui_section(gpus: list[torch.device]) -> None:
+    """What ComfyUI itself would pick on each AMD GPU here, and what the nodes change (tools/comfyui_host.py)."""
+    for device in gpus:
+        info = devices.describe(device)
+        if not info.is_amd:
+            continue
+        probe = None if info.backend == "zluda" else comfyui_host.aotriton_probe_refusal(device)
+        choice = comfyui_host.comfy_attention(info.backend, info.gfx_target, torch.__version__, torch.version.hip,
+                                              probe)
+        print(f"ComfyUI on {device}:")
+        for label, text in comfyui_host.report_lines(choice):
+            _line(label, text)
+
 def run(_args: argparse.Namespace) -> int:
     """Everything detected, and why anything is off."""
     _line("rdna_flash_attn", __version__)
@@ -140,4 +153,5 @@ def run(_args: argparse.Namespace) -> int:
         _line("devices", "none: torch sees no GPU, so every call runs on PyTorch SDPA")
     for device in gpus:
         _doctor_device(device)
+    _comfyui_section(gpus)
     return 0

