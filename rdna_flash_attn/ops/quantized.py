@@ -95,27 +95,34 @@ class InputStatistics(NamedTuple):
     v_mean_over_range: float  # norm of V's channel means over the norm of the channels' amax |V - mean|
 
 
-def _channel_ranges(x: torch.Tensor, centred: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per (batch, head, channel) of (B, H, S, D) x: amax |x| (amax |x - mean| if `centred`), and the mean."""
+def _centred_ranges(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (batch, head, channel) of (B, H, S, D) x: amax |x - mean| in float32, and the float32 mean.
+    Rounding is monotone, so max(high - mean, mean - low) is that amax bit for bit without an x-sized
+    temporary; the 16-bit extremes promote to float32 in the subtractions."""
     low, high = torch.aminmax(x, dim=2)
-    mean = x.mean(dim=2, dtype=torch.float32) if centred else torch.zeros_like(low, dtype=torch.float32)
-    return torch.maximum(high.float() - mean, mean - low.float()), mean
+    mean = x.mean(dim=2, dtype=torch.float32)
+    return torch.maximum(high - mean, mean - low), mean
 
 
-def _spread(amax: torch.Tensor) -> torch.Tensor:
-    return (amax.amax(dim=-1) / amax.median(dim=-1).values).amax()
+def _spreads(*ranges: torch.Tensor) -> torch.Tensor:
+    """Per tensor of (B, H, D) channel ranges, its worst head's largest channel over its median channel;
+    ranges of one shape (no grouped heads) in one stacked set of reductions."""
+    if len({r.shape for r in ranges}) > 1:
+        return torch.cat([_spreads(r) for r in ranges])
+    stacked = torch.stack(ranges) if len(ranges) > 1 else ranges[0][None]
+    return (stacked.amax(dim=-1) / stacked.median(dim=-1).values).flatten(1).amax(dim=1)
 
 
 def input_statistics(q, k, v) -> InputStatistics:
-    """`InputStatistics` of (B, H, S, D) q and (B, Hk, S, D) k, v with S > 0: five reductions over the
-    inputs and one read back to the host."""
-    q_range, _ = _channel_ranges(q, centred=False)
-    k_range, _ = _channel_ranges(k, centred=True)
-    v_range, v_mean = _channel_ranges(v, centred=True)
-    range_norm = v_range.norm(dim=-1)
+    """`InputStatistics` of (B, H, S, D) q and (B, Hk, S, D) k, v with S > 0: one reduction over Q, two
+    over K and over V, and one read back to the host."""
+    q_range = torch.linalg.vector_norm(q, math.inf, dim=2).float()  # amax |q|, exact
+    k_range, _ = _centred_ranges(k)
+    v_range, v_mean = _centred_ranges(v)
+    range_norm = torch.linalg.vector_norm(v_range, dim=-1)
     # A constant V (no range) has its output carried whole by the mean the kernel adds back.
-    v_ratio = torch.where(range_norm == 0, torch.inf, v_mean.norm(dim=-1) / range_norm).amin()
-    return InputStatistics(*torch.stack([_spread(q_range), _spread(k_range), v_ratio]).tolist())
+    v_ratio = (torch.linalg.vector_norm(v_mean, dim=-1) / range_norm).masked_fill_(range_norm == 0, math.inf).amin()
+    return InputStatistics(*torch.cat([_spreads(q_range, k_range), v_ratio[None]]).tolist())
 
 
 def accuracy_refusal(q, k, v) -> str | None:
