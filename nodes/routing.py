@@ -165,9 +165,9 @@ def kernel_attention(named: dict, extra: dict, options: RoutingOptions) -> torch
     if isinstance(core, str):
         return core
     q, k, v, heads = named["q"], named["k"], named["v"], named["heads"]
-    tensors = (q, k, v)
     fallback = fallback_name(options)
-    if not all(isinstance(t, torch.Tensor) for t in tensors) or not isinstance(heads, int):
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+            and isinstance(heads, int)):
         return refuse("ComfyUI attention call with non-tensor q, k, v or non-integer heads", fallback)
     keyword = unknown_keyword(extra)
     if keyword is not None:
@@ -179,12 +179,12 @@ def kernel_attention(named: dict, extra: dict, options: RoutingOptions) -> torch
         # The caller asked for no reduced precision: float32 inputs must not be cast to 16 bits.
         return refuse("low_precision_attention=False with float32 inputs", fallback)
     if named.get("skip_reshape", False):
-        q4, k4, v4 = tensors
+        q4, k4, v4 = q, k, v
     else:
         if q.dim() != 3 or heads <= 0 or q.shape[-1] % heads:
             return refuse("q is not (batch, tokens, heads * head dim)", fallback)
         head_dim = q.shape[-1] // heads
-        q4, k4, v4 = (_heads_view(t, head_dim) for t in tensors)
+        q4, k4, v4 = _heads_view(q, head_dim), _heads_view(k, head_dim), _heads_view(v, head_dim)
         if k4 is None or v4 is None:
             return refuse("k or v is neither (batch, tokens, heads * head dim) nor (batch, tokens, heads, head dim)",
                           fallback)

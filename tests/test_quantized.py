@@ -118,8 +118,10 @@ class RecordingLibrary:
     def __init__(self):
         self.launches = []
 
-    def launch(self, variant, grid, args, buffers):
-        self.launches.append((variant.symbol, grid, type(args).from_buffer_copy(args)))
+    def launcher(self, variant, grid, device):
+        def launch(args, buffers):
+            self.launches.append((variant.symbol, grid, type(args).from_buffer_copy(args)))
+        return launch
 
 
 @pytest.mark.parametrize("dtype,dim,layout", [(torch.float16, 40, "bhsd"), (torch.bfloat16, 128, "bshd")])

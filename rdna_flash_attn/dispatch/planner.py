@@ -58,7 +58,7 @@ class AttentionPlan:
     backward: bool  # autograd needs the differentiable op, which runs the backward kernels too
     symbols: tuple[str, ...]  # of the exact kernels the call launches, the forward first
     launcher: Callable | None = None  # the forward's prepared launch (attention.forward_launcher), eager calls
-    eight_bit: quantized.QuantizedPlan | None = None  # 8-bit attention, as settings.precision or precision() asks
+    eight_bit: quantized.QuantizedPlan | None = None  # 8-bit attention (its launches prepared where they can be)
     exact_reason: str | None = None  # why a call asked to run in 8 bits runs exact
 
 
@@ -242,7 +242,13 @@ def _eight_bit_plan(query, key, value, is_causal, attn_mask, scale, run_dtype):
     refusal = verdicts.eight_bit_refusal(query.device)
     if refusal:
         return Refusal(refusal)
-    return quantized.plan_quantized(query, key, value, is_causal, attn_mask, scale, run_dtype)
+    plan = quantized.plan_quantized(query, key, value, is_causal, attn_mask, scale, run_dtype)
+    if isinstance(plan, Refusal):
+        return plan
+    try:
+        return quantized.prepare_launches(plan, query, key)
+    except Exception:  # noqa: BLE001  (met again, and handled, at the launch, as _launcher_or_none's)
+        return plan
 
 
 # --- packed variable-length batches ------------------------------------------------------------------

@@ -21,14 +21,15 @@ or K channel's range dwarfs the others', which then keep about one int8 bit. `ac
 both on the call's inputs; the dispatcher's 8-bit mode runs the exact kernels where it refuses.
 `quantized_attention_forward` itself computes the arithmetic whatever the inputs.
 
-`plan_quantized` makes the checks of a call plans.plan_forward took, `launch_quantized` launches its plan.
+`plan_quantized` makes the checks of a call plans.plan_forward took, `prepare_launches` makes its launches'
+lookups once, `launch_quantized` launches its plan.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, replace
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -38,9 +39,9 @@ from .attention import _device_guard, _strides, output_like
 from .launch_args import Fwd8Args, Quant8Args
 from .plans import DTYPE_NAMES, LOG2_E, MAX_GRID_YZ, Refusal
 
-__all__ = ["QuantizedInputs", "InputStatistics", "QuantizedPlan", "target_refusal", "plan_quantized",
-           "input_statistics", "accuracy_refusal", "quantize_inputs", "quantized_attention_forward",
-           "launch_quantized"]
+__all__ = ["QuantizedInputs", "InputStatistics", "QuantizedLaunches", "QuantizedPlan", "target_refusal",
+           "plan_quantized", "prepare_launches", "input_statistics", "accuracy_refusal", "quantize_inputs",
+           "quantized_attention_forward", "launch_quantized"]
 
 FP8_MAX = 448.0  # OCP e4m3's largest finite value (gfx12's fp8, torch.float8_e4m3fn): P's scale
 # The input bounds within which the arithmetic met its bar on every input class tried
@@ -60,12 +61,23 @@ def target_refusal(target: str) -> str | None:
     return None
 
 
+class QuantizedLaunches(NamedTuple):
+    """An 8-bit call's three launches, each launch(args, buffers) with its kernel, grid and stream lookups
+    made (loader's launcher): K and V's quantizing pass (its statistics, then its codes), the attention."""
+
+    stats: Callable
+    codes: Callable
+    attention: Callable
+
+
 @dataclass(frozen=True)
 class QuantizedPlan:
-    """An 8-bit call, checked: its attention kernel (the quantizing pass's follow from it) and scale."""
+    """An 8-bit call, checked: its attention kernel (the quantizing pass's follow from it) and scale, and
+    where prepared (prepare_launches), its launches on one device for the call's shapes."""
 
     variant: variants.Fwd8Variant
     scale: float | None  # as given; None: 1 / sqrt(head dim)
+    launches: QuantizedLaunches | None = None
 
 
 def plan_quantized(q, k, v, is_causal: bool = False, attn_mask=None, scale: float | None = None,
@@ -87,6 +99,34 @@ def plan_quantized(q, k, v, is_causal: bool = False, attn_mask=None, scale: floa
     return QuantizedPlan(variants.fwd8_variant(DTYPE_NAMES[q.dtype if dtype is None else dtype], head_dim), scale)
 
 
+def _key_rows(seq_k: int, variant: variants.Fwd8Variant) -> int:
+    """Keys padded to whole tiles: the rows of the pass's K and V^T codes."""
+    return -(-seq_k // variant.block_n) * variant.block_n
+
+
+def _pass_launches(library, variant: variants.Fwd8Variant, k_shape, device: torch.device) -> tuple[Callable, Callable]:
+    """The quantizing pass's launches (statistics, codes) for (B, Hk, Sk, D) keys, on `library`."""
+    batch, kv_heads, seq_k, dim = k_shape
+    rows = _key_rows(seq_k, variant)
+    return (library.launcher(variants.quant8_variant("stats", variant.dtype, dim), (1, kv_heads, batch), device),
+            library.launcher(variants.quant8_variant("codes", variant.dtype, dim),
+                             (rows // variants.QUANT8_ROWS, kv_heads, batch), device))
+
+
+def _launches(library, variant: variants.Fwd8Variant, q_shape, k_shape, device: torch.device) -> QuantizedLaunches:
+    """The three launches of an 8-bit call on (B, H, Sq, D) queries and (B, Hk, Sk, D) keys, on `library`."""
+    batch, heads, seq_q, _ = q_shape
+    return QuantizedLaunches(*_pass_launches(library, variant, k_shape, device),
+                             library.launcher(variant, (-(-seq_q // variant.block_rows), heads, batch), device))
+
+
+def prepare_launches(plan: QuantizedPlan, q, k) -> QuantizedPlan:
+    """`plan` with its launches prepared on q's device's library (an explicit one first), for a caller
+    that launches one plan often: the dispatcher, once per call signature. Raises what loading the library
+    raises."""
+    return replace(plan, launches=_launches(loader.library_for(q.device), plan.variant, q.shape, k.shape, q.device))
+
+
 class InputStatistics(NamedTuple):
     """The worst head's statistics of one call's inputs that decide whether 8-bit attention meets its bar."""
 
@@ -95,27 +135,34 @@ class InputStatistics(NamedTuple):
     v_mean_over_range: float  # norm of V's channel means over the norm of the channels' amax |V - mean|
 
 
-def _channel_ranges(x: torch.Tensor, centred: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per (batch, head, channel) of (B, H, S, D) x: amax |x| (amax |x - mean| if `centred`), and the mean."""
+def _centred_ranges(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (batch, head, channel) of (B, H, S, D) x: amax |x - mean| in float32, and the float32 mean.
+    Rounding is monotone, so max(high - mean, mean - low) is that amax bit for bit without an x-sized
+    temporary; the 16-bit extremes promote to float32 in the subtractions."""
     low, high = torch.aminmax(x, dim=2)
-    mean = x.mean(dim=2, dtype=torch.float32) if centred else torch.zeros_like(low, dtype=torch.float32)
-    return torch.maximum(high.float() - mean, mean - low.float()), mean
+    mean = x.mean(dim=2, dtype=torch.float32)
+    return torch.maximum(high - mean, mean - low), mean
 
 
-def _spread(amax: torch.Tensor) -> torch.Tensor:
-    return (amax.amax(dim=-1) / amax.median(dim=-1).values).amax()
+def _spreads(*ranges: torch.Tensor) -> torch.Tensor:
+    """Per tensor of (B, H, D) channel ranges, its worst head's largest channel over its median channel;
+    ranges of one shape (no grouped heads) in one stacked set of reductions."""
+    if len({r.shape for r in ranges}) > 1:
+        return torch.cat([_spreads(r) for r in ranges])
+    stacked = torch.stack(ranges) if len(ranges) > 1 else ranges[0][None]
+    return (stacked.amax(dim=-1) / stacked.median(dim=-1).values).flatten(1).amax(dim=1)
 
 
 def input_statistics(q, k, v) -> InputStatistics:
-    """`InputStatistics` of (B, H, S, D) q and (B, Hk, S, D) k, v with S > 0: five reductions over the
-    inputs and one read back to the host."""
-    q_range, _ = _channel_ranges(q, centred=False)
-    k_range, _ = _channel_ranges(k, centred=True)
-    v_range, v_mean = _channel_ranges(v, centred=True)
-    range_norm = v_range.norm(dim=-1)
+    """`InputStatistics` of (B, H, S, D) q and (B, Hk, S, D) k, v with S > 0: one reduction over Q, two
+    over K and over V, and one read back to the host."""
+    q_range = torch.linalg.vector_norm(q, math.inf, dim=2).float()  # amax |q|, exact
+    k_range, _ = _centred_ranges(k)
+    v_range, v_mean = _centred_ranges(v)
+    range_norm = torch.linalg.vector_norm(v_range, dim=-1)
     # A constant V (no range) has its output carried whole by the mean the kernel adds back.
-    v_ratio = torch.where(range_norm == 0, torch.inf, v_mean.norm(dim=-1) / range_norm).amin()
-    return InputStatistics(*torch.stack([_spread(q_range), _spread(k_range), v_ratio]).tolist())
+    v_ratio = (torch.linalg.vector_norm(v_mean, dim=-1) / range_norm).masked_fill_(range_norm == 0, math.inf).amin()
+    return InputStatistics(*torch.cat([_spreads(q_range, k_range), v_ratio[None]]).tolist())
 
 
 def accuracy_refusal(q, k, v) -> str | None:
@@ -146,30 +193,28 @@ class QuantizedInputs(NamedTuple):
     v_mean: torch.Tensor  # (B, Hk, d_pad) float32
 
 
-def quantize_inputs(k, v, variant: variants.Fwd8Variant) -> QuantizedInputs:
+def quantize_inputs(k, v, variant: variants.Fwd8Variant, launches: QuantizedLaunches | None = None) -> QuantizedInputs:
     """The 8-bit kernel's K and V from (B, Hk, S, D) float16/bfloat16 k and v as the kernels read them
-    (plans.plan_forward): the quantizing pass's two launches."""
+    (plans.plan_forward): the quantizing pass's two launches, `launches`' where given (prepared for k's
+    shape), else made now."""
     batch, kv_heads, seq_k, dim = k.shape
     d_pad = variant.d_pad
-    k_rows = -(-seq_k // variant.block_n) * variant.block_n
-
-    def empty(*shape, dtype=torch.float32):
-        return torch.empty(shape, dtype=dtype, device=k.device)
-
-    inputs = QuantizedInputs(empty(batch, kv_heads, k_rows, d_pad, dtype=torch.int8),
-                             empty(batch, kv_heads, k_rows // variants.FWD8_SCALE_KEYS),
-                             empty(batch, kv_heads, d_pad, k_rows, dtype=torch.uint8), empty(batch, kv_heads, d_pad),
-                             empty(batch, kv_heads, d_pad))
-    k_mean = empty(batch, kv_heads, d_pad)
+    k_rows = _key_rows(seq_k, variant)
+    stats, codes = launches[:2] if launches else _pass_launches(loader.library_for(k.device), variant, k.shape,
+                                                                k.device)
+    device = k.device
+    inputs = QuantizedInputs(torch.empty((batch, kv_heads, k_rows, d_pad), dtype=torch.int8, device=device),
+                             torch.empty((batch, kv_heads, k_rows // variants.FWD8_SCALE_KEYS), device=device),
+                             torch.empty((batch, kv_heads, d_pad, k_rows), dtype=torch.uint8, device=device),
+                             torch.empty((batch, kv_heads, d_pad), device=device),
+                             torch.empty((batch, kv_heads, d_pad), device=device))
+    k_mean = torch.empty((batch, kv_heads, d_pad), device=device)
     args = Quant8Args(k.data_ptr(), v.data_ptr(), *_strides(k, v), inputs.k8.data_ptr(), inputs.k_scale.data_ptr(),
                       inputs.vt8.data_ptr(), k_mean.data_ptr(), inputs.v_mean.data_ptr(), inputs.v_scale.data_ptr(),
                       kv_heads, seq_k, k_rows, dim)
-    library = loader.library_for(k.device)
     buffers = (k, v, *inputs, k_mean)
-    dtype = DTYPE_NAMES[k.dtype]
-    library.launch(variants.quant8_variant("stats", dtype, dim), (1, kv_heads, batch), args, buffers)
-    library.launch(variants.quant8_variant("codes", dtype, dim), (k_rows // variants.QUANT8_ROWS, kv_heads, batch),
-                   args, buffers)
+    stats(args, buffers)
+    codes(args, buffers)
     return inputs
 
 
@@ -188,16 +233,14 @@ def quantized_attention_forward(q, k, v, scale: float | None = None) -> torch.Te
 
 def launch_quantized(plan: QuantizedPlan, q, k, v) -> torch.Tensor:
     """SDPA's output in 8 bits for the q, k and v `plan` was made for (see quantized_attention_forward):
-    the quantizing pass, then the attention."""
-    library = loader.library_for(q.device)
+    the quantizing pass, then the attention; on the plan's prepared launches where it has them."""
+    launches = plan.launches or _launches(loader.library_for(q.device), plan.variant, q.shape, k.shape, q.device)
     batch, heads, seq_q, dim = q.shape
-    variant = plan.variant
     out = output_like(q)
     with _device_guard(q.device):
-        inputs = quantize_inputs(k, v, variant)
-        args = Fwd8Args(q.data_ptr(), *q.stride()[:3], *(t.data_ptr() for t in inputs), out.data_ptr(),
+        inputs = quantize_inputs(k, v, plan.variant, launches)
+        args = Fwd8Args(q.data_ptr(), *q.stride()[:3], *[t.data_ptr() for t in inputs], out.data_ptr(),
                         *out.stride()[:3], heads, k.shape[1], seq_q, k.shape[2], inputs.k8.shape[2], dim,
                         plans.softmax_scale(dim, plan.scale) * LOG2_E)
-        grid = (-(-seq_q // variant.block_rows), heads, batch)
-        library.launch(variant, grid, args, (q, *inputs, out))
+        launches.attention(args, (q, *inputs, out))
     return out
