@@ -129,11 +129,6 @@ def _heads_view(t: torch.Tensor, head_dim: int) -> torch.Tensor | None:
     return torch.unflatten(t, -1, (-1, head_dim)).transpose(1, 2)
 
 
-def fallback_name(options: RoutingOptions) -> str:
-    """What runs the calls the kernels do not take, for the console line that says so."""
-    return "ComfyUI's PyTorch attention" if options.fallback == FALLBACK_PYTORCH else "ComfyUI's attention"
-
-
 def _sdpa_mask(mask):
     """A ComfyUI backend's mask as SDPA's: ComfyUI reads a 3-D mask as (batch, queries, keys), where
     SDPA would read its first dimension as heads (2-D and 4-D ones mean the same to both)."""
@@ -144,13 +139,6 @@ def _sdpa_mask(mask):
 
 NO_LOW_PRECISION = ("ComfyUI marks these calls low_precision_attention=False (where Sage-style attention breaks the "
                     "model)")
-
-
-def call_precision(options: RoutingOptions, extra: dict) -> str:
-    """The node's precision for one call: exact where ComfyUI asks for no reduced precision."""
-    if extra.get("low_precision_attention", True) is False:
-        return EXACT
-    return options.precision
 
 
 def ran_exact(reason: str) -> None:
@@ -165,7 +153,8 @@ def kernel_attention(named: dict, extra: dict, options: RoutingOptions) -> torch
     if isinstance(core, str):
         return core
     q, k, v, heads = named["q"], named["k"], named["v"], named["heads"]
-    fallback = fallback_name(options)
+    # what runs the calls the kernels do not take, for the console line that says so
+    fallback = "ComfyUI's PyTorch attention" if options.fallback == FALLBACK_PYTORCH else "ComfyUI's attention"
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
             and isinstance(heads, int)):
         return refuse("ComfyUI attention call with non-tensor q, k, v or non-integer heads", fallback)
@@ -196,8 +185,9 @@ def kernel_attention(named: dict, extra: dict, options: RoutingOptions) -> torch
                       fallback)
     # attn_precision=torch.float32 (SD2.x) asks for softmax in float32: the kernels accumulate and
     # normalise in float32 whatever their input type, so it needs no fallback.
-    # The node's precision for its calls; graphs being compiled run exact (dynamo cannot trace the override).
-    choice = call_precision(options, extra)
+    # The node's precision for its calls, exact where ComfyUI asks for no reduced precision; graphs being
+    # compiled run exact (dynamo cannot trace the override).
+    choice = EXACT if extra.get("low_precision_attention", True) is False else options.precision
     precision = contextlib.nullcontext() if _is_compiling() else core.precision(choice)
     with precision:
         out = core.attention_or_reason(
