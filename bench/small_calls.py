@@ -48,19 +48,15 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import rdna_flash_attn
-from rdna_flash_attn.config import LOGGER_NAME, settings
-from rdna_flash_attn.dispatch import selftest
+from rdna_flash_attn.config import LOGGER_NAME
 from rdna_flash_attn.dispatch.state import state
-from rdna_flash_attn.runtime import artifacts, loader
-from rdna_flash_attn.runtime.device import DeviceInfo
 from rdna_fa_lab.hosts import comfyui_harness
-from rdna_fa_lab.interpreter import InterpretedLibrary
+from rdna_fa_lab.stand_in import StandInGpu, stand_in_gpu
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET = "gfx1201"
@@ -87,53 +83,6 @@ SHAPES = (Shape("sd15-cross", 2, 8, 4096, 77, 40), Shape("sdxl-cross", 2, 10, 10
 CHECK_SHAPE = Shape("check", 1, 2, 40, 21, 40)  # small enough for the interpreter
 ROUTES = ("comfyui", "sdpa")
 PRECISIONS = ("exact", "8bit-qkpv")
-
-
-class StandInGpu:
-    """The CPU as an RDNA GPU of TARGET to the dispatcher (loader.stand_in): each launch recorded, and run
-    on the ISA interpreter where `interpret` is set, else not run at all (the output stays as allocated)."""
-
-    device_type = "cpu"
-    runtime_version = None
-
-    def __init__(self, target: str = TARGET):
-        self.artifact = artifacts.prebuilt_artifact(target)
-        self.device_info = DeviceInfo("cpu", f"stand-in {target}", None, target, None)
-        self.interpreter: InterpretedLibrary | None = None
-        self.launches: list[str] = []
-
-    def launcher(self, variant, grid, device):
-        """launch(args, buffers), as runtime.loader.KernelLibrary.launcher: the lookups made once."""
-        symbol, launches = variant.symbol, self.launches
-
-        def launch(args, buffers) -> None:
-            launches.append(symbol)
-            if self.interpreter is not None:
-                self.interpreter.launch(variant, grid, args, buffers)
-        return launch
-
-    def launch(self, variant, grid, args, buffers) -> None:
-        """As KernelLibrary.launch: a launcher made for this launch alone."""
-        self.launcher(variant, grid, buffers[0].device)(args, buffers)
-
-
-@contextlib.contextmanager
-def stand_in_gpu(target: str = TARGET):
-    """Within the block the CPU is `target` to the dispatcher (settings.force past the policy that keeps
-    CPU tensors off the kernels), its self-tests (exact and 8-bit) recorded as passed in a private cache
-    folder rather than run on the interpreter, which takes minutes."""
-    saved = (settings.force, settings.cache_dir)
-    gpu = StandInGpu(target)
-    with tempfile.TemporaryDirectory(prefix="rdna_fa_small_calls_") as cache, loader.stand_in(gpu):
-        settings.force, settings.cache_dir = True, cache
-        try:
-            with mock.patch.object(selftest, "run_checks", return_value=[]), \
-                    mock.patch.object(selftest, "eight_bit_checks", return_value=[]):
-                for test in ("exact", "8-bit"):
-                    selftest.run(torch.device("cpu"), gpu, test)
-            yield gpu
-        finally:
-            settings.force, settings.cache_dir = saved
 
 
 class _AtenCounter(TorchDispatchMode):
@@ -192,7 +141,7 @@ def counts(call, gpu: StandInGpu) -> dict:
     syncs: Counter[str] = Counter()
     with _AtenCounter() as aten, _counting_syncs(syncs):
         call()
-    launches = gpu.launches[before:]
+    launches = [symbol for symbol, *_ in gpu.launches[before:]]
     python_calls = _count_python_calls(call)
     device_ops = {name: n for name, n in aten.ops.items() if name not in ALLOCATIONS}
     return {"launches": len(launches), "kernels": launches, "device_ops": sum(device_ops.values()),
@@ -268,8 +217,7 @@ def check(node_package) -> list[dict]:
     level = logger.level
     logger.setLevel(logging.INFO)
     logger.addHandler(logged)
-    with stand_in_gpu() as gpu, rdna_flash_attn.patch_sdpa():
-        gpu.interpreter = InterpretedLibrary.for_target(TARGET)
+    with stand_in_gpu(TARGET) as gpu, rdna_flash_attn.patch_sdpa():
         for precision, channel_means in itertools.product(PRECISIONS, (True, False)):
             q, k, v = inputs(CHECK_SHAPE, channel_means=channel_means)
             for route in ROUTES:
@@ -305,7 +253,7 @@ class _LogLines(logging.Handler):
 def measure(node_package, samples: int) -> list[dict]:
     """Counts and host time of every shape, precision and route, each after a first call that plans."""
     rows = []
-    with stand_in_gpu() as gpu, rdna_flash_attn.patch_sdpa(), torch.no_grad():
+    with stand_in_gpu(TARGET, interpret=False) as gpu, rdna_flash_attn.patch_sdpa(), torch.no_grad():
         for shape in SHAPES:
             q, k, v = inputs(shape)
             for precision in PRECISIONS:

@@ -7,79 +7,28 @@ storage (a view). A generator is a stop when it starts, not again at each resump
 the launch, the first call into the library's `launch`, itself a stop. C functions (torch's own ops) are
 not stops; torch's Python wrappers are.
 
-`InterpretedGpu` and `interpreted_gpu()` make the CPU play an RDNA GPU whose launches run the shipped
-code object on the ISA interpreter (which needs tinygrad), so that the dispatcher routes CPU tensors to it
-and the launch really happens.
+The lab's stand-in GPU (rdna_fa_lab/stand_in.py) makes the CPU play an RDNA GPU whose launches run the
+shipped code object on the ISA interpreter (which needs tinygrad), so that the dispatcher routes CPU
+tensors to it and the launch really happens.
 
-    with interpreted_gpu("gfx1100") as gpu:
+    with stand_in_gpu("gfx1100") as gpu:
         path = query_path(lambda: host_call(q, k, v), q, entry=override.__code__, library=gpu)
     print(path.summary())
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import inspect
 import sys
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
-from unittest import mock
 
 import torch
 
-from rdna_flash_attn.config import settings
-from rdna_flash_attn.dispatch import selftest
-from rdna_fa_lab.interpreter import InterpretedLibrary
-from rdna_flash_attn.runtime import loader
-from rdna_flash_attn.runtime.device import DeviceInfo
-
 REPO = Path(__file__).resolve().parent.parent
 DISPATCH_DIR = REPO / "rdna_flash_attn" / "dispatch"
-
-
-class InterpretedGpu:
-    """A loaded library for the CPU "device" (loader.stand_in) whose launches the ISA interpreter runs:
-    a device description for the self-test's verdict, and each launch recorded (kernel, grid, argument
-    block) before it runs."""
-
-    device_type = "cpu"
-    runtime_version = None
-
-    def __init__(self, target: str):
-        self.interpreted = InterpretedLibrary.for_target(target)
-        self.artifact = self.interpreted.artifact
-        self.device_info = DeviceInfo("cpu", f"interpreted {target}", None, target, None)
-        self.launches: list[tuple[str, tuple[int, int, int], object, tuple]] = []
-
-    def launcher(self, variant, grid, device):
-        return functools.partial(self.launch, variant, grid)
-
-    def launch(self, variant, grid, args, buffers) -> None:
-        self.launches.append((variant.symbol, tuple(grid), type(args).from_buffer_copy(args), tuple(buffers)))
-        self.interpreted.launch(variant, grid, args, buffers)
-
-
-@contextlib.contextmanager
-def interpreted_gpu(target: str = "gfx1100"):
-    """Within the block the CPU is an RDNA GPU of `target` to the dispatcher (settings.force past the
-    policy that keeps CPU tensors off the kernels), its self-tests (exact and 8-bit) recorded as passed
-    in a private cache folder rather than run on the interpreter, which would take minutes."""
-    saved = (settings.force, settings.cache_dir)
-    gpu = InterpretedGpu(target)
-    with tempfile.TemporaryDirectory(prefix="rdna_fa_call_path_") as cache, loader.stand_in(gpu):
-        settings.force, settings.cache_dir = True, cache
-        try:
-            with mock.patch.object(selftest, "run_checks", return_value=[]), \
-                    mock.patch.object(selftest, "eight_bit_checks", return_value=[]):
-                for test in ("exact", "8-bit"):
-                    selftest.run(torch.device("cpu"), gpu, test)
-            yield gpu
-        finally:
-            settings.force, settings.cache_dir = saved
 
 
 def _storage(t: torch.Tensor) -> int | None:

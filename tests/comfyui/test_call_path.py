@@ -11,7 +11,9 @@ import rdna_flash_attn
 
 pytest.importorskip("tinygrad", reason="the interpreter decodes with tinygrad==0.14.0 (requirements-dev.txt)")
 
-from ..call_path import interpreted_gpu, query_path  # noqa: E402
+from rdna_fa_lab.stand_in import stand_in_gpu  # noqa: E402
+
+from ..call_path import query_path  # noqa: E402
 
 MAX_STOPS = 15  # the first call plans every check at the entry; a repeated one finds its plan cached
 
@@ -29,7 +31,7 @@ def test_a_comfyui_call_reaches_the_launch_within_15_stops(node_package):
     def host_call():
         outputs.append(attention.optimized_attention(q, k, v, 2, transformer_options=options))
 
-    with interpreted_gpu("gfx1100") as gpu:
+    with stand_in_gpu("gfx1100") as gpu:
         paths = [query_path(host_call, q, entry=override.__code__, library=gpu) for _ in range(2)]
     for path in paths:
         assert path.launched and len(path.stops) <= MAX_STOPS, path.summary()

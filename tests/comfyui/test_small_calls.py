@@ -10,6 +10,7 @@ import torch
 
 import rdna_flash_attn
 from bench import small_calls
+from rdna_fa_lab.stand_in import stand_in_gpu
 
 SHAPE = small_calls.Shape("small-cross", 2, 2, 64, 77, 40)
 # (launches, device ops, allocations, syncs) per call. Exact: the forward, its output and lse. 8-bit: the
@@ -27,7 +28,7 @@ MAX_PYTHON_CALLS = {("comfyui", "exact"): 36, ("sdpa", "exact"): 21, ("comfyui",
 @pytest.mark.parametrize("route", small_calls.ROUTES)
 def test_counts_per_small_call(node_package, route, precision):
     q, k, v = small_calls.inputs(SHAPE)
-    with small_calls.stand_in_gpu() as gpu, rdna_flash_attn.patch_sdpa(), torch.no_grad():
+    with stand_in_gpu(small_calls.TARGET, interpret=False) as gpu, rdna_flash_attn.patch_sdpa(), torch.no_grad():
         call = small_calls.route_call(route, precision, SHAPE, q, k, v, node_package)
         call()  # the first call plans
         rdna_flash_attn.reset_stats()

@@ -17,7 +17,7 @@ pytest.importorskip("tinygrad", reason="the interpreter decodes with tinygrad==0
 if not hasattr(torch.library, "get_kernel"):
     pytest.skip("torch.library.get_kernel needs PyTorch 2.9 or newer", allow_module_level=True)
 
-from ..call_path import interpreted_gpu  # noqa: E402
+from rdna_fa_lab.stand_in import stand_in_gpu  # noqa: E402
 
 
 @pytest.mark.parametrize("target, dtype, causal",
@@ -26,7 +26,7 @@ def test_the_aten_ops_on_the_code_objects_match_fp64(target, dtype, causal):
     generator = torch.Generator().manual_seed(case_seed((target, dtype, causal)))
     q, k, v, dout = (torch.randn(1, 2, 40, 64, generator=generator).to(dtype) for _ in range(4))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    with interpreted_gpu(target) as gpu:
+    with stand_in_gpu(target) as gpu:
         assert aten_attention.serve_aten_attention("cpu") is None
         try:
             out = torch.ops.aten._scaled_dot_product_flash_attention(*leaves, is_causal=causal)[0]

@@ -20,9 +20,8 @@ from torch.distributed.tensor.experimental import context_parallel
 from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options, context_parallel_unshard
 
 import rdna_flash_attn as rfa
+from rdna_fa_lab.stand_in import stand_in_gpu
 from rdna_flash_attn.integrations import aten_attention
-
-from ..call_path import interpreted_gpu
 
 WORLD = 2
 SHAPE = (1, 2, 64, 64)  # (batch, heads, tokens, head dim)
@@ -34,7 +33,7 @@ def rank_main(rank: int, store_path: str, results_path: str, seed: int, target: 
     generator = torch.Generator().manual_seed(seed)
     inputs = [torch.randn(SHAPE, generator=generator).to(torch.bfloat16) for _ in range(4)]
     results = {}
-    with interpreted_gpu(target) as gpu:
+    with stand_in_gpu(target) as gpu:
         assert aten_attention.serve_aten_attention("cpu") is None
         for causal in (False, True):
             q, k, v, dout = (t.clone() for t in inputs)
