@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rdna_fa_lab.attention_reference import (attention_fp64, attention_input_dtype, grads_fp64, grads_input_dtype,
-                                             max_error, summed_backward_bound)
 
+from ..ring_checks import check_against_one_attention
 from ..seeds import case_seed
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -57,12 +56,5 @@ def test_yunchang_imports_the_stand_in(ranks):
 def test_yunchang_on_two_processes_matches_one_attention(ranks, function, causal):
     q, k, v, dout = (t.transpose(1, 2) for t in ranks["inputs"])  # (batch, heads, tokens, head dim)
     result = {name: t.transpose(1, 2) for name, t in ranks["results"][function, causal].items()}
-    reference = attention_fp64(q, k, v, causal)[0]
-    error = max_error(result["out"], reference)
-    baseline = max_error(attention_input_dtype(q, k, v, causal), reference)
-    assert error <= 2 * baseline, f"forward error {error:.3e} > 2 x the input-dtype attention's {baseline:.3e}"
-    exact, input_dtype = grads_fp64(q, k, v, dout, causal), grads_input_dtype(q, k, v, dout, causal)
-    for name, ref, base in zip("qkv", exact, input_dtype):
-        error = max_error(result[name], ref)
-        bound = summed_backward_bound(max_error(base, ref), ref, q.dtype, ROUNDINGS[function])
-        assert error <= bound, f"d{name}: error {error:.3e} > FlashAttention-2's bound {bound:.3e}"
+    check_against_one_attention(result["out"], [result[name] for name in "qkv"], q, k, v, dout, causal,
+                                ROUNDINGS[function])
