@@ -10,6 +10,7 @@ code object runs it on the ISA interpreter (or, for timing the host alone, nothi
 from __future__ import annotations
 
 import contextlib
+import functools
 import tempfile
 from unittest import mock
 
@@ -39,18 +40,18 @@ class StandInGpu:
 
     def launcher(self, variant, grid, device):
         """launch(args, buffers), as runtime.loader.KernelLibrary.launcher: the lookups made once, so that a
-        launch adds one Python function to a call, as a real one does."""
-        symbol, grid, launches, interpreted = variant.symbol, tuple(grid), self.launches, self.interpreted
-
-        def launch(args, buffers) -> None:
-            launches.append((symbol, grid, type(args).from_buffer_copy(args), tuple(buffers)))
-            if interpreted is not None:
-                interpreted.launch(variant, grid, args, buffers)
-        return launch
+        launch adds one Python function to a call (run_launch), as a real one does."""
+        return functools.partial(self.run_launch, variant.symbol, tuple(grid), variant)
 
     def launch(self, variant, grid, args, buffers) -> None:
-        """As KernelLibrary.launch: a launcher made for this launch alone."""
-        self.launcher(variant, grid, buffers[0].device)(args, buffers)
+        """As KernelLibrary.launch."""
+        self.run_launch(variant.symbol, tuple(grid), variant, args, buffers)
+
+    def run_launch(self, symbol: str, grid: tuple[int, int, int], variant, args, buffers) -> None:
+        """One launch: recorded, then run by the interpreter where there is one."""
+        self.launches.append((symbol, grid, type(args).from_buffer_copy(args), tuple(buffers)))
+        if self.interpreted is not None:
+            self.interpreted.launch(variant, grid, args, buffers)
 
 
 @contextlib.contextmanager

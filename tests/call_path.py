@@ -4,7 +4,7 @@ entry into this package and the kernel launch, counted with sys.setprofile.
 A stop is a Python function call, after the entry, whose arguments (its locals when it is entered, free
 variables included; one level into tuples, lists and dicts) hold the query or a tensor sharing its
 storage (a view). A generator is a stop when it starts, not again at each resumption. Counting ends at
-the launch, the first call into the library's `launch`, itself a stop. C functions (torch's own ops) are
+the launch, the first call into the stand-in's `run_launch`, itself a stop. C functions (torch's own ops) are
 not stops; torch's Python wrappers are.
 
 The lab's stand-in GPU (rdna_fa_lab/stand_in.py) makes the CPU play an RDNA GPU whose launches run the
@@ -91,9 +91,9 @@ class CallPath:
 
 def query_path(call: Callable[[], object], query: torch.Tensor, entry, library) -> CallPath:
     """Runs call() once and returns the path of `query` from the first call of the code object `entry`
-    (the host's entry into this package) to the first call of `library.launch`."""
+    (the host's entry into this package) to the first call of `library.run_launch`."""
     storage = _storage(query)
-    launch_code = type(library).launch.__code__
+    launch_code = type(library).run_launch.__code__
     path = CallPath()
     stops: set[int] = set()  # ids of the frames that are stops, to see their returns
     started: list = []  # generator frames already entered (held, so that their ids stay theirs)
