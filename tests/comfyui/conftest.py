@@ -55,3 +55,19 @@ def model_node(node_package):
 @pytest.fixture
 def vae_node(node_package):
     return node_package.NODE_CLASS_MAPPINGS["RDNAFlashAttentionVAE"]()
+
+
+@pytest.fixture
+def reserved(monkeypatch) -> list:
+    """The memory_required of every load_models_gpu call ComfyUI's sampling makes (the loading itself runs)."""
+    from comfy import model_management
+
+    figures = []
+    original = model_management.load_models_gpu
+
+    def recording(models, memory_required=0, *args, **kwargs):
+        figures.append(memory_required)
+        return original(models, memory_required, *args, **kwargs)
+
+    monkeypatch.setattr(model_management, "load_models_gpu", recording)
+    return figures

@@ -103,18 +103,8 @@ def test_comfys_node_after_ours_decides_and_says_so_once(name, comfy_backend_nod
     assert "placed after this node, decides this model's attention" in line and "ComfyUI's pytorch attention" in line
 
 
-def test_comfys_node_after_ours_keeps_comfys_memory_reservation(comfy_backend_node, model_node, fake_gpu, monkeypatch):
+def test_comfys_node_after_ours_keeps_comfys_memory_reservation(comfy_backend_node, model_node, fake_gpu, reserved):
     """Where ComfyUI's node decides the model's attention, ComfyUI's own estimate stands."""
-    from comfy import model_management
-
-    reserved = []
-    original = model_management.load_models_gpu
-
-    def recording(models, memory_required=0, *args, **kwargs):
-        reserved.append(memory_required)
-        return original(models, memory_required, *args, **kwargs)
-
-    monkeypatch.setattr(model_management, "load_models_gpu", recording)
     model = build("sd15")
     (routed,) = model_node.patch(model, True, True, "original backend")
     sample(routed, "sd15", steps=1)

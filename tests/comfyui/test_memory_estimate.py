@@ -15,22 +15,6 @@ def float16_attention():
     settings.fp32_cast = "fp16"
 
 
-@pytest.fixture
-def reserved(monkeypatch) -> list:
-    """The memory_required of every load_models_gpu call ComfyUI's sampling makes (the loading itself runs)."""
-    from comfy import model_management
-
-    figures = []
-    original = model_management.load_models_gpu
-
-    def recording(models, memory_required=0, *args, **kwargs):
-        figures.append(memory_required)
-        return original(models, memory_required, *args, **kwargs)
-
-    monkeypatch.setattr(model_management, "load_models_gpu", recording)
-    return figures
-
-
 def comfys_efficient_estimate(model, shape, monkeypatch) -> float:
     """ComfyUI's own memory_required for `shape` as it computes it with xformers (its memory-efficient branch)."""
     from comfy import model_management
