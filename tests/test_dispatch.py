@@ -669,16 +669,32 @@ def test_mask_that_needs_a_gradient_falls_back(fake_gpu):
     assert "requires grad" in only_reason() and bias.grad is not None
 
 
-def test_masks_past_2_31_elements_are_taken_by_the_forward_while_a_waves_rows_fit():
+def test_masks_past_2_31_elements_are_taken_while_a_waves_rows_fit():
     """The forward and dQ kernels count a mask's offsets from a wave's first query (MaskView::rows_from):
     a (B, 1, 50k, 50k) mask passes 2^31 elements and the forward takes it; rows 2^31 elements apart
-    within 16 queries it does not. The dK/dV kernels count from the (batch, head)'s first row, so the
-    backward does not take the large mask either. Meta tensors: only shapes and strides matter here."""
+    within 16 queries it does not. The dK/dV kernels count from their launch's first query, so the
+    backward launches them per slice of 42,944 queries there (a multiple of 64), but not for a causal
+    call, whose diagonal a slice would move. Meta tensors: only shapes and strides matter here."""
     target, meta = (1, 2, 50_000, 50_000), torch.device("meta")
     large = torch.empty(1, 1, 50_000, 50_000, dtype=torch.bool, device=meta)
     assert plans.mask_view(large, target, 64, torch.float16, meta).shape == target
-    assert plans.mask_view(large, target, 64, torch.float16, meta, backward=True) == plans.Refusal(
-        "attn_mask's rows span 2^31 elements within 50000 queries (the backward's dK/dV kernels take less)")
+    view = plans.mask_view(large, target, 64, torch.float16, meta, backward=True)
+    assert view.shape == target and plans.mask_rows_per_launch(view, 50_000) == 42_944
+    assert plans.mask_rows_per_launch(view[:, :, :42_000], 42_000) == 42_000
+    q = torch.empty(1, 2, 50_000, 64, dtype=torch.float16, device=meta)
+
+    class MetaLibrary:  # plans only: nothing is launched
+        device_type = "meta"
+
+    with runtime.explicit_library(MetaLibrary()):
+        assert isinstance(plans.plan_forward(q, q, q, attn_mask=large, backward=True), plans.ForwardPlan)
+        assert plans.plan_forward(q, q, q, True, attn_mask=large, backward=True) == plans.Refusal(
+            "causal with an attn_mask whose rows span 2^31 elements (the backward's dK/dV launches split only "
+            "non-causal calls)")
+    sparse_rows = torch.empty(50_000, 2**26, dtype=torch.bool, device=meta)[:, :50_000]  # row stride 2^26
+    assert plans.mask_view(sparse_rows, target, 64, torch.float16, meta).shape == target
+    assert plans.mask_view(sparse_rows, target, 64, torch.float16, meta, backward=True) == plans.Refusal(
+        "attn_mask's rows span 2^31 elements within 64 queries (the backward's dK/dV launches take fewer)")
     wide = torch.empty(50_000, 2**28, dtype=torch.bool, device=meta)[:, :50_000]  # row stride 2^28
     assert plans.mask_view(wide, target, 64, torch.float16, meta) == plans.Refusal(
         "attn_mask's rows span 2^31 elements within 16 queries")

@@ -359,7 +359,40 @@ def _launch_gradients(dout, q, k, v, lse, dq, dk, dv, causal: int, scale, attn_m
         args.blocks = -(-seq_q // dq_kernel.block_rows)
         _launch(library, dq_kernel, (args.blocks * dq_kernel.jobs_per_block, heads, batch), args, buffers)
         args.blocks = -(-seq_k // dkdv.block_rows)
-        _launch(library, dkdv, (args.blocks * dkdv.jobs_per_block, kv_heads, batch), args, buffers)
+        grid = (args.blocks * dkdv.jobs_per_block, kv_heads, batch)
+        rows = seq_q if attn_mask is None else plans.mask_rows_per_launch(
+            plans.broadcast_mask(attn_mask, (batch, heads, seq_q, seq_k)), seq_q)
+        if rows < seq_q:
+            _launch_dkdv_by_query_slices(library, dkdv, grid, args, buffers, rows, seq_q, attn_mask.element_size(),
+                                         dk, dv)
+        else:
+            _launch(library, dkdv, grid, args, buffers)
+
+
+def _launch_dkdv_by_query_slices(library: loader.KernelLibrary, variant, grid: tuple[int, int, int], args: BwdArgs,
+                                 buffers: tuple, rows: int, seq_q: int, mask_element_bytes: int, dk, dv) -> None:
+    """The dK/dV launch once per `rows` queries, for a mask whose offsets from the first query pass the
+    kernels' 32 bits (plans.mask_rows_per_launch): each slice's gradients, in dk's and dv's dtype, are
+    summed in float32 in query order and rounded once more at the end. Non-causal calls only."""
+    dk_sum, dv_sum = torch.zeros_like(dk, dtype=torch.float32), torch.zeros_like(dv, dtype=torch.float32)
+    dk_slice = torch.empty_strided(dk.shape, dk.stride(), dtype=dk.dtype, device=dk.device)
+    dv_slice = torch.empty_strided(dv.shape, dv.stride(), dtype=dv.dtype, device=dv.device)
+    part = BwdArgs.from_buffer_copy(args)
+    part.dk, part.dv = dk_slice.data_ptr(), dv_slice.data_ptr()
+    element_bytes = dk.element_size()  # Q, dO and dK share the kernels' 16-bit dtype
+    for first in range(0, seq_q, rows):
+        part.seqlen_q = min(rows, seq_q - first)
+        part.q = args.q + first * args.q_stride_s * element_bytes
+        part.dout = args.dout + first * args.do_stride_s * element_bytes
+        part.mask = args.mask + first * args.mask_stride_q * mask_element_bytes
+        # The row statistics lie one float32 per query, rows contiguous.
+        part.lse, part.delta, part.row_log2_sum = (address + first * 4 for address in
+                                                   (args.lse, args.delta, args.row_log2_sum))
+        _launch(library, variant, grid, part, (*buffers, dk_slice, dv_slice))
+        dk_sum += dk_slice
+        dv_sum += dv_slice
+    dk.copy_(dk_sum)
+    dv.copy_(dv_sum)
 
 
 # --- packed variable-length batches (flash-attn's varlen layout) ---------------------------------------

@@ -32,6 +32,11 @@ MAX_SEQLEN = 2**31 - 1024
 # The kernels address the rows of a Q, K, V or dO tile as 32-bit byte offsets from its first row (their
 # loads' scalar-base form): below 2^23 elements per row, a tile of 64 rows stays within 2^31 bytes.
 MAX_SEQ_STRIDE = 2**23
+# Masks are read at 32-bit element offsets (kernels/sequence.h MaskView): see mask_rows_per_launch.
+MASK_OFFSETS = 2**31
+# A dK/dV launch's first query, where the backward splits one: a multiple of this many rows, so that every
+# row pointer and statistics offset keeps the alignment of the tensor's first row.
+DKDV_QUERY_STEP = 64
 EMPTY = "empty tensor"
 LOG2_E = 1.4426950408889634  # the kernels take the softmax scale in base 2
 KERNEL_DEVICE_TYPE = "cuda"  # ROCm and ZLUDA builds of torch name AMD GPUs "cuda" as well
@@ -156,6 +161,10 @@ def plan_forward(q, k, v, is_causal: bool = False, scale: float | None = None, a
                          backward)
         if isinstance(mask, Refusal):
             return mask
+        if backward and is_causal and mask_rows_per_launch(mask, shape[2]) < shape[2]:
+            # A slice of the queries would move the causal diagonal, which the kernels place from the lengths.
+            return Refusal("causal with an attn_mask whose rows span 2^31 elements (the backward's dK/dV "
+                           "launches split only non-causal calls)")
     return _forward_plan(kernel_dtype, shape, k.shape, strides, is_causal, scale, bottom_right, mask)
 
 
@@ -185,12 +194,26 @@ def mask_view(attn_mask, target: tuple[int, int, int, int], head_dim: int, dtype
                        f"{variants.MASKED_HEAD_DIMS[-1]})")
     view = broadcast_mask(attn_mask, target)
     # 32-bit element offsets (kernels/sequence.h MaskView): the forward and dQ kernels count them from a
-    # wave's first query, dK/dV from the (batch, head)'s first row.
-    rows = target[2] if backward else min(target[2], variants.FRAG)
-    if view.stride(2) * (rows - 1) + view.stride(3) * (target[3] - 1) >= 2**31:
-        return Refusal(f"attn_mask's rows span 2^31 elements within {rows} queries"
-                       + (" (the backward's dK/dV kernels take less)" if backward else ""))
+    # wave's first query, dK/dV from its launch's first query (mask_rows_per_launch).
+    rows = min(target[2], variants.FRAG)
+    if view.stride(2) * (rows - 1) + view.stride(3) * (target[3] - 1) >= MASK_OFFSETS:
+        return Refusal(f"attn_mask's rows span 2^31 elements within {rows} queries")
+    if backward and mask_rows_per_launch(view, target[2]) == 0:
+        return Refusal(f"attn_mask's rows span 2^31 elements within {DKDV_QUERY_STEP} queries (the backward's "
+                       "dK/dV launches take fewer)")
     return view
+
+
+def mask_rows_per_launch(mask: torch.Tensor, seq_q: int) -> int:
+    """How many of seq_q queries one dK/dV launch takes with `mask`, a (B, H, Sq, Sk) view: its kernels
+    count the mask's element offsets from the launch's first query as 32-bit ints. All of them where
+    those fit; else the most that fit, a multiple of DKDV_QUERY_STEP (0 where fewer than that do), and the
+    backward launches dK/dV once per such slice of the queries (attention.py)."""
+    key_span = mask.stride(3) * (mask.shape[3] - 1)
+    if mask.stride(2) * (seq_q - 1) + key_span < MASK_OFFSETS:
+        return seq_q
+    fitting = (MASK_OFFSETS - 1 - key_span) // mask.stride(2) + 1 if key_span < MASK_OFFSETS else 0
+    return fitting // DKDV_QUERY_STEP * DKDV_QUERY_STEP
 
 
 def broadcast_mask(attn_mask: torch.Tensor, target: tuple[int, int, int, int]) -> torch.Tensor:

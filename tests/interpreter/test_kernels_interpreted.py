@@ -23,7 +23,7 @@ import torch
 from rdna_fa_lab.attention_reference import (attention_fp64, backward_bound, grads_fp64, grads_input_dtype, max_error,
                                              rising_scores, sdpa_math)
 from rdna_flash_attn.runtime import artifacts, loader as runtime, variants
-from rdna_flash_attn.ops import attention as ops, quantized
+from rdna_flash_attn.ops import attention as ops, plans, quantized
 
 from ..seeds import case_seed
 from ..test_quantized import dequantized_attention, reference_q_codes, reference_quantize
@@ -268,6 +268,43 @@ def test_masked_grouped_and_bottom_right_code_objects_match_fp64(case, backward)
         assert grad.shape == ref.shape and torch.isfinite(grad).all(), f"{name}: shape or non-finite"
         error, bound = max_error(grad, ref), backward_bound(max_error(base, ref))
         assert error <= bound, f"{name}: error {error:.3e} > FlashAttention-2's bound {bound:.3e}"
+
+
+@pytest.mark.parametrize("target,dtype_name,head_dim,kv_heads", (("gfx1100", "f16", 64, 2), ("gfx1201", "bf16", 128, 1)))
+def test_dkdv_launches_by_query_slices_where_mask_offsets_pass_32_bits(target, dtype_name, head_dim, kv_heads,
+                                                                       monkeypatch):
+    """A mask whose element offsets from the first query pass the kernels' 32 bits gets its dK/dV in one
+    launch per 64 queries (plans.mask_rows_per_launch), summed in float32: here the limit is lowered so
+    that 150 queries of a 40-key bias take three launches (64, 64, 22), grouped heads included: every
+    gradient within FlashAttention-2's bound. A causal call cannot be sliced (its diagonal follows from
+    the lengths) and is refused."""
+    dtype, seq_q, seq_k = DTYPES[dtype_name], 150, 40
+    generator = torch.Generator().manual_seed(case_seed((target, dtype_name, head_dim, kv_heads)))
+    q, dout = (make_inputs(seq_q, head_dim, dtype, "bshd", generator) for _ in range(2))
+    k, v = (make_inputs(seq_k, head_dim, dtype, "bhsd", generator, heads=kv_heads) for _ in range(2))
+    mask = torch.randn(1, 2, seq_q, seq_k, generator=generator).to(dtype)
+    mask[0, 1, 5, :30] = float("-inf")
+    monkeypatch.setattr(plans, "MASK_OFFSETS", 65 * seq_k)
+    assert plans.mask_rows_per_launch(mask, seq_q) == 64
+    interpreted = library(target)
+    launches = []
+
+    def counted(variant, grid, args, buffers, run=interpreted.launch):
+        launches.append(variant.symbol)
+        run(variant, grid, args, buffers)
+    monkeypatch.setattr(interpreted, "launch", counted)
+    saved = ops.backward_stats_like(q)
+    with runtime.explicit_library(interpreted):
+        out, lse = ops.flash_attention_forward(q, k, v, attn_mask=mask, saved=saved)
+        grads = ops.flash_attention_backward(dout, q, k, v, lse, attn_mask=mask, out=out, saved=saved)
+        with pytest.raises(ValueError, match="split only non-causal"):
+            ops.flash_attention_backward(dout, q, k, v, lse, True, attn_mask=mask)
+    assert sum("dkdv" in symbol for symbol in launches) == 3, launches
+    reference = grads_fp64(q, k, v, dout, False, None, mask)
+    baseline = grads_input_dtype(q, k, v, dout, False, None, mask)
+    for name, grad, ref, base in zip(("dq", "dk", "dv"), grads, reference, baseline):
+        error, bound = max_error(grad, ref), backward_bound(max_error(base, ref))
+        assert torch.isfinite(grad).all() and error <= bound, f"{name}: error {error:.3e} > bound {bound:.3e}"
 
 
 @pytest.mark.parametrize("target", TARGETS)
