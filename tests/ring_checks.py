@@ -4,9 +4,11 @@ multi-process tests: FlashAttention-2's criterion. The forward within 2x the err
 computed in the input dtype against fp64 (each chunk's output comes in the input dtype before the merge,
 as flash-attn returns it: one rounding more than one call, which math SDPA's error does not allow for),
 each gradient within 2x that attention's gradient error plus one rounding per chunk gradient summed
-(attention_reference.summed_backward_bound)."""
+(attention_reference.summed_backward_bound). And what a NaN lse passed to the backward gives."""
 
 from __future__ import annotations
+
+import torch
 
 from rdna_fa_lab.attention_reference import (attention_fp64, attention_input_dtype, grads_fp64, grads_input_dtype,
                                              max_error, summed_backward_bound)
@@ -33,3 +35,15 @@ def check_ring(out, lse, grads, q, k, v, dout, causal: bool, summed: int) -> Non
     full = [t.transpose(1, 2) for t in (q, k, v, dout)]
     assert lse.isfinite().all() and max_error(lse, attention_fp64(*full[:3], causal)[1]) < 1e-3
     check_against_one_attention(out.transpose(1, 2), [g.transpose(1, 2) for g in grads], *full, causal, summed)
+
+
+def check_nan_lse_row(dq, dk, dv, batch: int, head: int, row: int) -> None:
+    """flash-attn's backward given a NaN lse at (batch, head, row), one key/value head per query head, in
+    its (batch, tokens, heads, head dim) layout: its exponent makes that row's dQ and every dK and dV of
+    the (batch, head) NaN, and nothing else."""
+    nan_dq = torch.zeros(dq.shape, dtype=torch.bool)
+    nan_dq[batch, row, head] = True
+    nan_kv = torch.zeros(dk.shape, dtype=torch.bool)
+    nan_kv[batch, :, head] = True
+    for name, grad, expected in (("dq", dq, nan_dq), ("dk", dk, nan_kv), ("dv", dv, nan_kv)):
+        assert torch.equal(grad.isnan().cpu(), expected), f"{name}: NaN where the lse is not, or not where it is"

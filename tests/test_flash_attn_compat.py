@@ -27,6 +27,7 @@ from rdna_flash_attn.integrations import flash_attn_interface as fa
 from rdna_flash_attn.integrations.bert_padding import index_first_axis, pad_input, unpad_input
 
 from .child_venv import venv_seeing_this_one
+from .ring_checks import check_nan_lse_row
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHIM_DIR = REPO_ROOT / "rdna_flash_attn" / "integrations" / "flash_attn_shim"
@@ -777,6 +778,18 @@ def test_private_backward_runs_on_the_kernels_from_the_given_out_and_lse(fake_gp
         torch.testing.assert_close(grad.double(), expected.grad, **tolerance(q.dtype))
     assert not dq[:, :8].any() and torch.isinf(lse[:, :, :8]).all()
     torch.testing.assert_close(softmax_d[:, :, :20], (dout.float() * out.float()).sum(-1).transpose(1, 2))
+
+
+def test_private_backward_gives_nan_gradients_where_the_lse_is_nan():
+    """Float32 inputs (the math path): a NaN lse is not a row without keys (tests/interpreter/
+    test_ring_attention.py runs the same on the kernels)."""
+    q, k, v = bshd(q_len=20, k_len=12, heads=2, kv_heads=2, dtype=torch.float32)
+    out, lse, *_ = fa._flash_attn_forward(q, k, v, 0.0, None, False, -1, -1, 0.0, None, False)
+    lse[1, 0, 5] = float("nan")
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(15))
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    fa._flash_attn_backward(dout, q, k, v, out, lse, *grads, 0.0, None, False, -1, -1, 0.0, None, False)
+    check_nan_lse_row(*grads, batch=1, head=0, row=5)
 
 
 @pytest.mark.parametrize("kernels", [False, True])

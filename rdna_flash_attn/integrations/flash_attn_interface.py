@@ -493,8 +493,8 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
     (those given) and returns softmax_d, rowsum(dout * out) as float32 (batch, heads, seq_q rounded up
     to 128), zero past seq_q. The probabilities come from the given softmax_lse and softmax_d from the
     given out, as flash-attn computes them, so ring attention's calls with the merged out and lse of every
-    chunk get each chunk's share; a row whose lse is not finite (+inf, flash-attn's mark, or -inf) gets zero
-    gradients. The kernels run it where they take the call (as _flash_attn_forward's plan, with their
+    chunk get each chunk's share; a row whose lse is infinite (+inf, flash-attn's mark, or -inf) gets zero
+    gradients, and a NaN lse NaN ones (that row's dQ, every dK and dV of its head), as in flash-attn. The kernels run it where they take the call (as _flash_attn_forward's plan, with their
     backward), float32 math everywhere else."""
     _refuse_private("_flash_attn_backward", dropout_p, softcap)
     _check_inputs(q, k, v, "(batch, seqlen, nheads, headdim)")
@@ -513,8 +513,8 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
             grads = ops.launch_backward_from_output(ops.kernel_layout(dout4), q4, k4, v4, ops.kernel_layout(out4),
                                                     softmax_lse, kernel.is_causal, kernel.scale, attn_mask=kernel.mask,
                                                     bottom_right=True)
-        else:  # a row whose lse is not finite saw no key, as on the kernels
-            lse = softmax_lse.float().masked_fill(~torch.isfinite(softmax_lse), float("inf"))
+        else:  # a row whose lse is infinite saw no key, as on the kernels
+            lse = softmax_lse.float().masked_fill(torch.isinf(softmax_lse), float("inf"))
             grads = _math_backward(dout4, q4, k4, v4, out4, lse, scale, _attn_mask(q4, k4, left, right, alibi_slopes))
         for target, grad in zip((dq, dk, dv), grads):
             if target is not None:

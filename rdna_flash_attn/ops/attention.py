@@ -294,6 +294,12 @@ def launch_backward(dout, q, k, v, lse, is_causal: bool = False, scale: float | 
     dq, dk, dv = output_like(q), output_like(k), output_like(v)
     _launch_gradients(dout, q, k, v, lse, dq, dk, dv, plans.causal_code(is_causal, bottom_right), scale, attn_mask,
                       q.shape[0], q.shape[2], k.shape[2], (lse.stride(0), lse.stride(1)), out, saved)
+    # A NaN row (its lse NaN) makes every dK and dV of its (batch, head) NaN in SDPA's and flash-attn's
+    # arithmetic. The kernels cap each exponent (fa_bwd.h kMaxExponent), and the cap turns the unmasked
+    # kernels' NaN offset into a finite one: mark those heads here, without a sync.
+    nan_kv_heads = lse.isnan().any(-1).view(k.shape[0], k.shape[1], -1).any(-1)[:, :, None, None]
+    dk.masked_fill_(nan_kv_heads, float("nan"))
+    dv.masked_fill_(nan_kv_heads, float("nan"))
     return dq, dk, dv
 
 
@@ -318,10 +324,12 @@ def launch_backward_from_output(dout, q, k, v, out, lse, is_causal: bool = False
     delta = rowsum(dout * out) from the given out, as flash-attn's backward computes them. Ring attention
     passes the out and lse merged over every key/value chunk, and each chunk's call then gets that chunk's
     share of the gradients (the kernels' own sums would normalise over the chunk's keys alone). lse:
-    float32 (batch, heads, seq_q) natural log, any strides; a row whose lse is not finite (flash-attn's
-    +inf, or -inf) saw no key and gets zero gradients. out: q's shape, readable as the kernels read q."""
+    float32 (batch, heads, seq_q) natural log, any strides; a row whose lse is infinite (flash-attn's +inf,
+    or -inf) saw no key and gets zero gradients, and a NaN lse gives NaN gradients (that row's dQ, every dK
+    and dV of its (batch, head)), as flash-attn's exponent of it does. out: q's shape, readable as the
+    kernels read q."""
     # The training forward's statistics, rebuilt from out and lse: offsets in base 2, the sums folded in.
-    row_offset = torch.where(torch.isfinite(lse), lse.float() * LOG2_E, float("inf")).contiguous()
+    row_offset = torch.where(torch.isinf(lse), float("inf"), lse.float() * LOG2_E).contiguous()
     out_low = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device).zero_()
     saved = BackwardStats(out_low, row_offset, torch.zeros_like(row_offset))
     return launch_backward(dout, q, k, v, row_offset, is_causal, scale, attn_mask=attn_mask, bottom_right=bottom_right,

@@ -20,8 +20,8 @@ import os
 import pytest
 import torch
 
-from rdna_fa_lab.attention_reference import (attention_fp64, backward_bound, grads_fp64, grads_input_dtype, max_error,
-                                             rising_scores, sdpa_math)
+from rdna_fa_lab.attention_reference import (attention_fp64, backward_bound, grads_fp64, grads_input_dtype,
+                                             grads_sdpa_math, max_error, rising_scores, sdpa_math)
 from rdna_flash_attn.runtime import artifacts, loader as runtime, variants
 from rdna_flash_attn.ops import attention as ops, plans, quantized
 
@@ -168,16 +168,21 @@ def test_a_training_forward_saves_the_remainder_and_row_statistics(target, dtype
 def test_a_score_overflowing_with_the_scale_gives_nan_as_sdpa(target, overflow_key):
     """One key's score is finite, its product with the softmax scale (4) is not: SDPA's rows are NaN, and
     so are the kernel's, whether a key tile follows the one holding it (d128 skips O's rescale where no
-    row meets a new maximum) or not."""
+    row meets a new maximum) or not; and so are every gradient, dV included (the backward's exponent cap
+    would make its probabilities finite)."""
     generator = torch.Generator().manual_seed(overflow_key)
     q = torch.zeros(1, 2, 17, 128, dtype=torch.bfloat16)
     q[..., 0] = 1.7e19
     k, v = (torch.randn(1, 2, 150, 128, generator=generator).to(torch.bfloat16) for _ in range(2))
     k[..., overflow_key, 0] = 1.7e19
+    dout = torch.randn(q.shape, generator=generator).to(torch.bfloat16)
     with runtime.explicit_library(library(target)):
-        out, _ = ops.flash_attention_forward(q, k, v, False, 4.0)
+        out, lse = ops.flash_attention_forward(q, k, v, False, 4.0)
+        grads = ops.flash_attention_backward(dout, q, k, v, lse, False, 4.0)
     assert torch.isnan(sdpa_math(q, k, v, False, 4.0)).all(), "precondition: SDPA gives NaN here"
+    assert all(g.isnan().all() for g in grads_sdpa_math(q, k, v, dout, False, 4.0)), "precondition"
     assert torch.isnan(out).all()
+    assert all(grad.isnan().all() for grad in grads)
 
 
 def _key_padding(batch, seq_k, dtype, generator):
