@@ -36,22 +36,21 @@ def static_summary(results_dir: Path) -> dict:
         }
     else:
         summary["missing"].append(str(report))
-    forward = results_dir / "forward_estimate_gfx1100.json"
-    if forward.is_file():
+    # Both passes in the speed model's named terms: TFLOP/s at the high-stall and the low-stall end of its band.
+    speed = results_dir / "speed_model.json"
+    if speed.is_file():
         summary["forward_estimate"] = [
-            {"target": k["target"], "gpu": k["gpu"], "dtype": k["dtype"], "head_dim": k["d"],
-             "tflops_pessimistic": k["model"]["tflops_pess"], "tflops_optimistic": k["model"]["tflops_opt"],
-             "calibrated": "tflops_pess_nominal" in k["model"]}
-            for k in json.loads(forward.read_text(encoding="utf-8"))["kernels"]]
+            {"target": g["target"], "dtype": g["dtype"], "head_dim": g["d"], "tflops_pessimistic": g["tflops"]["low"],
+             "tflops_optimistic": g["tflops"]["high"], "basis": "speed model"}
+            for g in json.loads(speed.read_text(encoding="utf-8"))["forward_grid"]]
     else:
-        summary["missing"].append(str(forward))
+        summary["missing"].append(str(speed))
     backward = results_dir / "backward_estimate_gfx1100.json"
     if backward.is_file():
         summary["backward_estimate"] = [
             {"target": r["target"], "gpu": r["gpu"], "dtype": r["dtype"], "head_dim": r["d"],
-             "tflops_pessimistic": r["estimate"]["now"]["tflops_pess"],
-             "tflops_optimistic": r["estimate"]["now"]["tflops_opt"],
-             "calibrated": "tflops_pess_nominal" in r["estimate"]["now"]}
+             "tflops_pessimistic": r["estimate"]["now"]["tflops"]["low"],
+             "tflops_optimistic": r["estimate"]["now"]["tflops"]["high"], "basis": "speed model"}
             for r in json.loads(backward.read_text(encoding="utf-8"))["results"]]
     else:
         summary["missing"].append(str(backward))

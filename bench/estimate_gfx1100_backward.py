@@ -1,7 +1,7 @@
 """Static throughput estimate of the backward kernels on RDNA3 (gfx1100) and RDNA4 (gfx1201), read from
 their disassembly: printed, recorded as JSON, plotted. Not a measurement; how one main-loop iteration
-is traced and priced: rdna_fa_lab/backward_throughput_estimate.py and
-bench/results/backward_estimate_gfx1100.md.
+is traced: rdna_fa_lab/backward_throughput_estimate.py and bench/results/backward_estimate_gfx1100.md;
+priced in the speed model's named cycle terms at each end of its stall band (bench/speed_model.py fits it).
 
     python3 -m bench.estimate_gfx1100_backward prebuilt/rdna_fa_gfx1100.hsaco prebuilt/rdna_fa_gfx1201.hsaco \
         --json bench/results/backward_estimate_gfx1100.json --png bench/results/backward_estimate_gfx1100.png
@@ -14,9 +14,11 @@ import json
 import sys
 from pathlib import Path
 
+from bench.speed_model import stall_bands
+from rdna_flash_attn.runtime.codeobject import load_code_object
 from rdna_fa_lab.backward_throughput_estimate import analyse
 from rdna_fa_lab.resource_report import find_objdump
-from rdna_fa_lab.throughput_estimate import BATCH_HEADS, CALIBRATION, SEQ
+from rdna_fa_lab.throughput_estimate import BATCH_HEADS, SEQ
 
 TARGET_TFLOPS, PUBLISHED_TFLOPS = 35.0, 25.0  # DESIGN.md section 5; best published 7900 XTX backward
 
@@ -28,20 +30,21 @@ def print_report(results: list[dict]) -> None:
             print(f"  {k['symbol']}: tile {k['block_tile']}, W/SIMD {k['waves_per_simd']} ({k['occupancy_limit']}), "
                   f"loops {k['inner_loop_trips']}")
             for name, c in k["counts_per_wave_iteration"].items():
-                m = k["model"][name]
+                terms = k["terms_per_wave_iteration"][name]
                 print(f"    {name:16} flags {k['flags_per_path'][name]}\n      WMMA {c['wmma']} VALU {c['valu']} "
                       f"(VOPD {c['vopd']}) TRANS {c['trans']} SALU {c['salu']} LDS r {c['lds_read_insts']}/"
                       f"{c['lds_read_bytes']} B w {c['lds_write_insts']}/{c['lds_write_bytes']} B global "
                       f"{c['global_load_insts']}/{c['global_load_bytes']} B waits vmem {c['vmem_rounds']} lds "
                       f"{c['lds_rounds']}; VALU+TRANS {c['valu_by_region']}")
-                print("      cycles: " + " ".join(f"{a} {b:g}" for a, b in m["cycles"].items())
-                      + f" => opt {m['cycles_opt']:g} ({m['bound_opt']}) pess {m['cycles_pess']:g} ({m['bound_pess']})")
+                print("      cycles at the band's middle: " + " ".join(f"{a} {b:g}" for a, b in terms.items())
+                      + f" => {sum(terms.values()):.1f}")
         for label, s in r["estimate"].items():
-            print(f"  {label:36} {s['tflops_pess']:5} - {s['tflops_opt']:5} TFLOP/s  ({s['ms_pess']} - {s['ms_opt']} ms; "
-                  f"share opt {s['share_opt']})")
+            t, ms = s["tflops"], s["ms"]
+            print(f"  {label:36} {t['mid']:5} ({t['low']} - {t['high']}) TFLOP/s  ({ms['mid']} ms, {ms['low']} - "
+                  f"{ms['high']}; share {s['share']})")
 
 
-def plot(results: list[dict], path: Path) -> None:
+def plot(results: list[dict], bands: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -50,21 +53,21 @@ def plot(results: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(targets), figsize=(7.5 * len(targets), 5), squeeze=False)
     for ax, target in zip(axes[0], targets):
         sel = [r for r in results if r["target"] == target]
-        for k, (key, label, color) in enumerate((("tflops_pess", "pessimistic", "tab:blue"),
-                                                 ("tflops_opt", "optimistic", "tab:cyan"))):
-            x = [i + (k - 0.5) * 0.35 for i in range(len(sel))]
-            values = [r["estimate"]["now"][key] for r in sel]
-            ax.bar(x, values, width=0.35, color=color, label=label)
-            for xi, value in zip(x, values):
-                ax.text(xi, value + 0.5, f"{value:g}", ha="center", fontsize=8)
+        figures = [r["estimate"]["now"]["tflops"] for r in sel]
+        ax.bar(range(len(sel)), [f["mid"] for f in figures], width=0.6, color="tab:blue",
+               yerr=[[f["mid"] - f["low"] for f in figures], [f["high"] - f["mid"] for f in figures]], capsize=3,
+               label="stall band's middle (bars: its ends)")
+        for xi, f in enumerate(figures):
+            ax.text(xi, f["high"] + 0.5, f"{f['mid']:g}", ha="center", fontsize=8)
         if target == "gfx1100":
             ax.axhline(TARGET_TFLOPS, color="tab:green", ls="--", label=f"target {TARGET_TFLOPS:g}")
             ax.axhline(PUBLISHED_TFLOPS, color="tab:red", ls=":", label=f"best published ~{PUBLISHED_TFLOPS:g}")
         ax.set_xticks(range(len(sel)), [f"{r['dtype']} d{r['d']}" for r in sel])
-        ax.set_ylim(0, max(TARGET_TFLOPS, *(r["estimate"]["now"]["tflops_opt"] for r in sel)) * 1.3)
+        ax.set_ylim(0, max(TARGET_TFLOPS, *(f["high"] for f in figures)) * 1.3)
         ax.set_ylabel("TFLOP/s (backward = 10·Sq·Sk·D)")
         ax.set_title(f"Backward (dQ + dK/dV), {target} {sel[0]['gpu']}, {SEQ} tokens, batch*heads {BATCH_HEADS}, "
-                     f"non-causal:\nstatic estimate, calibrated x{CALIBRATION[target]}, not measured", fontsize=10)
+                     f"non-causal:\nspeed model, stall {bands[target]['low']:g}-{bands[target]['high']:g} of the "
+                     "non-WMMA work, not measured", fontsize=10)
         ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -80,13 +83,17 @@ def main(argv: list[str] | None = None) -> int:
     if objdump is None:
         print("llvm-objdump (>= 19) not found", file=sys.stderr)
         return 2
-    results = [r for path in args.hsaco for r in analyse(path, objdump)]
+    bands = stall_bands()
+    results = []
+    for path in args.hsaco:
+        results += analyse(path, objdump, bands[load_code_object(path).target])
     print_report(results)
     if args.json:
-        args.json.write_text(json.dumps({"seq": SEQ, "batch_heads": BATCH_HEADS, "target_tflops": TARGET_TFLOPS,
+        args.json.write_text(json.dumps({"seq": SEQ, "batch_heads": BATCH_HEADS, "stall_band": bands,
+                                         "target_tflops": TARGET_TFLOPS,
                                          "published_tflops": PUBLISHED_TFLOPS, "results": results}, indent=1))
     if args.png:
-        plot(results, args.png)
+        plot(results, bands, args.png)
     return 0
 
 

@@ -15,11 +15,14 @@ import json
 import sys
 from pathlib import Path
 
+from bench.speed_model import stall_bands
+from rdna_fa_lab import speed_model as sm
 from rdna_fa_lab.masked_throughput_estimate import PROMPT, analyse, analyse_backward, shape_rows
 from rdna_fa_lab.resource_report import find_objdump
-from rdna_fa_lab.throughput_estimate import BATCH_HEADS, CALIBRATION, SEQ
+from rdna_fa_lab.throughput_estimate import BATCH_HEADS, SEQ
+from rdna_flash_attn.runtime.codeobject import load_code_object
 
-KEY_PADDING_TARGET = 0.97  # issue 20: a key-padding mask within 3 % of the unmasked kernel (pessimistic)
+KEY_PADDING_TARGET = 0.97  # issue 20: a key-padding mask within 3 % of the unmasked kernel (band's middle)
 
 
 def backward_markdown(rows: list[dict]) -> str:
@@ -36,43 +39,59 @@ def backward_markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def markdown(rows: list[dict], sources: list[tuple[Path, str]]) -> str:
+def _band_text(figures: dict) -> str:
+    return f"{figures['mid']:g} ({figures['low']:g}–{figures['high']:g})"
+
+
+def _terms_text(terms: dict) -> str:
+    return " | ".join(f"{terms[k]:g}" for k in sm.TERMS)
+
+
+def _bands_text(bands: dict) -> str:
+    return "; ".join(f"{t} {b['low']:g}–{b['high']:g} (middle {b['mid']:g})" for t, b in bands.items())
+
+
+def markdown(rows: list[dict], sources: list[tuple[Path, str]], bands: dict) -> str:
     lines = ["# Masked forward: static estimate (interpreter-executed counts), not a measurement", "",
              f"{SEQ} tokens, {BATCH_HEADS} batch x heads, non-causal; TFLOP/s on 4*Sq*Sk*d. "
              "Per key tile and wave, the instructions the CPU interpreter executed for each mask "
-             "(bench/estimate_masked.py), priced by bench/estimate_gfx1100.py's model, calibrated (x"
-             + ", x".join(f"{factor} on {target}" for target, factor in CALIBRATION.items())
-             + ": bench/results/estimator_calibration.md). Target (issue 20): a "
-             f"key-padding mask at >= {KEY_PADDING_TARGET:.0%} of the unmasked kernel, pessimistic column.", "",
+             "(bench/estimate_masked.py), priced in the speed model's named cycle terms "
+             "(rdna_fa_lab/speed_model.py) at the middle of its stall band, the band's ends in brackets; stall "
+             f"band (share of the non-WMMA work, bench/results/speed_model.md): {_bands_text(bands)}. Terms: "
+             "cycles per 16x64 tile and SIMD at the band's middle; they add up to the cycles. Target (issue 20): "
+             f"a key-padding mask at >= {KEY_PADDING_TARGET:.0%} of the unmasked kernel at the band's middle.", "",
              "Code objects: " + ", ".join(f"`{p}` (sha256 {h[:16]}...)" for p, h in sources), "",
              "| target | dtype | d | mask | kernel | W/SIMD | VALU | WMMA | global loads | vmem waits to 0 | "
-             "bound (pess) | pess | opt | vs unmasked (pess) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "TFLOP/s: middle (low–high) | vs unmasked | cycles | " + " | ".join(sm.TERMS) + " |",
+             "|" + "---|" * 21]
     for r in rows:
-        c, m = r["counts_per_wave_tile"], r["model"]
+        c = r["counts_per_wave_tile"]
         lines.append(f"| {r['target']} | {r['dtype']} | {r['d']} | {r['mask']} | {r['kernel']} | {r['waves_per_simd']} | "
                      f"{c['valu']:g} | {c['wmma']:g} | {c['global_load_insts']:g} | {c['vmem_rounds']:g} | "
-                     f"{m['bound_pess']} | {m['tflops_pess']} | {m['tflops_opt']} | {r['vs_unmasked_pess']:.2f} |")
+                     f"{_band_text(r['tflops'])} | {r['vs_unmasked']:.2f} | {r['cycles']:g} | {_terms_text(r['terms'])} |")
     return "\n".join(lines) + "\n"
 
 
 def shapes_markdown(priced: list[dict]) -> str:
     lines = ["", "## At the models' shapes", "",
              "The per-tile counts above priced for whole launches (`shape_rows`): partly filled last query and "
-             "key tiles computed in full, TFLOP/s on useful FLOPs (4 Sq Sk d per entry and head), calibrated. "
+             "key tiles computed in full, TFLOP/s on useful FLOPs (4 Sq Sk d per entry and head) at the stall "
+             "band's middle (its ends in brackets). "
              "A packed batch (varlen) launches max(Sq) / block_rows workgroups per entry and head; those past an "
              "entry's length return at once and are not counted here. Under a key-padding mask the tiles "
              f"holding a masked key (a {PROMPT}-token prompt's T5 padding, or an entry's padding) are priced as "
-             "the scattered mask's tiles, the others as the padding mask's kept tiles.", "",
+             "the scattered mask's tiles, the others as the padding mask's kept tiles; the terms (cycles per "
+             "16x64 tile and SIMD, band's middle) are the mix of the launch's tiles.", "",
              "| shape | target | dtype | d | mask | B x H | Sq / Sk | useful GFLOP | useful share of the tiles | "
-             "tiles with masked keys | pess | opt |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "tiles with masked keys | TFLOP/s: middle (low–high) | cycles | " + " | ".join(sm.TERMS) + " |",
+             "|" + "---|" * 21]
     for r in priced:
         lengths = ("/".join(map(str, r["lengths_q"])) if r["lengths_q"] == r["lengths_k"]
                    else f"{'/'.join(map(str, r['lengths_q']))} / {'/'.join(map(str, r['lengths_k']))}")
         lines.append(f"| {r['shape']} | {r['target']} | {r['dtype']} | {r['d']} | {r['mask']} | {r['batch']} x "
                      f"{r['heads']} | {lengths} | {r['useful_gflop']:g} | {r['useful_share_of_tiles']:.3f} | "
-                     f"{r['tiles_with_masked_keys']:.3f} | "
-                     f"{r['tflops_pess']} | {r['tflops_opt']} |")
+                     f"{r['tiles_with_masked_keys']:.3f} | {_band_text(r['tflops'])} | {r['cycles']:g} | "
+                     f"{_terms_text(r['terms'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -86,18 +105,20 @@ def main(argv: list[str] | None = None) -> int:
     if objdump is None:
         print("llvm-objdump (>= 19) not found", file=sys.stderr)
         return 2
+    bands = stall_bands()
     rows, backward = [], []
     for number, path in enumerate(args.hsaco, 1):
         print(f"[{number}/{len(args.hsaco)}] interpreting {path}", file=sys.stderr, flush=True)
-        rows += analyse(path, objdump)
+        rows += analyse(path, objdump, bands[load_code_object(path).target])
         backward += analyse_backward(path, objdump)
     sources = [(p, hashlib.sha256(p.read_bytes()).hexdigest()) for p in args.hsaco]
-    priced = shape_rows(rows)
-    text = markdown(rows, sources) + shapes_markdown(priced) + backward_markdown(backward)
+    priced = shape_rows(rows, bands)
+    text = markdown(rows, sources, bands) + shapes_markdown(priced) + backward_markdown(backward)
     print(text)
     if args.json:
         args.json.write_text(json.dumps({"code_objects": [{"file": str(p), "sha256": h} for p, h in sources],
-                                         "key_padding_target": KEY_PADDING_TARGET, "rows": rows,
+                                         "key_padding_target": KEY_PADDING_TARGET, "stall_band": bands,
+                                         "rows": rows,
                                          "shapes": priced, "backward": backward}, indent=1))
     if args.md:
         args.md.write_text(text)

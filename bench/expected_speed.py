@@ -9,11 +9,10 @@ Every figure of ours is a static estimate, not a measurement. The forward: the s
 terms (rdna_fa_lab/speed_model.py) on the forward record's counts (bench/estimate_gfx1100.py ->
 bench/results/forward_estimate_gfx1100.json), at the two ends of its stall band (bench/speed_model.py ->
 speed_model.json), at the models' shapes (masked_estimate.json's `shapes` give them) and at the published
-kernels' shapes. The backward: bench/estimate_gfx1100_backward.py -> backward_estimate_gfx1100.json, a
-pessimistic-optimistic band of the earlier pipe model multiplied by the calibration factor of
-bench/estimate_external.py (estimator_calibration.json). The published figures are other kernels'
-measurements: the calibration's own (estimator_calibration.json) and those of DESIGN.md section 3 listed
-in PUBLISHED below.
+kernels' shapes. The backward: the same model and band on the backward's traced paths
+(bench/estimate_gfx1100_backward.py -> backward_estimate_gfx1100.json). The published figures are other
+kernels' measurements: the calibration record's own (estimator_calibration.json, the kernels the stall
+band is fitted on) and those of DESIGN.md section 3 listed in PUBLISHED below.
 
 The file's `provenance` names the estimators (sha256 of each module and script), the records (sha256 and the commit
 that last wrote each) and the code objects the estimates were made from (sha256, source hash); the bench
@@ -100,15 +99,15 @@ def last_commit(relative: str) -> str | None:
     return out or None
 
 
-def _band(model: dict) -> list[float]:
-    return [model["tflops_pess"], model["tflops_opt"]]
+def _ends(figures: dict) -> list[float]:
+    """A speed model figure as [high-stall end, low-stall end] of its band."""
+    return [figures["low"], figures["high"]]
 
 
 def _forward(forward: dict, target: str, dtype: str, shape, stall_band: dict) -> list[float]:
     """The speed model's forward at a shape: [high-stall end, low-stall end] of its band."""
     record = speed_model.our_row(forward, target, dtype, shape[3])
-    figures = speed_model.ours_at(record, shape, stall_band)["tflops"]
-    return [figures["low"], figures["high"]]
+    return _ends(speed_model.ours_at(record, shape, stall_band)["tflops"])
 
 
 def _code_objects(forward: dict, backward: dict, shapes: dict) -> dict:
@@ -168,13 +167,12 @@ def build() -> dict:
             "speed_model": {"stall_band": [stall_band["low"], stall_band["high"]],
                             "fitted_on": [k["kernel"] for k in speed["kernels"]
                                           if k["target"] == target and k["role"] == "fit"]},
-            "calibration": {"factor": throughput_estimate.CALIBRATION[target],
-                            "source": throughput_estimate.CALIBRATION_SOURCE[target], "applies_to": "backward"},
             "forward_workloads": workloads,
             "forward_by_head_dim": [{"dtype": g["dtype"], "head_dim": g["d"],
-                                     "tflops": [g["tflops"]["low"], g["tflops"]["high"]]}
+                                     "tflops": _ends(g["tflops"])}
                                     for g in speed["forward_grid"] if g["target"] == target],
-            "backward_by_head_dim": [{"dtype": r["dtype"], "head_dim": r["d"], "tflops": _band(r["estimate"]["now"])}
+            "backward_by_head_dim": [{"dtype": r["dtype"], "head_dim": r["d"],
+                                      "tflops": _ends(r["estimate"]["now"]["tflops"])}
                                      for r in backward["results"]
                                      if r["target"] == target and r["d"] in BACKWARD_HEAD_DIMS],
             "published": _published(calibration, target, forward, stall_band),
@@ -184,8 +182,7 @@ def build() -> dict:
         "what": "static estimate of the kernels' throughput on RDNA GPUs: a model of the code objects' "
                 "instructions, fitted on published measurements of other kernels; not a measurement",
         "units": "TFLOP/s on useful FLOPs: forward 4*B*H*Sq*Sk*d, backward 2.5x that",
-        "band": "forward: the speed model at the high and the low end of its stall band; backward: "
-                "[pessimistic, optimistic] of the earlier pipe model, both times the target's calibration factor",
+        "band": "[low, high]: the speed model at the high and the low end of its stall band, forward and backward",
         "by_head_dim": f"{forward['constants']['seq']} tokens, batch x heads {forward['constants']['batch_heads']}, "
                        "non-causal; the backward as training runs it (one dQ sweep)",
         "not_estimated": "gfx1101-gfx1103, gfx1150-gfx1152, gfx1200: the estimator models the RX 7900 XTX (gfx1100) "

@@ -102,6 +102,10 @@ def kernel_memory_check(data: dict) -> dict | None:
 
 
 def _estimate_basis(estimates: list[dict]) -> str:
+    """What a run's recorded estimates rest on: the speed model, or (runs recorded before it) the pipe model."""
+    if all(e.get("basis") == "speed model" for e in estimates):
+        return ("static estimate from instruction counts in named cycle terms, its stall band fitted on published "
+                "measurements of other kernels (results/speed_model.md); not measured")
     if all(e.get("calibrated") for e in estimates):
         return ("static estimate from instruction counts, calibrated against published measurements of external "
                 "kernels (results/estimator_calibration.md); not measured")

@@ -5,8 +5,9 @@ over heads) and ring attention (key/value chunks passed around, partial outputs 
 Not a measurement: only single-GPU machines were available, no multi-GPU run was made. Memory and
 communication are exact arithmetic on the tensors each scheme holds and sends (listed in `memory_terms`).
 Kernel time is the attention FLOPs a card computes over the static estimator's expected throughput of
-our kernels (rdna_fa_lab/expected_speed.py `load()`: the pessimistic-optimistic band of the forward and
-backward at this head dim and dtype, estimated at 4096 tokens; long chunks keep the grid as full).
+our kernels (rdna_fa_lab/expected_speed.py `load()`: the speed model's low and high figure, the ends of its
+stall band, of the forward and backward at this head dim and dtype, estimated at 4096 tokens; long chunks
+keep the grid as full).
 Communication time assumes a link bandwidth (LINK_GBPS, PCIe between Radeon cards; no Infinity Fabric
 link on RDNA boards); ring attention overlaps its transfers with the next chunk's kernel, Ulysses waits
 for its all-to-alls. The lse merge of ring attention is counted as memory traffic at the card's bandwidth.
@@ -38,7 +39,7 @@ BACKWARD_FLOPS = 2.5  # x the forward's, the estimator's convention
 
 
 def _throughput(data: dict, target: str, key: str) -> list[float]:
-    """[pessimistic, optimistic] TFLOP/s of `key` (forward_by_head_dim / backward_by_head_dim)."""
+    """[low, high] TFLOP/s of `key` (forward_by_head_dim / backward_by_head_dim): the stall band's two ends."""
     for row in data["gpus"][target][key]:
         if row["dtype"] == SHAPE["dtype"] and row["head_dim"] == SHAPE["head_dim"]:
             return row["tflops"]
@@ -78,8 +79,8 @@ def communication_bytes(scheme: str, cards: int) -> dict[str, int]:
 
 
 def timing(scheme: str, cards: int, gpu: dict, forward_tflops: list[float], backward_tflops: list[float]) -> dict:
-    """Seconds per call, [pessimistic, optimistic]: kernel, communication and their total (ring overlaps
-    each chunk's transfer with its kernel), forward and forward + backward."""
+    """Seconds per call, [at the low figure, at the high figure]: kernel, communication and their total (ring
+    overlaps each chunk's transfer with its kernel), forward and forward + backward."""
     b, s, h, d = SHAPE["batch"], SHAPE["tokens"], SHAPE["heads"], SHAPE["head_dim"]
     flops = 4 * b * h * s * s * d / cards  # both schemes split the (non-causal) work evenly
     sent = communication_bytes(scheme, cards)
@@ -119,7 +120,8 @@ def estimate() -> dict:
                     "measurement (only single-GPU machines were available; no multi-GPU run was made)",
             "shape": SHAPE, "link_gbps_assumed": LINK_GBPS,
             "throughput_source": "rdna_fa_lab.expected_speed.load(): forward_by_head_dim, backward_by_head_dim "
-                                 "(static estimate of the kernels, [pessimistic, optimistic] TFLOP/s)",
+                                 "(static estimate of the kernels, [low, high] TFLOP/s: the speed model at the "
+                                 "ends of its stall band)",
             "estimator_provenance": data.get("provenance"), "rows": rows}
 
 
@@ -143,7 +145,7 @@ def plot(result: dict, path: Path) -> None:
     memory_axis.set(xscale="log", xticks=CARDS, xticklabels=CARDS, xlabel="cards", ylabel="GiB per card",
                     title="attention memory per card (a call's inputs, output, lse)")
     time_axis.set(xscale="log", yscale="log", xticks=CARDS, xticklabels=CARDS, xlabel="cards",
-                  ylabel="ms per card (pessimistic)", title="forward + backward of one call")
+                  ylabel="ms per card (at the low figure)", title="forward + backward of one call")
     for axis in (memory_axis, time_axis):
         axis.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         axis.grid(True, alpha=0.3)

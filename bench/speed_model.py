@@ -11,7 +11,10 @@ tallied from their own instruction streams by bench/estimate_external.py),
 bench/results/forward_estimate_gfx1100.json and backward_estimate_gfx1100.json (ours,
 bench/estimate_gfx1100.py and bench/estimate_gfx1100_backward.py). The stall allowance is
 fitted per ISA on the kernels marked "fit" below; every other measured row is held out. A held-out row
-whose kernel has no stream of its own here says whose stream stands in for it.
+whose kernel has no stream of its own here says whose stream stands in for it. stall_bands() gives that
+band to the estimates priced in the same terms: the backward (bench/estimate_gfx1100_backward.py, whose
+record this reads back), the masked and packed (bench/estimate_masked.py) and the 8-bit forward
+(bench/estimate_8bit.py).
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from pathlib import Path
 
 from bench.estimate_external import published_flops
 from rdna_fa_lab import speed_model as sm
-from rdna_fa_lab.backward_throughput_estimate import delta_read_seconds
 from rdna_fa_lab.throughput_estimate import HARDWARE, SIMDS_PER_CU
 from rdna_flash_attn.runtime import variants
 
@@ -129,7 +131,6 @@ BACKWARD_TARGETS = (
     ("gfx1100", 128, "Triton tutorial backward (causal d64, 7900 XTX), the best published gfx1100", (24.9, 24.9), 2.0),
     ("gfx1100", 64, "Triton tutorial backward (causal d64, 7900 XTX), the best published gfx1100", (24.9, 24.9), 2.0),
 )
-TRAINING_PATHS = ("sweep 1 (dQ)", "dK+dV", "dK", "dV")  # the training backward's paths: dQ's one sweep, dK/dV
 
 # Budgets in non-WMMA issue cycles per 16x64 tile: (target, d, budget).
 BUDGETS = (("gfx1201", 128, 240.0), ("gfx1100", 128, 300.0), ("gfx1100", 64, 250.0))
@@ -331,59 +332,38 @@ def forward_grid(forward: dict, bands: dict) -> list[dict]:
     return rows
 
 
-def backward_seconds(record: dict, stall: float) -> tuple[float, dict[str, float]]:
-    """A training backward's seconds at one stall share, and each launch's named terms summed over its
-    wave-iterations (the launches of backward_throughput_estimate.kernel_time, each path's iteration priced
-    by the terms instead of its pipe model), plus dQ's prologue read."""
-    hw = HARDWARE[record["target"]]
-    seq, batch_heads = BACKWARD_SHAPE
-    total, terms = delta_read_seconds(hw, record["d"]), dict.fromkeys(sm.TERMS, 0.0)
-    simd_clk = hw.cus * SIMDS_PER_CU * hw.clock_hz
-    for kind, kernel in record["kernels"].items():
-        variant = variants.bwd_variant(kind, record["dtype"], record["d"])
-        groups = seq // variant.block_rows * kernel["jobs_per_block"] * batch_heads
-        share = 1 if kind == "dq" or variant.fused else 0.5  # split dK/dV waves run one of the two paths
-        wave_iters = groups * variant.waves * share * seq // kernel["block_tile"]
-        tail = next(iter(kernel["model"].values()))["tail_efficiency"]
-        for name, counts in kernel["counts_per_wave_iteration"].items():
-            if name not in TRAINING_PATHS:
-                continue
-            path = sm.tile_terms(counts, hw, kernel["waves_per_simd"], sm.TILE_KEYS, stall)
-            total += wave_iters * sum(path.values()) / simd_clk / tail
-            for k in sm.TERMS:
-                terms[k] += path[k] * wave_iters / (seq * seq * batch_heads / (16 * 64))
-    return total, terms
-
-
-BACKWARD_SHAPE = (4096, 16)  # tokens, batch x heads: the backward record's
-
-
 def backward_table(backward: dict, bands: dict) -> list[dict]:
-    """Our training backward in the named terms at each end of the stall band, against the targets (the
-    terms: SIMD cycles per 16x64 tile of the attention matrix, over both launches)."""
+    """Our training backward (the backward record's "now", priced in the named terms by
+    backward_throughput_estimate at these bands) against the targets."""
+    if backward["stall_band"] != bands:
+        raise SystemExit(f"{BACKWARD} was priced at another stall band: run bench/estimate_gfx1100_backward.py")
     rows = []
     for target, d, anchor, anchor_tflops, ratio in BACKWARD_TARGETS:
         for dtype in ("f16", "bf16"):
             record = next(r for r in backward["results"] if (r["target"], r["d"], r["dtype"]) == (target, d, dtype))
-            figures = {end: record["flops"] / backward_seconds(record, bands[target][end])[0] / 1e12
-                       for end in ("low", "mid", "high")}
+            now = record["estimate"]["now"]
             goal = [round(ratio * x, 1) for x in anchor_tflops]
             rows.append({"target": target, "d": d, "dtype": dtype, "anchor": anchor, "anchor_tflops": list(anchor_tflops),
-                         "ratio": ratio, "goal_tflops": goal,
-                         "ours_tflops": {"mid": round(figures["mid"], 1), "low": round(figures["high"], 1),
-                                         "high": round(figures["low"], 1)},
-                         "met_at_mid": [figures["mid"] >= g for g in goal],
-                         "terms": {k: round(v, 1) for k, v in backward_seconds(record, bands[target]["mid"])[1].items()},
-                         "pipe_model_calibrated": [record["estimate"]["now"]["tflops_pess"],
-                                                   record["estimate"]["now"]["tflops_opt"]]})
+                         "ratio": ratio, "goal_tflops": goal, "ours_tflops": now["tflops"],
+                         "met_at_mid": [now["tflops"]["mid"] >= g for g in goal], "terms": now["terms"]})
     return rows
 
 
-def build(calibration: dict, forward: dict, backward: dict) -> dict:
+def fitted(calibration: dict) -> tuple[list[dict], dict]:
+    """The measured rows with the stall share each implies, and the per-ISA band fitted on them."""
     rows = external_rows(calibration)
     for row in rows:
         row["implied_stall"] = implied(row)
-    bands = fit(rows)
+    return rows, fit(rows)
+
+
+def stall_bands() -> dict:
+    """Per target, the stall band the estimators price with: fitted on the calibration record's kernels."""
+    return fitted(json.loads(CALIBRATION.read_text()))[1]
+
+
+def build(calibration: dict, forward: dict, backward: dict) -> dict:
+    rows, bands = fitted(calibration)
     for row in rows:
         row["predicted"] = predict(row, bands[row["target"]])
         mid = row["predicted"]["tflops"]
@@ -490,16 +470,15 @@ def markdown(result: dict) -> str:
                      f"{b['cold_path_cycles']:g} |")
     lines += ["", "## Our backward (as training runs it) in the named terms, against the targets", "",
               "16 batch x heads, 4096 tokens, TFLOP/s in flash-attention's count (2.5x the forward's); terms: SIMD "
-              "cycles per 16x64 tile of the attention matrix over both launches, at the band's middle. The "
-              "earlier pipe model's calibrated figures beside them.", "",
+              "cycles per 16x64 tile of the attention matrix over both launches, at the band's middle, the dQ "
+              "prologue's read of dO and O in the global term (bench/estimate_gfx1100_backward.py).", "",
               "| target | d | dtype | anchor | goal | ours: middle (low–high) | met at the middle | "
-              + " | ".join(sm.TERMS) + " | pipe model, calibrated |", "|" + "---|" * 16]
+              + " | ".join(sm.TERMS) + " |", "|" + "---|" * 15]
     for b in result["backward"]:
         goal = "–".join(f"{g:g}" for g in dict.fromkeys(b["goal_tflops"]))
         lines.append(f"| {b['target']} | {b['d']} | {b['dtype']} | {b['anchor']} x{b['ratio']:g} | {goal} | "
                      f"{_band_text(b['ours_tflops'])} | {_met_text(b['goal_tflops'], b['met_at_mid'])} | "
-                     + " | ".join(f"{b['terms'][k]:g}" for k in sm.TERMS)
-                     + f" | {b['pipe_model_calibrated'][0]:g}–{b['pipe_model_calibrated'][1]:g} |")
+                     + " | ".join(f"{b['terms'][k]:g}" for k in sm.TERMS) + " |")
     lines += ["", "## Sensitivity: transcendentals at the sensitivity price", "",
               "The stall band refitted on the same fit rows with TRANS priced at "
               + ", ".join(f"{isa} {c:g}" for isa, c in sm.TRANS_CYCLES_SENSITIVITY.items())

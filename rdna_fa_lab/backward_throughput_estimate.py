@@ -1,8 +1,9 @@
 """Static throughput estimate of the backward kernels on RDNA3 (gfx1100) and RDNA4 (gfx1201), read from
 their disassembly (bench/estimate_gfx1100_backward.py prints and records it).
 
-Not a measurement. Same pipe model as throughput_estimate.py (the forward estimate); what differs
-is the counting: the backward main loops hold uniform branches (dQ: sweep 0 / 1; dK/dV: make_dk), so
+Not a measurement. Priced like the forward, in speed_model.py's named cycle terms at the ends of its
+stall band (fitted on published kernels: bench/speed_model.py), each path's iteration as one tile; what
+differs is the counting: the backward main loops hold uniform branches (dQ: sweep 0 / 1; dK/dV: make_dk), so
 one iteration is traced through the control-flow graph per path instead of summing a span; no main loop
 branches on the causal flag, and where dQ runs the tiles every query sees
 whole in a loop of their own, that loop is the one counted (main_loop); dK/dV's query fragments branch on
@@ -23,8 +24,9 @@ from pathlib import Path
 from rdna_flash_attn.runtime import variants
 from rdna_flash_attn.runtime.codeobject import load_code_object
 from .resource_report import occupancy
-from .throughput_estimate import (BATCH_HEADS, CALIBRATION, DTYPES, HARDWARE, SEQ, SIMDS_PER_CU, Insn, branch_target,
-                                  disassemble, model, tally, target_of)
+from . import speed_model as sm
+from .throughput_estimate import (BATCH_HEADS, DTYPES, HARDWARE, SEQ, SIMDS_PER_CU, Insn, branch_target, disassemble,
+                                  tally, target_of)
 
 # The backward's targets are at d64 and d128; SD1.5's 40, 80 and 160 are reported beside them,
 # on useful FLOPs (d40 runs padded to 48).
@@ -413,32 +415,33 @@ def region(cfg: Cfg, trips: dict[int, int], i: Insn) -> str:
 # --- Time of a full backward --------------------------------------------------------------------------------
 
 
-def kernel_time(v, hw, waves_per_simd: int, counts: dict, which: str) -> dict:
-    """Seconds for one launch at SEQ x SEQ, BATCH_HEADS, from per-path cycles per wave-iteration.
+def launch_cycles(v, hw, waves_per_simd: int, counts: dict, stall: float) -> dict[str, float]:
+    """One launch at SEQ x SEQ, BATCH_HEADS at stall share `stall`: the SIMD cycles of each named term,
+    summed over every wave-iteration and over the launch's tail (its last round of workgroups, partly
+    filled, paid in full).
 
     Every wave runs SEQ / block_tile iterations of each of its paths (dQ: both sweeps; dK/dV: half the
-    workgroups take dV, half dK, unless one workgroup makes both), and each SIMD works through its share
-    of the waves."""
+    workgroups take dV, half dK, unless one workgroup makes both); a path's iteration is priced as one
+    tile of speed_model.tile_terms."""
     groups = SEQ // v.block_rows * v.jobs_per_block * BATCH_HEADS
-    per_path = {name: model(c, hw, v, waves_per_simd, flops=8192 * c.wmma, groups=groups)
-                for name, c in counts.items() if c is not None}
     share = 1 if v.kind == "dq" or v.fused else 0.5  # dQ waves run both paths; split dK/dV waves one of the two
     wave_iters = groups * v.waves * share * SEQ // v.block_tile
-    simd_clk = hw.cus * SIMDS_PER_CU * hw.clock_hz
-    cycles = sum(m[f"cycles_{which}"] for m in per_path.values())
-    tail = next(iter(per_path.values()))["tail_efficiency"] if which == "pess" else 1.0
-    return {"seconds": wave_iters * cycles / simd_clk / tail, "paths": per_path, "workgroups": groups}
+    tail = sm.launch_tail(hw, waves_per_simd, v.waves, groups)
+    cycles = dict.fromkeys(sm.TERMS, 0.0)
+    for c in counts.values():
+        if c is None:
+            continue
+        for k, x in sm.tile_terms(asdict(c), hw, waves_per_simd, sm.TILE_KEYS, stall).items():
+            cycles[k] += x * wave_iters / tail
+    return cycles
 
 
-def backward(rows: dict, hw, scenario=lambda kind, name, c: c) -> dict:
-    """Both launches, optimistic and pessimistic, for one (dtype, d); scenario edits the counts."""
-    out = {}
-    for which in ("opt", "pess"):
-        t = {kind: kernel_time(r["variant"], hw, r["waves_per_simd"],
-                               {n: scenario(kind, n, c) for n, c in r["counts"].items()}, which)["seconds"]
-             for kind, r in rows.items()}
-        out[which] = t
-    return out
+def backward(rows: dict, hw, stall: float, scenario=lambda kind, name, c: c) -> dict[str, dict[str, float]]:
+    """Both launches' cycles per named term for one (dtype, d) at one stall share; scenario edits the
+    counts (None drops a path)."""
+    return {kind: launch_cycles(r["variant"], hw, r["waves_per_simd"],
+                                {n: scenario(kind, n, c) for n, c in r["counts"].items()}, stall)
+            for kind, r in rows.items()}
 
 
 TWO_SWEEPS = "two dQ sweeps (from the lse alone)"
@@ -474,7 +477,33 @@ def delta_read_seconds(hw, d: int) -> float:
 # --- Driver -------------------------------------------------------------------------------------------------
 
 
-def analyse(path: Path, objdump: str) -> list[dict]:
+def priced(rows: dict, hw, d: int, flops: float, stall_band: dict[str, float], scenario,
+           delta_read: bool) -> dict:
+    """One scenario of the backward at SEQ x SEQ, BATCH_HEADS: TFLOP/s and milliseconds at the band's middle
+    and ends, and its named terms at the middle in SIMD cycles per 16x64 tile of the attention matrix over
+    both launches (they add up to the cycles, and the cycles to the time). The one-sweep dQ's prologue read
+    (delta_read_seconds) is part of the global term."""
+    simd_clk = hw.cus * SIMDS_PER_CU * hw.clock_hz
+    tiles = SEQ * SEQ * BATCH_HEADS / (sm.TILE_ROWS * sm.TILE_KEYS)
+    by_end, launches = {}, {}
+    for end in sm.ENDS:
+        launches[end] = backward(rows, hw, stall_band[end], scenario)
+        terms = {k: sum(launch[k] for launch in launches[end].values()) for k in sm.TERMS}
+        terms["global"] += delta_read_seconds(hw, d) * simd_clk if delta_read else 0.0
+        by_end[end] = terms
+    seconds = {end: sum(by_end[end].values()) / simd_clk for end in sm.ENDS}
+    mid = by_end["mid"]
+    return {"tflops": sm.figure_band({end: flops / seconds[end] / 1e12 for end in sm.ENDS}),
+            "ms": {end: round(seconds[end] * 1e3, 3) for end in ("mid", "low", "high")},
+            "terms": sm.rounded({k: v / tiles for k, v in mid.items()}),
+            "cycles": round(sum(mid.values()) / tiles, 1),
+            "share": {kind: round(sum(launch.values()) / sum(mid.values()), 3)
+                      for kind, launch in launches["mid"].items()}}
+
+
+def analyse(path: Path, objdump: str, stall_band: dict[str, float]) -> list[dict]:
+    """Every (dtype, head dim) of a code object's backward at the target's stall band (low, mid, high
+    stall share: bench/speed_model.stall_bands)."""
     co = load_code_object(path)
     hw = HARDWARE[co.target]
     functions = disassemble(objdump, path, co.target)
@@ -499,26 +528,19 @@ def analyse(path: Path, objdump: str) -> list[dict]:
                 hd[kind] = loops
             flops = 10 * SEQ * SEQ * d * BATCH_HEADS  # backward = 2.5 x forward
             edits = {kind: changes(hd) for kind in rows}
-            scen = {"now": backward(rows, hw, training), TWO_SWEEPS: backward(rows, hw)}
+            scenarios = {"now": training, TWO_SWEEPS: lambda kind, name, c: c}
             for label in edits["dq"]:
-                scen[label] = backward(rows, hw, lambda kind, name, c, label=label, edits=edits:
-                                       None if training(kind, name, c) is None else edits[kind][label](kind, name, c))
+                scenarios[label] = (lambda kind, name, c, label=label, edits=edits:
+                                    None if training(kind, name, c) is None else edits[kind][label](kind, name, c))
 
             def all_of_them(kind, name, c, edits=edits):
                 c = training(kind, name, c)
                 for edit in edits[kind].values():
                     c = edit(kind, name, c) if c is not None else None
                 return c
-            scen[BOTH] = backward(rows, hw, all_of_them)
-            for label, s in scen.items():
-                extra = 0.0 if label == TWO_SWEEPS else delta_read_seconds(hw, d)
-                for which in ("opt", "pess"):
-                    total = sum(s[which].values()) + extra
-                    s[f"tflops_{which}_nominal"] = round(flops / total / 1e12, 1)
-                    s[f"tflops_{which}"] = round(flops / total / 1e12 * CALIBRATION[co.target], 1)  # calibrated
-                    s[f"ms_{which}"] = round(total / CALIBRATION[co.target] * 1e3, 3)
-                    s[f"share_{which}"] = {k: round(t / total, 3) for k, t in s[which].items()}
-                    del s[which]
+            scenarios[BOTH] = all_of_them
+            scen = {label: priced(rows, hw, d, flops, stall_band, scenario, delta_read=label != TWO_SWEEPS)
+                    for label, scenario in scenarios.items()}
             results.append({
                 "target": co.target, "gpu": hw.gpu, "dtype": dtype, "d": d, "flops": flops,
                 "code_object": {"file": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()},
@@ -528,8 +550,10 @@ def analyse(path: Path, objdump: str) -> list[dict]:
                                    "main_loop_header": r["main"], "inner_loop_trips": r["trips"],
                                    "flags_per_path": r["flags"],
                                    "counts_per_wave_iteration": {n: asdict(c) for n, c in r["counts"].items()},
-                                   "model": {n: kernel_time(r["variant"], hw, r["waves_per_simd"], {n: c}, "opt")
-                                             ["paths"][n] for n, c in r["counts"].items()}}
+                                   "terms_per_wave_iteration": {
+                                       n: sm.rounded(sm.tile_terms(asdict(c), hw, r["waves_per_simd"], sm.TILE_KEYS,
+                                                                   stall_band["mid"]))
+                                       for n, c in r["counts"].items()}}
                             for kind, r in rows.items()},
                 "estimate": scen,
             })

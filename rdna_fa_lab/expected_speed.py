@@ -2,10 +2,9 @@
 measurements of other kernels: expected_speed.json (made by bench/expected_speed.py from the
 estimators' records), as text and as plot panels.
 
-Every figure of ours is a static estimate, not a measurement: the forward from the speed model in named
-cycle terms (its stall allowance fitted on published kernels), given at the two ends of the stall band;
-the backward from the earlier pipe model, calibrated by the ratio it over-predicts published kernels by,
-given between its pessimistic and optimistic bounds."""
+Every figure of ours is a static estimate, not a measurement: the forward and the backward from the speed
+model in named cycle terms (its stall allowance fitted on published kernels), given at the two ends of the
+stall band."""
 
 from __future__ import annotations
 
@@ -90,7 +89,7 @@ def _ours_bar(ax, x: float, values: list[float], width: float, label: str | None
     low, high = values
     ax.bar(x, low, width, color=OURS, label=label)
     ax.bar(x, high - low, width, bottom=low, color=OURS_BAND,
-           label="optimistic bound" if label else None)
+           label="the stall band's low end" if label else None)
     ax.text(x, high + 1.5, band(values), ha="center", fontsize=7)
 
 
@@ -150,7 +149,7 @@ def plot_forward(ax, target: str, gpu: dict) -> None:
 def plot_backward(ax, target: str, gpu: dict, dtype: str = "f16") -> None:
     rows = [r for r in gpu["backward_by_head_dim"] if r["dtype"] == dtype]
     for i, row in enumerate(rows):
-        _ours_bar(ax, i, row["tflops"], 0.6, "ours: estimate (pessimistic)" if i == 0 else None)
+        _ours_bar(ax, i, row["tflops"], 0.6, "ours: estimate (the stall band's high end)" if i == 0 else None)
     published = [r for r in gpu["published"] if r["pass"] == "backward"]
     _published_lines(ax, published)
     top = max([r["tflops"][1] for r in rows] + [r["tflops"][1] for r in published])

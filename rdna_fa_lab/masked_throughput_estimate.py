@@ -7,8 +7,9 @@ ragged tiles), so the static estimator's reading of one loop body (throughput_es
 count every path at once. Here the interpreter runs the shipped code object with Sq = one
 workgroup's rows and Sk = 3 and 4 key tiles; the difference of the two runs, per wave and per
 instruction address, is exactly what one more key tile executes for that mask. Those counts go
-through the estimator's own tally() and model(), with the same occupancy and launch (4096 tokens,
-16 batch x heads), so every column means what it means in forward_estimate_gfx1100.md.
+through the estimator's own tally() and are priced like the plain forward, in speed_model.py's named
+cycle terms at the ends of its stall band, with the same occupancy and launch (4096 tokens, 16 batch x
+heads).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from rdna_flash_attn.ops import attention as ops
 from rdna_flash_attn.runtime import artifacts, loader as runtime, variants
 from rdna_flash_attn.runtime.codeobject import load_code_object
-from . import throughput_estimate
+from . import speed_model as sm, throughput_estimate
 from .interpreter import InterpretedLibrary
 from .resource_report import occupancy
 
@@ -201,12 +202,20 @@ def analyse_backward(path: Path, objdump: str) -> list[dict]:
     return rows
 
 
-def row_flops(variant, d: int) -> int:
-    """Useful FLOPs of one wave's key tile: its 16 query rows against block_n keys, its share of d."""
-    return 4 * 16 * variant.block_n * d // variant.d_chunks
+# What speed_model.tile_terms reads of a tile's counts, and the instruction counts shown beside them.
+RECORDED_COUNTS = ("wmma", "wmma_8bit", "valu", "trans", "salu", "branch", "waitcnt", "global_load_insts",
+                   "global_load_bytes", "lds_read_insts", "lds_read_bytes", "lds_write_insts", "lds_write_bytes",
+                   "vmem_rounds", "lds_rounds")
 
 
-def analyse(path: Path, objdump: str) -> list[dict]:
+def head_dim_share(variant, d: int) -> float:
+    """The useful head dim one workgroup's tile computes: its share of d."""
+    return d / variant.d_chunks
+
+
+def analyse(path: Path, objdump: str, stall_band: dict[str, float]) -> list[dict]:
+    """Every mask case of the forward kernels of one code object, at 4096 tokens and 16 batch x heads,
+    priced at the target's stall band (low, mid, high stall share: bench/speed_model.stall_bands)."""
     data = path.read_bytes()
     co = load_code_object(path)
     hw = throughput_estimate.HARDWARE[co.target]
@@ -219,22 +228,21 @@ def analyse(path: Path, objdump: str) -> list[dict]:
             for case in CASES:
                 variant = variants.fwd_variant(dtype, d, masked=runs_masked(case))
                 counts = tile_counts(library, functions[variant.symbol], variant, dtype, d, case)
+                recorded = {k: round(getattr(counts, k), 2) for k in RECORDED_COUNTS}
                 occ = occupancy(co.target, kernels[variant.symbol], variant.threads)
-                model = throughput_estimate.model(counts, hw, variant, occ.waves_per_simd, flops=row_flops(variant, d),
-                                        groups=(throughput_estimate.SEQ // variant.block_rows) * variant.d_chunks
-                                        * throughput_estimate.BATCH_HEADS)
+                groups = (throughput_estimate.SEQ // variant.block_rows) * variant.d_chunks * throughput_estimate.BATCH_HEADS
+                tail = sm.launch_tail(hw, occ.waves_per_simd, variant.waves, groups)
                 rows.append({
                     "target": co.target, "dtype": dtype, "d": d, "mask": case, "kernel": variant.symbol,
-                    "block_n": variant.block_n, "waves_per_simd": occ.waves_per_simd,
-                    "counts_per_wave_tile": {k: round(getattr(counts, k), 2) for k in (
-                        "wmma", "valu", "trans", "salu", "branch", "waitcnt", "global_load_insts",
-                        "lds_read_insts", "lds_write_insts", "vmem_rounds", "lds_rounds")},
-                    "model": model,
+                    "block_n": variant.block_n, "waves_per_simd": occ.waves_per_simd, "counts_per_wave_tile": recorded,
+                    "tail": round(tail, 3),
+                    **sm.priced(recorded, hw, occ.waves_per_simd, variant.block_n, head_dim_share(variant, d), tail,
+                                stall_band),
                 })
             none = next(r for r in rows if r["target"] == co.target and r["dtype"] == dtype and r["d"] == d
                         and r["mask"] == "none")
             for r in rows[-len(CASES):]:
-                r["vs_unmasked_pess"] = round(r["model"]["tflops_pess"] / none["model"]["tflops_pess"], 3)
+                r["vs_unmasked"] = round(r["tflops"]["mid"] / none["tflops"]["mid"], 3)
     return rows
 
 
@@ -246,22 +254,24 @@ def _biased_tiles(run_k: int, block_n: int, masked_keys: tuple[int, int] | None)
     return -(-end // block_n) - first // block_n if first < end else 0
 
 
-def _model(rows: list[dict], target: str, dtype: str, d: int, mask: str) -> dict:
-    return next(r for r in rows if (r["target"], r["dtype"], r["d"], r["mask"]) == (target, dtype, d, mask))["model"]
+def _row(rows: list[dict], target: str, dtype: str, d: int, mask: str) -> dict:
+    return next(r for r in rows if (r["target"], r["dtype"], r["d"], r["mask"]) == (target, dtype, d, mask))
 
 
-def shape_rows(rows: list[dict], shapes=SHAPES) -> list[dict]:
-    """SHAPES priced with the per-tile counts of `rows`: every workgroup of the launch runs its key
-    tiles at the modelled per-tile rate, the partly filled last query and key tiles computed in full
-    (they count as work, not as useful FLOPs), the launch's tail from its own workgroup count. Under a
-    padding mask, tiles holding a masked key (an entry's padding, or the shape's masked keys) are
-    priced as the scattered mask's tiles. FLOPs are the useful ones, 4 * Sq * Sk * d per entry and head."""
+def shape_rows(rows: list[dict], stall_bands: dict, shapes=SHAPES) -> list[dict]:
+    """SHAPES priced with the per-tile counts of `rows` at each target's stall band: every workgroup of the
+    launch runs its key tiles at the tile's cycles in the named terms, the partly filled last query and key
+    tiles computed in full (they count as work, not as useful FLOPs), the launch's tail from its own
+    workgroup count. Under a padding mask, tiles holding a masked key (an entry's padding, or the shape's
+    masked keys) are priced as the scattered mask's tiles. FLOPs are the useful ones, 4 * Sq * Sk * d per
+    entry and head; the terms, per 16x64 tile and SIMD at the band's middle, are the mix of the launch's
+    tiles."""
     priced = []
     for name, dtype, d, case, batch, heads, lengths_q, lengths_k, padded_to, masked_keys in shapes:
         for target in sorted({r["target"] for r in rows}):
             variant = variants.fwd_variant(dtype, d, masked=runs_masked(case))
-            hw, m = throughput_estimate.HARDWARE[target], _model(rows, target, dtype, d, case)
-            biased_m = _model(rows, target, dtype, d, SCATTERED) if case == KEY_PADDING else m
+            hw, plain = throughput_estimate.HARDWARE[target], _row(rows, target, dtype, d, case)
+            biased_row = _row(rows, target, dtype, d, SCATTERED) if case == KEY_PADDING else plain
             tiles = biased = groups = useful = 0
             for length_q, length_k in zip(lengths_q * batch if len(lengths_q) == 1 else lengths_q,
                                           lengths_k * batch if len(lengths_k) == 1 else lengths_k):
@@ -272,19 +282,28 @@ def shape_rows(rows: list[dict], shapes=SHAPES) -> list[dict]:
                 masked = (length_k, padded_to) if padded_to and length_k < padded_to else masked_keys
                 biased += blocks * _biased_tiles(run_k, variant.block_n, masked if case == KEY_PADDING else None)
                 useful += 4 * length_q * length_k * d * heads
-            tail = throughput_estimate.tail_efficiency(groups, m["resident_workgroups"])
-            per_cycle = hw.cus * throughput_estimate.SIMDS_PER_CU * hw.clock_hz
-            factor = throughput_estimate.CALIBRATION[target]
-            # every wave of a workgroup runs each of its key tiles; waves_per_simd of them share a SIMD
+            tail = sm.launch_tail(hw, plain["waves_per_simd"], variant.waves, groups)
+            terms = {}
+            for end in sm.ENDS:
+                plain_terms, biased_terms = (
+                    sm.tile_terms(r["counts_per_wave_tile"], hw, r["waves_per_simd"], variant.block_n,
+                                  stall_bands[target][end]) for r in (plain, biased_row))
+                terms[end] = {k: ((tiles - biased) * plain_terms[k] + biased * biased_terms[k]) / tiles for k in sm.TERMS}
+            # every wave of a workgroup runs each of its key tiles (block_n keys: a 64-key tile's share)
             wave_tiles = tiles * variant.waves
-            seconds = {which: ((tiles - biased) * m[f"cycles_{which}"] + biased * biased_m[f"cycles_{which}"])
-                       * variant.waves / per_cycle for which in ("opt", "pess")}
+            seconds = {end: wave_tiles * sum(terms[end].values()) * variant.block_n / sm.TILE_KEYS
+                       / (hw.cus * throughput_estimate.SIMDS_PER_CU * hw.clock_hz) / tail for end in sm.ENDS}
             priced.append({"shape": name, "target": target, "dtype": dtype, "d": d, "mask": case,
                            "batch": batch, "heads": heads, "lengths_q": list(lengths_q), "lengths_k": list(lengths_k),
                            "padded_to": padded_to, "masked_keys": masked_keys,
                            "tiles_with_masked_keys": round(biased / tiles, 3),
-                           "useful_gflop": round(useful / 1e9, 1), "workgroups": groups,
+                           "useful_gflop": round(useful / 1e9, 1), "workgroups": groups, "tail": round(tail, 3),
                            "useful_share_of_tiles": round(useful / (wave_tiles * row_flops(variant, d)), 3),
-                           "tflops_pess": round(useful / (seconds["pess"] / tail) / 1e12 * factor, 1),
-                           "tflops_opt": round(useful / seconds["opt"] / 1e12 * factor, 1)})
+                           "terms": sm.rounded(terms["mid"]), "cycles": round(sum(terms["mid"].values()), 1),
+                           "tflops": sm.figure_band({end: useful / seconds[end] / 1e12 for end in sm.ENDS})})
     return priced
+
+
+def row_flops(variant, d: int) -> int:
+    """Useful FLOPs of one wave's key tile: its 16 query rows against block_n keys, its share of d."""
+    return 4 * 16 * variant.block_n * d // variant.d_chunks

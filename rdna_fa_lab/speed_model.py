@@ -98,17 +98,28 @@ def band(stalls: list[float]) -> dict[str, float]:
     return {"low": min(stalls), "mid": (min(stalls) + max(stalls)) / 2, "high": max(stalls)}
 
 
+ENDS = ("low", "mid", "high")  # of a stall band
+
+
+def figure_band(by_stall: dict[str, float]) -> dict[str, float]:
+    """A speed (TFLOP/s) at each end of the stall band as the figure's middle, low and high: the high stall
+    gives the low figure."""
+    return {"mid": round(by_stall["mid"], 1), "low": round(by_stall["high"], 1), "high": round(by_stall["low"], 1)}
+
+
+def rounded(terms: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 1) for k, v in terms.items()}
+
+
 def priced(counts: dict, hw: Hardware, waves_per_simd: int, keys_per_trip: int, head_dim: int, tail: float,
            stall_band: dict[str, float], trans_cycles: float | None = None) -> dict:
     """A kernel's terms at the band's middle and its TFLOP/s at the middle and both ends (the high stall
     gives the low figure)."""
     terms = {end: tile_terms(counts, hw, waves_per_simd, keys_per_trip, stall_band[end], trans_cycles)
-             for end in stall_band}
-    figures = {end: tflops(sum(terms[end].values()), hw, head_dim, tail) for end in stall_band}
-    return {"terms": {k: round(v, 1) for k, v in terms["mid"].items()},
+             for end in ENDS}
+    return {"terms": rounded(terms["mid"]),
             "cycles": round(sum(terms["mid"].values()), 1), "non_wmma": round(non_wmma(terms["mid"]), 1),
-            "tflops": {"mid": round(figures["mid"], 1), "low": round(figures["high"], 1),
-                       "high": round(figures["low"], 1)}}
+            "tflops": figure_band({end: tflops(sum(terms[end].values()), hw, head_dim, tail) for end in ENDS})}
 
 
 def launch_tail(hw: Hardware, waves_per_simd: int, waves_per_workgroup: int, workgroups: int) -> float:

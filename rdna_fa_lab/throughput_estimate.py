@@ -4,12 +4,12 @@ their disassembly: the pipe model, the reading of a kernel's instructions, the f
 
 Not a measurement: it counts the instructions of one key-tile iteration of the compiled main loop and
 turns them into cycles with the simple pipe model below (bench/results/forward_estimate_gfx1100.md gives
-the sources of every constant). The backward kernels (backward_throughput_estimate.py) and the masked
-ones (masked_throughput_estimate.py) are priced by the same model; the bench scripts print and record
-(bench/estimate_gfx1100.py forward, bench/estimate_8bit.py, bench/estimate_gfx1100_backward.py,
-bench/estimate_masked.py, and bench/estimate_external.py, the model's calibration on external kernels).
-The forward's counts are also priced in named cycle terms by speed_model.py, whose one fitted term is
-checked on held-out kernels (bench/speed_model.py).
+the sources of every constant; bench/estimate_gfx1100.py prints and records it, bench/estimate_external.py
+runs it on external kernels and fits its calibration). The counts read here are priced in named cycle
+terms by speed_model.py, whose one fitted term is checked on held-out kernels (bench/speed_model.py): the
+forward's, and those of the backward (backward_throughput_estimate.py), masked and packed
+(masked_throughput_estimate.py) and 8-bit kernels (bench/estimate_gfx1100_backward.py,
+bench/estimate_masked.py and bench/estimate_8bit.py print and record them).
 
 A tile's instructions are counted on the share of tiles that run them (tile_runs): O's rescale where the
 kernel skips it on tiles without a new row maximum, and in bf16 forwards the test of the tile's maximum
@@ -17,11 +17,10 @@ against kHugeScore on every tile, while the rounding of such scores is a cold pa
 take, counted apart (cold_path_counts).
 
 The 8-bit forward ("8-bit QK+PV", kernels/fa_fwd8.h, gfx1201) goes through the forward's reading
-of the key-tile loop and its model unchanged, with one addition: an 8-bit WMMA costs half a 16-bit one on
-gfx12 (AMD's matrix instruction calculator: 8 cycles against 16). Where the kernel skips O's rescale on
-tiles without a new row maximum, that block counts on the forward's share of the tiles. K and V's
-quantizing pass (kernels/quant8.h) is memory-bound: its cost is the bytes its two launches move over the
-GPU's DRAM bandwidth, an optimistic figure (full bandwidth, no launch gap).
+of the key-tile loop; where the kernel skips O's rescale on tiles without a new row maximum, that block
+counts on the forward's share of the tiles. K and V's quantizing pass (kernels/quant8.h) is memory-bound:
+its cost is the bytes its two launches read and write over the GPU's DRAM bandwidth, an optimistic figure
+(full bandwidth, no launch gap).
 """
 
 from __future__ import annotations
@@ -100,7 +99,8 @@ HARDWARE = {
 # The calibration (bench/estimate_external.py, bench/results/estimator_calibration.md): this
 # model, run unchanged on external kernels whose RDNA throughput is published, over-predicts them.
 # Per target, measured / pessimistic estimate (geometric mean over the kernels whose own source was
-# measured) multiplies every figure; `*_nominal` keep the model's own. One factor, no mechanism: the
+# measured) multiplies every figure of model() (the forward record's, bench/estimate_gfx1100.py);
+# `*_nominal` keep the model's own. The speed model (speed_model.py) fits no such factor. One factor, no mechanism: the
 # kernels measured are compute-bound, so the data cannot tell a lower sustained clock from a lower
 # WMMA issue rate. CALIBRATION_SOURCE says where each factor comes from.
 CALIBRATION = {"gfx1201": 0.729, "gfx1100": 0.644}
@@ -683,18 +683,23 @@ def analyse(path: Path, objdump: str) -> list[dict]:
 # --- The 8-bit forward ----------------------------------------------------------------------------
 
 
-def pass_bytes(d: int) -> float:
-    """Bytes K and V's quantizing pass moves per (batch, head) at SEQ tokens (self-attention, one K/V head)."""
+def pass_bytes(d: int) -> dict[str, int]:
+    """Bytes K and V's quantizing pass reads and writes per (batch, head) at SEQ tokens (self-attention, one
+    K/V head): 16-bit K and V read twice (channel statistics, then codes), their 8-bit codes written once,
+    and the scales (a float per FWD8_SCALE_KEYS keys, three per channel)."""
     values = SEQ * d
     scales = 4 * (SEQ // variants.FWD8_SCALE_KEYS + 3 * d)
-    return values * 2 * 2 * 2 + values * 2 + scales
+    return {"read": values * 2 * 2 * 2, "written": values * 2 + scales}
 
 
-def pass_seconds(bytes_per_head: float, hw: Hardware) -> float:
-    return bytes_per_head * BATCH_HEADS / (hw.dram_gbs * 1e9)
+def pass_seconds(bytes_per_head: dict[str, int], hw: Hardware) -> float:
+    """The quantizing pass as a bandwidth cost: the bytes of BATCH_HEADS heads over the GPU's DRAM bandwidth,
+    at full bandwidth and without a launch gap."""
+    return sum(bytes_per_head.values()) * BATCH_HEADS / (hw.dram_gbs * 1e9)
 
 
 def eight_bit_row(functions, co, kernels, dtype: str, d: int) -> dict:
+    """One 8-bit forward kernel's key-tile counts per wave, occupancy and launch (SEQ tokens, BATCH_HEADS)."""
     hw = HARDWARE[co.target]
     variant = variants.fwd8_variant(dtype, d)
     body = functions[variant.symbol]
@@ -707,30 +712,20 @@ def eight_bit_row(functions, co, kernels, dtype: str, d: int) -> dict:
         raise RuntimeError(f"{variant.symbol}: {counts.wmma} WMMA ({counts.wmma_8bit} 8-bit) per tile, "
                            f"expected {expected} 8-bit")
     occ = occupancy(co.target, kernels[variant.symbol], variant.threads)
-    modelled = model(counts, hw, variant, occ.waves_per_simd, flops=4 * 16 * variant.block_n * d,
-                     groups=(SEQ // variant.block_rows) * BATCH_HEADS)
-    flops = 4.0 * SEQ * SEQ * d * BATCH_HEADS
-    attention_s = flops / (modelled["tflops_pess"] * 1e12)
-    with_pass = round(flops / (attention_s + pass_seconds(pass_bytes(d), hw)) / 1e12, 1)
-    return {"kernel": variant.symbol, "dtype": dtype, "d": d, "d_pad": variant.d_pad, "skips_rescale": skips_rescale,
-            "waves_per_simd": occ.waves_per_simd, "occupancy_limit": occ.limited_by,
+    return {"target": co.target, "kernel": variant.symbol, "dtype": dtype, "d": d, "d_pad": variant.d_pad,
+            "skips_rescale": skips_rescale, "waves_per_simd": occ.waves_per_simd, "occupancy_limit": occ.limited_by,
+            "waves": variant.waves, "block_n": variant.block_n,
+            "workgroups": (SEQ // variant.block_rows) * BATCH_HEADS,
             "counts_per_wave_tile": {k: v for k, v in vars(counts).items() if k not in ("valu_mix",)},
-            "model": modelled, "tflops_pess_with_pass": with_pass, "pass_bytes_per_head": pass_bytes(d)}
+            "pass_bytes_per_head": pass_bytes(d)}
 
 
-def analyse_eight_bit(path: Path, objdump: str) -> list[dict]:
+def analyse_eight_bit(path: Path, objdump: str) -> tuple[list[dict], list[dict]]:
+    """The 8-bit forward kernels of a gfx12 code object, and the exact forward kernels (analyse) beside them."""
     co = load_code_object(path)
     if not variants.has_fwd8(co.target):
         raise SystemExit(f"{path}: {co.target} has no 8-bit kernels (gfx12 only)")
     functions = disassemble(objdump, path, co.target)
     kernels = {k.name: k for k in co.kernels}
-    exact = {(r["dtype"], r["d"]): r for r in analyse(path, objdump)}
-    rows = []
-    for dtype in DTYPES:
-        for d in EIGHT_BIT_HEAD_DIMS:
-            row = eight_bit_row(functions, co, kernels, dtype, d)
-            row["exact_tflops_pess"] = exact[(dtype, d)]["model"]["tflops_pess"]
-            row["speedup_kernel"] = round(row["model"]["tflops_pess"] / row["exact_tflops_pess"], 2)
-            row["speedup_with_pass"] = round(row["tflops_pess_with_pass"] / row["exact_tflops_pess"], 2)
-            rows.append(row)
-    return rows
+    rows = [eight_bit_row(functions, co, kernels, dtype, d) for dtype in DTYPES for d in EIGHT_BIT_HEAD_DIMS]
+    return rows, analyse(path, objdump)

@@ -39,18 +39,26 @@ def test_a_changed_record_would_show(monkeypatch, change):
     if change == "stall band":
         records[expected_speed.SPEED_MODEL]["stall_band"]["gfx1201"]["high"] += 0.1
     else:
-        records[expected_speed.BACKWARD]["results"][0]["estimate"]["now"]["tflops_pess"] += 1.0
+        records[expected_speed.BACKWARD]["results"][0]["estimate"]["now"]["tflops"]["low"] += 1.0
     monkeypatch.setattr(expected_speed, "_load", lambda name: records[name])
     assert without_commits(expected_speed.build()) != without_commits(shipped())
 
 
-def test_the_forward_is_the_speed_models():
+def test_the_forward_and_the_backward_are_the_speed_models():
     data, speed = shipped(), expected_speed._load(expected_speed.SPEED_MODEL)
+    backward = expected_speed._load(expected_speed.BACKWARD)
+    assert backward["stall_band"] == speed["stall_band"]
     for target, gpu in data["gpus"].items():
         grid = {(g["dtype"], g["d"]): g["tflops"] for g in speed["forward_grid"] if g["target"] == target}
         for row in gpu["forward_by_head_dim"]:
             figures = grid[(row["dtype"], row["head_dim"])]
             assert row["tflops"] == [figures["low"], figures["high"]]
+        now = {(r["dtype"], r["d"]): r["estimate"]["now"]["tflops"] for r in backward["results"]
+               if r["target"] == target}
+        for row in gpu["backward_by_head_dim"]:
+            figures = now[(row["dtype"], row["head_dim"])]
+            assert row["tflops"] == [figures["low"], figures["high"]]
+        assert "calibration" not in gpu
 
 
 def test_provenance_names_the_estimators_records_and_code_objects():
@@ -67,7 +75,7 @@ def test_provenance_names_the_estimators_records_and_code_objects():
 
 def test_every_figure_is_an_estimate_band_below_the_peak():
     data = shipped()
-    assert "not a measurement" in data["what"] and "pessimistic" in data["band"]
+    assert "not a measurement" in data["what"] and "stall band" in data["band"]
     for target, gpu in data["gpus"].items():
         rows = gpu["forward_workloads"] + gpu["forward_by_head_dim"] + gpu["backward_by_head_dim"]
         assert rows and all(0 < r["tflops"][0] <= r["tflops"][1] < gpu["peak_tflops"] for r in rows), target

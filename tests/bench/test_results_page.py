@@ -36,12 +36,12 @@ def test_page_from_a_recorded_emulation_run(recorded_run, tmp_path):
     assert "skipped: SDPA math needs ~194 GiB" in page
     # memory: kernels exactly output + LSE, growth exponents 1 (kernels) and 2 (math)
     assert "<= 1.00x outputs + LSE" in page and "rdna_fa forward 1.00" in page and "sdpa-math forward 2.00" in page
-    # bench/results/forward_estimate_gfx1100.json
-    recorded = json.loads((REPO / "bench" / "results" / "forward_estimate_gfx1100.json").read_text())["kernels"]
-    ranges = ", ".join(f"{k['model']['tflops_pess']:.0f}-{k['model']['tflops_opt']:.0f} (d{k['d']})" for k in recorded
-                       if k["target"] == "gfx1100" and k["dtype"] == "f16")
+    # bench/results/speed_model.json: the forward at the ends of the stall band
+    recorded = json.loads((REPO / "bench" / "results" / "speed_model.json").read_text())["forward_grid"]
+    ranges = ", ".join(f"{g['tflops']['low']:.0f}-{g['tflops']['high']:.0f} (d{g['d']})" for g in recorded
+                       if g["target"] == "gfx1100" and g["dtype"] == "f16")
     assert f"estimate {ranges} TFLOP/s f16" in page
-    assert "calibrated against published measurements of external kernels" in page
+    assert "its stall band fitted on published measurements of other kernels" in page
     assert re.search(r"\| kernel static limits \| .* \| met: \d+ kernels, 8 targets, scratch 0 B, spills 0", page)
     # plots regenerated from the JSON next to it and linked relative to the page
     for part in ("kernels", "memory", "generation", "vae"):

@@ -77,6 +77,18 @@ def test_the_stall_band_spans_the_fit_rows_of_its_isa():
         assert band["high"] == pytest.approx(max(fitted), abs=1e-3)
 
 
+def test_the_estimates_price_at_the_recorded_stall_band():
+    """The band the backward, masked and 8-bit estimates take (stall_bands) is the record's fitted one."""
+    assert bench_speed_model.stall_bands() == json.loads(RECORD.read_text())["stall_band"]
+
+
+def test_a_higher_stall_gives_the_lower_figure():
+    assert sm.figure_band({"low": 120.04, "mid": 110.0, "high": 99.96}) == {"mid": 110.0, "low": 100.0, "high": 120.0}
+    hw = estimator.HARDWARE["gfx1201"]
+    figures = sm.priced(COUNTS, hw, 4, 32, 128, 1.0, {"low": 0.2, "mid": 1.0, "high": 3.0})["tflops"]
+    assert figures["low"] < figures["mid"] < figures["high"]
+
+
 def test_kendall_tau_counts_pairs_out_of_order():
     assert sm.kendall_tau([1, 2, 3], [10, 20, 30]) == (1.0, 3, 0)
     assert sm.kendall_tau([1, 2, 3], [30, 20, 10]) == (-1.0, 0, 3)
