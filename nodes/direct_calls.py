@@ -4,11 +4,12 @@ ComfyUI consults a model's `optimized_attention_override` only when the call pas
 `transformer_options`. Many model files call the attention function they imported without them
 (PixArt, HunyuanDiT, Hunyuan3D 2.1, Wan-Animate's face blocks, some of SD3's blocks ...), or look it up
 in ComfyUI's attention module at call time (SeedVR2's DiT, and MiniMax Music's through
-`optimized_attention_for_device`), so the per-model override never sees those calls. Here every
+`optimized_attention_for_device`), or pass a block's own default options, an empty dict (WanDancer's audio
+injector), so the per-model override never sees those calls. Here every
 `optimized_attention` / `optimized_attention_masked` name a `comfy.ldm` module bound, the attention
 module's own included, is replaced by a router that runs the bound function unchanged, unless a routed
 model is running at that moment (an APPLY_MODEL wrapper on the routed clone says so through a context
-variable) and the call passed no options: then it takes the same route as the override's calls.
+variable) and the call's options hold no override: then it takes the same route as the override's calls.
 ComfyUI's own SDPA wrapper, `comfy.ops.scaled_dot_product_attention`, gets a router for its causal
 calls (HiDream-O1's autoregressive pass), which no attention function sees. Text encoders and VAEs,
 which run outside the diffusion model's call, keep their attention.
@@ -22,7 +23,7 @@ from contextvars import ContextVar
 
 import torch
 
-from .overrides import routing_replaced
+from .overrides import OVERRIDE_KEY, routing_replaced
 from .routing import RoutingOptions, context_value, routed_backend, routing_failed, sdpa_call_attention
 
 WRAPPER_KEY = "rdna_flash_attn"
@@ -44,9 +45,15 @@ class UnscopedCallRouter:
 
     def __call__(self, *args, **kwargs):
         options = _running.get()
-        if options is None or "transformer_options" in kwargs:  # not in a routed model, or the override sees it
+        if options is None or reaches_an_override(kwargs):  # not in a routed model, or the override sees it
             return self.original(*args, **kwargs)
         return routed_backend(self.original, options)(*args, **kwargs)
+
+
+def reaches_an_override(kwargs: dict) -> bool:
+    """Whether ComfyUI's attention wrapper hands this call to an override: only where its transformer_options
+    hold one."""
+    return OVERRIDE_KEY in (kwargs.get("transformer_options") or {})
 
 
 class CausalSdpaRouter:
