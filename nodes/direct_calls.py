@@ -10,9 +10,12 @@ injector), so the per-model override never sees those calls. Here every
 module's own included, is replaced by a router that runs the bound function unchanged, unless a routed
 model is running at that moment (an APPLY_MODEL wrapper on the routed clone says so through a context
 variable) and the call's options hold no override: then it takes the same route as the override's calls.
+An OUTER_SAMPLE wrapper does the same for the routed model's whole sampling, where ComfyUI prepares its
+conditioning with model code of its own once per sampling (LTX-2's text connectors, MiniMax H3's token
+refiner), outside any model call.
 ComfyUI's own SDPA wrapper, `comfy.ops.scaled_dot_product_attention`, gets a router for its causal
 calls (HiDream-O1's autoregressive pass), which no attention function sees. Text encoders and VAEs,
-which run outside the diffusion model's call, keep their attention.
+which run outside the sampling, keep their attention.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from contextvars import ContextVar
 
 import torch
 
-from .overrides import OVERRIDE_KEY, routing_replaced
+from .overrides import OVERRIDE_KEY, routing_replaced, sampling_replaced
 from .routing import RoutingOptions, context_value, routed_backend, routing_failed, sdpa_call_attention
 
 WRAPPER_KEY = "rdna_flash_attn"
@@ -112,6 +115,19 @@ def apply_model_wrapper(options: RoutingOptions):
     return wrapper
 
 
+def sampling_wrapper(options: RoutingOptions):
+    """An OUTER_SAMPLE wrapper: the routed model's sampling, its conditioning's preparation included, runs with
+    `options` in effect, unless a node placed after ours replaced its override."""
+
+    def wrapper(executor, *args, **kwargs):
+        if sampling_replaced(executor.class_obj):
+            return executor(*args, **kwargs)
+        with running(options):
+            return executor(*args, **kwargs)
+
+    return wrapper
+
+
 def comfy_has_wrappers() -> bool:
     try:
         from comfy.patcher_extension import WrappersMP
@@ -120,16 +136,18 @@ def comfy_has_wrappers() -> bool:
     return hasattr(WrappersMP, "APPLY_MODEL")
 
 
-def add_to(model, wrapper, key: str = WRAPPER_KEY) -> bool:
-    """Put APPLY_MODEL `wrapper` (apply_model_wrapper's) on ModelPatcher `model` under `key`, in place
-    of one there before, and the routers in place; False where this ComfyUI has no wrappers."""
+def add_to(model, model_call, sampling, key: str = WRAPPER_KEY) -> bool:
+    """Put the APPLY_MODEL wrapper `model_call` (apply_model_wrapper's) and the OUTER_SAMPLE wrapper `sampling`
+    (sampling_wrapper's) on ModelPatcher `model` under `key`, in place of those there before, and the routers in
+    place; False where this ComfyUI has no wrappers."""
     if not comfy_has_wrappers() or not hasattr(model, "add_wrapper_with_key"):
         return False
     from comfy.patcher_extension import WrappersMP
 
     install_routers()
-    model.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, key)
-    model.add_wrapper_with_key(WrappersMP.APPLY_MODEL, key, wrapper)
+    for wrapper_type, wrapper in ((WrappersMP.APPLY_MODEL, model_call), (WrappersMP.OUTER_SAMPLE, sampling)):
+        model.remove_wrappers_with_key(wrapper_type, key)
+        model.add_wrapper_with_key(wrapper_type, key, wrapper)
     return True
 
 
@@ -138,3 +156,4 @@ def remove_from(model, key: str = WRAPPER_KEY) -> None:
         from comfy.patcher_extension import WrappersMP
 
         model.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, key)
+        model.remove_wrappers_with_key(WrappersMP.OUTER_SAMPLE, key)
