@@ -50,13 +50,22 @@ class UnscopedCallRouter:
         options = _running.get()
         if options is None or reaches_an_override(kwargs):  # not in a routed model, or the override sees it
             return self.original(*args, **kwargs)
-        return routed_backend(self.original, options)(*args, **kwargs)
+        return routed_backend(self.original, options)(*opened_containers(args), **kwargs)
 
 
 def reaches_an_override(kwargs: dict) -> bool:
     """Whether ComfyUI's attention wrapper hands this call to an override: only where its transformer_options
     hold one."""
     return OVERRIDE_KEY in (kwargs.get("transformer_options") or {})
+
+
+def opened_containers(args: tuple) -> tuple:
+    """`args` with ComfyUI's single-use q/k/v tensor containers (MiniMax H3's token refiner passes them) taken, as
+    ComfyUI's attention wrapper takes them before an override sees the call."""
+    container = getattr(sys.modules.get(ATTENTION_MODULE), "AttentionTensorContainer", None)
+    if container is None or len(args) < 3 or not all(isinstance(arg, container) for arg in args[:3]):
+        return args
+    return (*(arg.take() for arg in args[:3]), *args[3:])
 
 
 class CausalSdpaRouter:
