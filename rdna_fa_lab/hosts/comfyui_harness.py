@@ -549,6 +549,14 @@ MODELS["ltxav"] = ("LTXAV", "LTXAV", {}, dict(image_model="ltxav", in_channels=1
                                               connector_attention_head_dim=16, connector_num_attention_heads=2,
                                               connector_num_layers=1), 128, False)
 LATENT_PARTS["ltxav"] = [(1, 128, 2, 16, 16), (1, 8, 8, 16)]  # video latent; audio latent (8 channels x 16 bins)
+# MiniMax H3 (audio and video): a token refiner over the text, run while ComfyUI prepares the conditioning, then
+# single-stream blocks over text, video and audio tokens packed in one sequence, q/k/v in ComfyUI's tensor containers
+# (2 x 32 here; 56 x 128 for real)
+MODELS["minimax_h3"] = ("MiniMaxH3", "MiniMaxH3AV", {}, dict(
+    image_model="minimax_h3", hidden_size=64, num_layers=1, token_refiner_num_layers=1, num_attention_heads=2,
+    attention_head_dim=32, ffn_hidden_size=128, latents_dim=24, audio_latents_dim=32, text_dim=TEXT_WIDTH,
+    timestep_input_dim=256, time_embed_hidden_size=64, time_embed_dim=32, rope_inv_freq_len=4), 32, False)
+LATENT_PARTS["minimax_h3"] = [(1, 24, 2, 8, 8), (1, 32, 2, 4)]  # video latent; audio latent (2 channels x 32)
 
 # Masked calls: the same models given the masks ComfyUI attaches to some conditionings (Flux with a style
 # model's "attn_bias" strength; HunyuanVideo with a prompt shorter than its padded length). Lumina 2's text
@@ -618,6 +626,7 @@ REAL_HEAD_DIMS.update({
     "triposplat": (64,),  # TripoSplat: the model's defaults (detection sets none): 1024 wide, heads of 64
     "trellis2": (128,),  # Trellis 2: model_channels 1536 and supported_models' 12 heads
     "ace_step15": (128,),  # ACE-Step 1.5: detection's head_dim 128 (16 heads over 8 key/value heads, 2048 wide)
+    "minimax_h3": (128,),  # MiniMax H3: detection: attention_head_dim = q_norm width; the model's default 128
     "ltxav": (128, 64),  # LTX-2: video 32 x 128 (detection: attn2 width // 32), audio 32 x 64, connectors 30 x 128
 })
 # Ideogram 4's text encoder pads prompts and ComfyUI passes the mask on (model_base.Ideogram4 drops an all-ones
@@ -727,6 +736,11 @@ def build(name: str, dtype=torch.float32, unet_config: dict | None = None, devic
             half = module.inv_freq.numel()
             with torch.no_grad():
                 module.inv_freq.copy_(1.0 / (10000 ** (torch.arange(0, 2 * half, 2).float() / (2 * half))))
+    # MiniMax H3's rotary frequencies (per position axis), a buffer its checkpoint fills too
+    if type(model.diffusion_model).__module__ == "comfy.ldm.minimax.model":
+        inv_freq = model.diffusion_model.rope.inv_freq
+        with torch.no_grad():
+            inv_freq.copy_(1.0 / (10000 ** (torch.arange(inv_freq.numel()).float() / inv_freq.numel())))
     return comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=CPU)
 
 
