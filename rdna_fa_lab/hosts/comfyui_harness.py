@@ -413,7 +413,7 @@ LATENT_FRAMES.update({"joyimage": 1, "krea2": 1, "seedvr2": 1})
 
 # More families of ComfyUI 0.33 (supported_models.Boogu, MageFlow, Lens, Kandinsky5, Kandinsky5Image, CogVideoX_T2V,
 # WAN21_CausalAR_T2V, WAN21_FlowRVS, WAN21_SCAIL, WAN21_SCAIL2, WAN_Animate2, WAN22_WanDancer, ZImagePixelSpace,
-# PixelDiTT2I, PiD, Anima, TripoSplat, Trellis2, ACEStep15, LTXAV), scaled down likewise.
+# PixelDiTT2I, PiD, Anima, TripoSplat, Trellis2, ACEStep15, LTXAV, MiniMaxH3, HiDreamO1), scaled down likewise.
 MODELS.update({
     # Boogu: OmniGen2's refiners and single-stream blocks after dual-stream ones, grouped key/value heads repeated
     # before the masked call (2 x 32 over 1 key/value head here; 28 x 120 over 7 for real)
@@ -557,6 +557,17 @@ MODELS["minimax_h3"] = ("MiniMaxH3", "MiniMaxH3AV", {}, dict(
     attention_head_dim=32, ffn_hidden_size=128, latents_dim=24, audio_latents_dim=32, text_dim=TEXT_WIDTH,
     timestep_input_dim=256, time_embed_hidden_size=64, time_embed_dim=32, rope_inv_freq_len=4), 32, False)
 LATENT_PARTS["minimax_h3"] = [(1, 24, 2, 8, 8), (1, 32, 2, 4)]  # video latent; audio latent (2 channels x 32)
+# HiDream-O1 (pixel space): a Qwen3-VL decoder over the prompt and 32 x 32 pixel patches, its prompt first run
+# causally through ComfyUI's SDPA wrapper (an autoregressive pass), then the generation pass through ComfyUI's
+# attention; the vision tower only encodes reference images (decoder 2 x 32 over 1 key/value head here; 32 x 128
+# over 8 for real)
+MODELS["hidream_o1"] = ("HiDreamO1", "HiDreamO1Pixel", {}, dict(
+    image_model="hidream_o1",
+    text_config_overrides=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                               num_key_value_heads=1, head_dim=32, rope_dims=[6, 5, 5]),
+    vision_config_overrides=dict(hidden_size=32, num_heads=2, intermediate_size=64, depth=1,
+                                 deepstack_visual_indexes=())), 3, False)
+LATENT_SIZE["hidream_o1"] = 128  # pixels: 4 x 4 patches of 32
 
 # Masked calls: the same models given the masks ComfyUI attaches to some conditionings (Flux with a style
 # model's "attn_bias" strength; HunyuanVideo with a prompt shorter than its padded length). Lumina 2's text
@@ -627,6 +638,7 @@ REAL_HEAD_DIMS.update({
     "trellis2": (128,),  # Trellis 2: model_channels 1536 and supported_models' 12 heads
     "ace_step15": (128,),  # ACE-Step 1.5: detection's head_dim 128 (16 heads over 8 key/value heads, 2048 wide)
     "minimax_h3": (128,),  # MiniMax H3: detection: attention_head_dim = q_norm width; the model's default 128
+    "hidream_o1": (128,),  # HiDream-O1: Qwen3-VL-8B's decoder (HiDreamO1TextConfig): 32 heads x 128 over 8
     "ltxav": (128, 64),  # LTX-2: video 32 x 128 (detection: attn2 width // 32), audio 32 x 64, connectors 30 x 128
 })
 # Ideogram 4's text encoder pads prompts and ComfyUI passes the mask on (model_base.Ideogram4 drops an all-ones
@@ -780,6 +792,8 @@ def _text_extras(name: str, generator: torch.Generator, tokens: int, text_width:
                 "degrade_sigma": torch.tensor([0.3])}
     if name == "ace_step15":  # its text encoder's lyric embeddings beside the caption's
         return {"conditioning_lyrics": torch.randn(1, tokens, text_width, generator=generator)}
+    if name == "hidream_o1":  # its text encoder's token ids (it runs no encoder: the model reads the prompt itself)
+        return {"text_input_ids": torch.randint(0, 151000, (1, tokens), generator=generator)}
     if name == "trellis2":  # Trellis2Conditioning's second set of image features (1024 px)
         return {"embeds": torch.randn(1, tokens, text_width, generator=generator)}
     if name == "anima":  # its text encoder's T5 token ids and weights, which the LLM adapter reads
