@@ -4,14 +4,18 @@ ComfyUI consults a model's `optimized_attention_override` only when the call pas
 `transformer_options`. Many model files call the attention function they imported without them
 (PixArt, HunyuanDiT, Hunyuan3D 2.1, Wan-Animate's face blocks, some of SD3's blocks ...), or look it up
 in ComfyUI's attention module at call time (SeedVR2's DiT, and MiniMax Music's through
-`optimized_attention_for_device`), so the per-model override never sees those calls. Here every
+`optimized_attention_for_device`), or pass a block's own default options, an empty dict (WanDancer's audio
+injector), so the per-model override never sees those calls. Here every
 `optimized_attention` / `optimized_attention_masked` name a `comfy.ldm` module bound, the attention
 module's own included, is replaced by a router that runs the bound function unchanged, unless a routed
 model is running at that moment (an APPLY_MODEL wrapper on the routed clone says so through a context
-variable) and the call passed no options: then it takes the same route as the override's calls.
+variable) and the call's options hold no override: then it takes the same route as the override's calls.
+An OUTER_SAMPLE wrapper does the same for the routed model's whole sampling, where ComfyUI prepares its
+conditioning with model code of its own once per sampling (LTX-2's text connectors, MiniMax H3's token
+refiner), outside any model call.
 ComfyUI's own SDPA wrapper, `comfy.ops.scaled_dot_product_attention`, gets a router for its causal
 calls (HiDream-O1's autoregressive pass), which no attention function sees. Text encoders and VAEs,
-which run outside the diffusion model's call, keep their attention.
+which run outside the sampling, keep their attention.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from contextvars import ContextVar
 
 import torch
 
-from .overrides import routing_replaced
+from .overrides import OVERRIDE_KEY, routing_replaced, sampling_replaced
 from .routing import RoutingOptions, context_value, routed_backend, routing_failed, sdpa_call_attention
 
 WRAPPER_KEY = "rdna_flash_attn"
@@ -44,9 +48,24 @@ class UnscopedCallRouter:
 
     def __call__(self, *args, **kwargs):
         options = _running.get()
-        if options is None or "transformer_options" in kwargs:  # not in a routed model, or the override sees it
+        if options is None or reaches_an_override(kwargs):  # not in a routed model, or the override sees it
             return self.original(*args, **kwargs)
-        return routed_backend(self.original, options)(*args, **kwargs)
+        return routed_backend(self.original, options)(*opened_containers(args), **kwargs)
+
+
+def reaches_an_override(kwargs: dict) -> bool:
+    """Whether ComfyUI's attention wrapper hands this call to an override: only where its transformer_options
+    hold one."""
+    return OVERRIDE_KEY in (kwargs.get("transformer_options") or {})
+
+
+def opened_containers(args: tuple) -> tuple:
+    """`args` with ComfyUI's single-use q/k/v tensor containers (MiniMax H3's token refiner passes them) taken, as
+    ComfyUI's attention wrapper takes them before an override sees the call."""
+    container = getattr(sys.modules.get(ATTENTION_MODULE), "AttentionTensorContainer", None)
+    if container is None or len(args) < 3 or not all(isinstance(arg, container) for arg in args[:3]):
+        return args
+    return (*(arg.take() for arg in args[:3]), *args[3:])
 
 
 class CausalSdpaRouter:
@@ -105,6 +124,19 @@ def apply_model_wrapper(options: RoutingOptions):
     return wrapper
 
 
+def sampling_wrapper(options: RoutingOptions):
+    """An OUTER_SAMPLE wrapper: the routed model's sampling, its conditioning's preparation included, runs with
+    `options` in effect, unless a node placed after ours replaced its override."""
+
+    def wrapper(executor, *args, **kwargs):
+        if sampling_replaced(executor.class_obj):
+            return executor(*args, **kwargs)
+        with running(options):
+            return executor(*args, **kwargs)
+
+    return wrapper
+
+
 def comfy_has_wrappers() -> bool:
     try:
         from comfy.patcher_extension import WrappersMP
@@ -113,16 +145,18 @@ def comfy_has_wrappers() -> bool:
     return hasattr(WrappersMP, "APPLY_MODEL")
 
 
-def add_to(model, wrapper, key: str = WRAPPER_KEY) -> bool:
-    """Put APPLY_MODEL `wrapper` (apply_model_wrapper's) on ModelPatcher `model` under `key`, in place
-    of one there before, and the routers in place; False where this ComfyUI has no wrappers."""
+def add_to(model, model_call, sampling, key: str = WRAPPER_KEY) -> bool:
+    """Put the APPLY_MODEL wrapper `model_call` (apply_model_wrapper's) and the OUTER_SAMPLE wrapper `sampling`
+    (sampling_wrapper's) on ModelPatcher `model` under `key`, in place of those there before, and the routers in
+    place; False where this ComfyUI has no wrappers."""
     if not comfy_has_wrappers() or not hasattr(model, "add_wrapper_with_key"):
         return False
     from comfy.patcher_extension import WrappersMP
 
     install_routers()
-    model.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, key)
-    model.add_wrapper_with_key(WrappersMP.APPLY_MODEL, key, wrapper)
+    for wrapper_type, wrapper in ((WrappersMP.APPLY_MODEL, model_call), (WrappersMP.OUTER_SAMPLE, sampling)):
+        model.remove_wrappers_with_key(wrapper_type, key)
+        model.add_wrapper_with_key(wrapper_type, key, wrapper)
     return True
 
 
@@ -131,3 +165,4 @@ def remove_from(model, key: str = WRAPPER_KEY) -> None:
         from comfy.patcher_extension import WrappersMP
 
         model.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, key)
+        model.remove_wrappers_with_key(WrappersMP.OUTER_SAMPLE, key)

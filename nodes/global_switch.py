@@ -14,7 +14,7 @@ import os
 from . import direct_calls, memory_estimate
 from .core import core_or_reason
 from .model_patch import comfy_has_override
-from .overrides import OVERRIDE_KEY, OVERRIDE_MARK, PREVIOUS_ATTR, routing_replaced
+from .overrides import OVERRIDE_KEY, OVERRIDE_MARK, PREVIOUS_ATTR, routing_replaced, sampling_replaced
 from .routing import RoutingOptions, routed_backend
 
 log = logging.getLogger("rdna_flash_attn")
@@ -38,6 +38,14 @@ setattr(global_override, PREVIOUS_ATTR, None)
 def global_apply_model(executor, *args, **kwargs):
     """The APPLY_MODEL wrapper that routes a model's option-less attention calls while enabled."""
     if not _state["enabled"] or routing_replaced(args, kwargs):
+        return executor(*args, **kwargs)
+    with direct_calls.running(_state["options"]):
+        return executor(*args, **kwargs)
+
+
+def global_sampling(executor, *args, **kwargs):
+    """The OUTER_SAMPLE wrapper that routes option-less calls of a model's sampling while enabled."""
+    if not _state["enabled"] or sampling_replaced(executor.class_obj):
         return executor(*args, **kwargs)
     with direct_calls.running(_state["options"]):
         return executor(*args, **kwargs)
@@ -73,7 +81,7 @@ def enable_global(options: RoutingOptions | None = None) -> bool:
             if _state["enabled"] and hasattr(self.model, "diffusion_model"):
                 transformer_options = self.model_options.setdefault("transformer_options", {})
                 transformer_options.setdefault(OVERRIDE_KEY, global_override)
-                direct_calls.add_to(self, global_apply_model, GLOBAL_WRAPPER_KEY)
+                direct_calls.add_to(self, global_apply_model, global_sampling, GLOBAL_WRAPPER_KEY)
                 memory_estimate.add_to(self, global_prepare_sampling, GLOBAL_WRAPPER_KEY)
 
         _state["original_init"] = original_init

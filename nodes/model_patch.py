@@ -148,7 +148,7 @@ def patch_model(model, options: RoutingOptions):
     transformer_options = patched.model_options.setdefault("transformer_options", {})
     if comfy_has_override():
         install_override(transformer_options, options)
-        direct_calls.add_to(patched, direct_calls.apply_model_wrapper(options))
+        direct_calls.add_to(patched, direct_calls.apply_model_wrapper(options), direct_calls.sampling_wrapper(options))
         memory_estimate.add_to(patched)
         return patched
     installed = install_replace_patches(patched, options)

@@ -81,7 +81,16 @@ def model_call_options(args: tuple, kwargs: dict) -> dict | None:
 def routing_replaced(args: tuple, kwargs: dict) -> bool:
     """Whether a later node's override certainly replaced ours for this APPLY_MODEL call; a later
     override is named once in the console either way."""
-    found = later_override(model_call_options(args, kwargs))
+    return options_replaced(model_call_options(args, kwargs))
+
+
+def sampling_replaced(guider) -> bool:
+    """routing_replaced for the sampling a CFGGuider runs (an OUTER_SAMPLE wrapper's executor's object)."""
+    return options_replaced(getattr(guider, "model_options", {}).get("transformer_options"))
+
+
+def options_replaced(transformer_options: dict | None) -> bool:
+    found = later_override(transformer_options)
     if found is None:
         return False
     message, replaced = found

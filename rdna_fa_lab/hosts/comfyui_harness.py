@@ -12,7 +12,8 @@ those imports; any use of it fails loudly.
 The model configs follow ComfyUI's comfy/supported_models.py (SD15, SD20, SDXL, Flux, SD3, Wan 2.1,
 HunyuanVideo, Qwen-Image, Chroma, Lumina 2, PixArt, HiDream, LTXV, HunyuanDiT, Cosmos Predict2,
 Hunyuan3D 2.0 and 2.1, and from ComfyUI 0.3.75 Flux.2, Z-Image, HunyuanImage 2.1, OmniGen2, Chroma
-Radiance, AuraFlow, Mochi, HunyuanVideo 1.5, Wan 2.2 5B, Stable Cascade stages C and B, Stable Audio):
+Radiance, AuraFlow, Mochi, HunyuanVideo 1.5, Wan 2.2 5B, Stable Cascade stages C and B, Stable Audio, and
+from ComfyUI 0.33 the families its supported_models lists beside the MODELS entries below):
 the same model_base classes, latent formats and extra UNet settings, declared here because that module
 imports the text encoders (transformers), which neither the benchmark nor the tests need.
 """
@@ -410,6 +411,164 @@ MODELS.update({
 })
 LATENT_FRAMES.update({"joyimage": 1, "krea2": 1, "seedvr2": 1})
 
+# More families of ComfyUI 0.33 (supported_models.Boogu, MageFlow, Lens, Kandinsky5, Kandinsky5Image, CogVideoX_T2V,
+# WAN21_CausalAR_T2V, WAN21_FlowRVS, WAN21_SCAIL, WAN21_SCAIL2, WAN_Animate2, WAN22_WanDancer, ZImagePixelSpace,
+# PixelDiTT2I, PiD, Anima, TripoSplat, Trellis2, ACEStep15, LTXAV, MiniMaxH3, HiDreamO1), scaled down likewise.
+MODELS.update({
+    # Boogu: OmniGen2's refiners and single-stream blocks after dual-stream ones, grouped key/value heads repeated
+    # before the masked call (2 x 32 over 1 key/value head here; 28 x 120 over 7 for real)
+    "boogu": ("Boogu", "Flux", {}, dict(image_model="boogu", patch_size=2, in_channels=16, out_channels=None,
+                                        hidden_size=64, num_layers=1, num_double_stream_layers=1, num_refiner_layers=1,
+                                        num_attention_heads=2, num_kv_heads=1, multiple_of=16, axes_dim_rope=(8, 12, 12),
+                                        axes_lens=(64, 64, 64), instruction_feat_dim=TEXT_WIDTH), 16, False),
+    # Mage Flow: Qwen-Image's joint blocks on Flux.2's 128-channel latents (2 x 32 here; 24 x 128 for real)
+    "mage_flow": ("MageFlow", "Flux2", {}, dict(image_model="mage_flow", in_channels=128, out_channels=128,
+                                                num_layers=1, attention_head_dim=32, num_attention_heads=2,
+                                                joint_attention_dim=TEXT_WIDTH, axes_dims_rope=(8, 12, 12)), 128, False),
+    # Lens: dual-stream joint blocks on Flux.2's latents, one text layer's features (2 x 32 here; 24 x 64 for real)
+    "lens": ("Lens", "Flux2", {}, dict(image_model="lens", patch_size=2, in_channels=128, out_channels=32, num_layers=1,
+                                       attention_head_dim=32, num_attention_heads=2, enc_hidden_dim=TEXT_WIDTH,
+                                       axes_dims_rope=(8, 12, 12), multi_layer_encoder_feature=False,
+                                       selected_layer_index=(0,)), 128, False),
+    # Kandinsky 5 video: text blocks, then visual blocks with self- and cross-attention; model_base concatenates
+    # an image and a mask channel to the latent (2 x 32 here; lite 28 x 64, pro 32 x 128 for real)
+    "kandinsky5": ("Kandinsky5", "HunyuanVideo", {}, dict(image_model="kandinsky5", in_visual_dim=16, out_visual_dim=16,
+                                                          in_text_dim=TEXT_WIDTH, in_text_dim2=TEXT_WIDTH, time_dim=32,
+                                                          model_dim=64, ff_dim=128, visual_embed_dim=33 * 4,
+                                                          patch_size=(1, 2, 2), num_text_blocks=1, num_visual_blocks=1,
+                                                          axes_dims=(8, 12, 12)), 16, True),
+    # Kandinsky 5 image: the same model on Flux latents, no concatenated channels (2 x 32 here; 20 x 128 for real)
+    "kandinsky5_image": ("Kandinsky5Image", "Flux", {}, dict(image_model="kandinsky5", in_visual_dim=16,
+                                                             out_visual_dim=16, in_text_dim=TEXT_WIDTH,
+                                                             in_text_dim2=TEXT_WIDTH, time_dim=32, model_dim=64,
+                                                             ff_dim=128, visual_embed_dim=16 * 4, patch_size=(1, 2, 2),
+                                                             num_text_blocks=1, num_visual_blocks=1, axes_dims=(8, 12, 12),
+                                                             rope_scale_factor=(1.0, 1.0, 1.0)), 16, True),
+    # CogVideoX (text-to-video; image-to-video and inpainting add concatenated latent channels to the same blocks):
+    # joint text+video attention with 3-D RoPE (2 x 32 here; 30 x 64 or 48 x 64 for real)
+    "cogvideox": ("CogVideoX", "CogVideoX", {}, dict(image_model="cogvideox", num_attention_heads=2, attention_head_dim=32,
+                                                     in_channels=16, out_channels=16, time_embed_dim=32,
+                                                     text_embed_dim=TEXT_WIDTH, num_layers=1, sample_width=16,
+                                                     sample_height=16, sample_frames=5, patch_size=2,
+                                                     max_text_seq_length=7, use_rotary_positional_embeddings=True),
+                  16, False),
+    # Wan 2.1 causal autoregressive (Self-Forcing style): Wan's blocks with a causal model class (2 x 32 here;
+    # 12 x 128 for the released 1.3B)
+    "wan_causal_ar": ("WAN21_CausalAR", "Wan21", {}, dict(image_model="wan2.1", model_type="t2v", patch_size=(1, 2, 2),
+                                                          text_len=7, in_dim=16, dim=64, ffn_dim=128, freq_dim=32,
+                                                          text_dim=TEXT_WIDTH, out_dim=16, num_heads=2, num_layers=2),
+                      16, False),
+    # Wan 2.1 FlowRVS (video segmentation as image-to-image flow): Wan 2.1's text-to-video blocks (2 x 32 here;
+    # 40 x 128 for real)
+    "wan_flow_rvs": ("WAN21_FlowRVS", "Wan21", {}, dict(image_model="wan2.1", model_type="flow_rvs",
+                                                        patch_size=(1, 2, 2), text_len=7, in_dim=16, dim=64, ffn_dim=128,
+                                                        freq_dim=32, text_dim=TEXT_WIDTH, out_dim=16, num_heads=2,
+                                                        num_layers=2), 16, False),
+    # Z-Image pixel space: Z-Image's NextDiT on RGB patches with a per-patch MLP decoder (8 x 32 here; 30 x 128 for
+    # real)
+    "zimage_pixel": ("ZImagePixelSpace", "ZImagePixelSpace", {}, dict(
+        image_model="zimage_pixel", patch_size=4, in_channels=3, dim=256, n_layers=1, n_refiner_layers=1, n_heads=8,
+        n_kv_heads=8, multiple_of=16, ffn_dim_multiplier=8.0 / 3.0, qk_norm=True, cap_feat_dim=TEXT_WIDTH,
+        axes_dims=(8, 12, 12), axes_lens=(64, 64, 64), rope_theta=256.0, z_image_modulation=True, time_scale=1000.0,
+        pad_tokens_multiple=32, decoder_in_channels=48, decoder_hidden_size=32, decoder_num_res_blocks=1,
+        decoder_max_freqs=4), 3, False),
+    # PixelDiT: joint text+patch blocks, then pixel blocks attending over compressed patches (2 x 32 and 2 x 16
+    # here; 24 x 64 and 16 x 72 for real)
+    "pixeldit": ("PixelDiTT2I", "PixelDiTPixel", {}, dict(image_model="pixeldit_t2i", in_channels=3, num_groups=2,
+                                                          hidden_size=64, pixel_hidden_size=8, pixel_attn_hidden_size=32,
+                                                          pixel_num_groups=2, patch_depth=1, pixel_depth=1, patch_size=4,
+                                                          txt_embed_dim=TEXT_WIDTH, txt_max_length=7), 3, False),
+})
+LATENT_FRAMES.update({"kandinsky5": 2, "cogvideox": 2, "wan_causal_ar": 2, "wan_flow_rvs": 2})
+LATENT_SIZE.update({"zimage_pixel": 32, "pixeldit": 32})  # pixels: 8 x 8 patches of 4
+
+
+def _wan(model_type: str, in_dim: int, **settings) -> dict:
+    """A tiny Wan 2.1 variant's config: Wan's blocks at 2 x 32 (40 x 128 for the 14B models these variants are)."""
+    return dict(image_model="wan2.1", model_type=model_type, patch_size=(1, 2, 2), text_len=7, in_dim=in_dim, dim=64,
+                ffn_dim=128, freq_dim=32, text_dim=TEXT_WIDTH, out_dim=16, num_heads=2, num_layers=2, **settings)
+
+
+MODELS.update({
+    # SCAIL and SCAIL 2 (pose-driven animation): Wan's image-to-video blocks over 16 latent and 4 mask channels
+    "wan_scail": ("WAN21_SCAIL", "Wan21", {}, _wan("scail", 20), 16, False),
+    "wan_scail2": ("WAN21_SCAIL2", "Wan21", {}, _wan("scail2", 20), 16, False),
+    # Wan-Animate 2: image-to-video blocks over the latent and 20 concatenated image and mask channels
+    "wan_animate2": ("WAN_Animate2", "Wan21", {}, _wan("animate2", 36), 16, False),
+    # WanDancer: image-to-video blocks with a music encoder whose self-attention calls ComfyUI's attention without
+    # the model's options (2 x 16 here; 4 x 64 for real), injected into the video blocks by audio cross-attention
+    "wan_dancer": ("WAN22_WanDancer", "Wan21", {}, _wan("wandancer", 36, audio_inject_layers=[0, 1], music_dim=32,
+                                                         music_heads=2, music_feature_dim=35, music_latent_dim=32),
+                   16, False),
+})
+LATENT_FRAMES.update({"wan_scail": 2, "wan_scail2": 2, "wan_animate2": 2, "wan_dancer": 2})
+# PiD (pixel-space super-resolution): PixelDiT's blocks gated by features of the low-resolution image's latent
+MODELS["pid"] = ("PiD", "PixelDiTPixel", {}, dict(MODELS["pixeldit"][3], image_model="pid", lq_latent_channels=16,
+                                                 lq_hidden_dim=32, lq_num_res_blocks=1, lq_interval=1), 3, False)
+# Anima: Cosmos Predict2's blocks, its text first put through an LLM adapter (fixed at 6 blocks, 16 x 64, about
+# 130M parameters) that calls torch's SDPA itself while ComfyUI prepares the conditioning (2 x 32 here; 16 x 128
+# for real)
+MODELS["anima"] = ("Anima", "Wan21", {}, dict(MODELS["cosmos"][3], image_model="anima", crossattn_emb_channels=1024),
+                   16, False)
+TEXT_WIDTHS["anima"] = 1024  # the adapter's source width: Qwen3 0.6B's hidden states
+LATENT_SIZE["pid"] = 32
+LATENT_FRAMES["anima"] = 2
+# TripoSplat (image to 3-D Gaussian splats): refiners over its latent tokens and the image features, then joint
+# blocks over both and a camera token (2 x 32 here; 16 x 64 for real)
+MODELS["triposplat"] = ("TripoSplat", "TripoSplat", {}, dict(image_model="triposplat", q_token_length=64, in_channels=16,
+                                                             model_channels=64, cond_channels=TEXT_WIDTH, out_channels=16,
+                                                             num_blocks=1, num_refiner_blocks=1, num_head_channels=32,
+                                                             cam_channels=5, cond2_channels=None), 16, False)
+# Trellis 2 (image to 3-D), its first stage: the dense structure model's self-attention over a 16^3 voxel grid and
+# cross-attention to the image features (2 x 32 here; 12 x 128 for real). Its shape and texture stages run on sparse
+# voxels that stage nodes compute from the first stage's decoded output.
+MODELS["trellis2"] = ("Trellis2", "Trellis2", {}, dict(image_model="trellis2", resolution=32, model_channels=64,
+                                                       cond_channels=TEXT_WIDTH, num_blocks=1, num_heads=2, mlp_ratio=2.0),
+                      32, False)
+LATENT_FRAMES["trellis2"] = 16  # the structure latent: 32 channels over 16^3 voxels
+# ACE-Step 1.5 (music): a condition encoder (lyric and timbre blocks), an audio tokenizer and detokenizer, and a DiT
+# whose layers alternate sliding-window (an additive mask) and full self-attention, with cross-attention to the
+# encoder's output; none of its calls pass the model's options (2 x 32 over 1 key/value head here; 16 x 128 over 8
+# for real)
+MODELS["ace_step15"] = ("ACEStep15", "ACEAudio15", {}, dict(
+    audio_model="ace1.5", in_channels=192, hidden_size=64, text_hidden_dim=TEXT_WIDTH, timbre_hidden_dim=64,
+    audio_acoustic_hidden_dim=64, num_dit_layers=2, num_lyric_layers=1, num_timbre_layers=1, num_tokenizer_layers=1,
+    num_heads=2, num_kv_heads=1, head_dim=32, intermediate_size=128, patch_size=2, pool_window_size=5,
+    sliding_window=8, fsq_dim=64, encoder_hidden_size=64, encoder_intermediate_size=128, encoder_num_heads=2), 64, False)
+LATENT_TOKENS["ace_step15"] = 40  # audio frames (25 per second), a multiple of its pooling window
+# Families sampled on a nested latent (ComfyUI packs its parts for the sampler): the parts' shapes
+LATENT_PARTS = {"triposplat": [(1, 64, 16), (1, 1, 5)]}  # latent tokens (channels last) and the camera token
+# LTX-2 (LTXAV, audio and video): LTXV's video blocks beside audio blocks, with audio-video cross-attention between
+# them; text connectors (self-attention blocks) turn the text encoder's output into each stream's text while
+# ComfyUI prepares the conditioning (video 2 x 32, audio 2 x 16, connectors 2 x 16 here; 32 x 128, 32 x 64 and
+# 30 x 128 for real)
+MODELS["ltxav"] = ("LTXAV", "LTXAV", {}, dict(image_model="ltxav", in_channels=128, audio_in_channels=128,
+                                              cross_attention_dim=64, audio_cross_attention_dim=32, attention_head_dim=32,
+                                              audio_attention_head_dim=16, num_attention_heads=2,
+                                              audio_num_attention_heads=2, caption_channels=TEXT_WIDTH, num_layers=1,
+                                              connector_attention_head_dim=16, connector_num_attention_heads=2,
+                                              connector_num_layers=1), 128, False)
+LATENT_PARTS["ltxav"] = [(1, 128, 2, 16, 16), (1, 8, 8, 16)]  # video latent; audio latent (8 channels x 16 bins)
+# MiniMax H3 (audio and video): a token refiner over the text, run while ComfyUI prepares the conditioning, then
+# single-stream blocks over text, video and audio tokens packed in one sequence, q/k/v in ComfyUI's tensor containers
+# (2 x 32 here; 56 x 128 for real)
+MODELS["minimax_h3"] = ("MiniMaxH3", "MiniMaxH3AV", {}, dict(
+    image_model="minimax_h3", hidden_size=64, num_layers=1, token_refiner_num_layers=1, num_attention_heads=2,
+    attention_head_dim=32, ffn_hidden_size=128, latents_dim=24, audio_latents_dim=32, text_dim=TEXT_WIDTH,
+    timestep_input_dim=256, time_embed_hidden_size=64, time_embed_dim=32, rope_inv_freq_len=4), 32, False)
+LATENT_PARTS["minimax_h3"] = [(1, 24, 2, 8, 8), (1, 32, 2, 4)]  # video latent; audio latent (2 channels x 32)
+# HiDream-O1 (pixel space): a Qwen3-VL decoder over the prompt and 32 x 32 pixel patches, its prompt first run
+# causally through ComfyUI's SDPA wrapper (an autoregressive pass), then the generation pass through ComfyUI's
+# attention; the vision tower only encodes reference images (decoder 2 x 32 over 1 key/value head here; 32 x 128
+# over 8 for real)
+MODELS["hidream_o1"] = ("HiDreamO1", "HiDreamO1Pixel", {}, dict(
+    image_model="hidream_o1",
+    text_config_overrides=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                               num_key_value_heads=1, head_dim=32, rope_dims=[6, 5, 5]),
+    vision_config_overrides=dict(hidden_size=32, num_heads=2, intermediate_size=64, depth=1,
+                                 deepstack_visual_indexes=())), 3, False)
+LATENT_SIZE["hidream_o1"] = 128  # pixels: 4 x 4 patches of 32
+
 # Masked calls: the same models given the masks ComfyUI attaches to some conditionings (Flux with a style
 # model's "attn_bias" strength; HunyuanVideo with a prompt shorter than its padded length). Lumina 2's text
 # encoder pads no prompt in this ComfyUI, so its masked refiner calls need a newer one; nor do the Qwen and
@@ -461,14 +620,41 @@ REAL_HEAD_DIMS.update({
     "krea2": (128,),  # Krea 2: features 6144, 48 heads over 12 key/value heads
     "seedvr2": (128,),  # SeedVR2 7B: vid_dim 3072, 24 heads; 3B: 2560, 20 heads (detection; head_dim 128)
 })
+REAL_HEAD_DIMS.update({
+    "boogu": (120,),  # Boogu-Image: x_embedder 3360 wide, the model's 28 heads over 7 key/value heads
+    "mage_flow": (128,),  # Mage Flow: the model's 24 heads x 128 (detection sets only channels and depth)
+    "lens": (64,),  # Lens: 1536 wide; detection: num_attention_heads = width // 64
+    "kandinsky5": (64, 128),  # Kandinsky 5 Lite video: 1792 wide, axes (16, 24, 24); Pro: 4096, axes (32, 48, 48)
+    "kandinsky5_image": (128,),  # Kandinsky 5 Lite image: 2560 wide, axes (32, 48, 48)
+    "cogvideox": (64,),  # CogVideoX 2B, 5B and 1.5: detection: attention_head_dim 64
+    "wan_causal_ar": (128,), "wan_flow_rvs": (128,),  # Wan 2.1's blocks; detection: num_heads = dim // 128
+    "wan_scail": (128,), "wan_scail2": (128,), "wan_animate2": (128,),  # 14B: dim 5120, 40 heads (dim // 128)
+    "wan_dancer": (128, 64),  # 14B blocks; its music encoder: 256 wide, 4 heads (the model's fixed defaults)
+    "zimage_pixel": (128,),  # Z-Image's 3840 / 30 heads (detection's "Z image" branch)
+    "pixeldit": (64, 72),  # PixelDiT T2I (the model's defaults, as detection leaves them): 1536 / 24, 1152 / 16
+    "pid": (64, 72),  # PiD: PixelDiT's blocks at its defaults (detection sets only the low-resolution projection)
+    "anima": (128, 64),  # Anima: model_channels 2048, 16 heads (detection); its adapter: 1024 wide, 16 heads
+    "triposplat": (64,),  # TripoSplat: the model's defaults (detection sets none): 1024 wide, heads of 64
+    "trellis2": (128,),  # Trellis 2: model_channels 1536 and supported_models' 12 heads
+    "ace_step15": (128,),  # ACE-Step 1.5: detection's head_dim 128 (16 heads over 8 key/value heads, 2048 wide)
+    "minimax_h3": (128,),  # MiniMax H3: detection: attention_head_dim = q_norm width; the model's default 128
+    "hidream_o1": (128,),  # HiDream-O1: Qwen3-VL-8B's decoder (HiDreamO1TextConfig): 32 heads x 128 over 8
+    "ltxav": (128, 64),  # LTX-2: video 32 x 128 (detection: attn2 width // 32), audio 32 x 64, connectors 30 x 128
+})
 # Ideogram 4's text encoder pads prompts and ComfyUI passes the mask on (model_base.Ideogram4 drops an all-ones
 # one): its masked calls are at head dim 256.
 MASKED_FAMILIES = (*MASKED_FAMILIES, "ideogram4")
+# Lens masks every joint call (an additive text-padding mask, all zeros for an unpadded prompt); ACE-Step 1.5's
+# sliding-window layers pass their window as an additive mask.
+MASKED_FAMILIES = (*MASKED_FAMILIES, "lens", "ace_step15")
 
 # Families whose attention calls newer ComfyUI marks low_precision_attention=False (Stable Audio's DiT, Hunyuan3D
 # 2.1's DiT, LTXV's masked cross-attention): the node never casts such float32 calls to 16 bits, so these are
 # measured in bfloat16, as their users run them.
 MEASURED_DTYPE = {"stable_audio": torch.bfloat16, "hunyuan3d_21": torch.bfloat16, "ltxv": torch.bfloat16}
+# Wan's image-to-video cross-attention to the image tokens is marked likewise: the image-to-video variants
+MEASURED_DTYPE.update(dict.fromkeys(("wan_scail", "wan_scail2", "wan_animate2", "wan_dancer"), torch.bfloat16))
+MEASURED_DTYPE["triposplat"] = MEASURED_DTYPE["ace_step15"] = torch.bfloat16  # every call of their blocks is marked
 
 # Settings newer ComfyUI requires of these families' model classes (no defaults there), with the values its
 # model detection gives the released checkpoints: family -> (the parameters' dataclass, {setting: value}).
@@ -562,6 +748,11 @@ def build(name: str, dtype=torch.float32, unet_config: dict | None = None, devic
             half = module.inv_freq.numel()
             with torch.no_grad():
                 module.inv_freq.copy_(1.0 / (10000 ** (torch.arange(0, 2 * half, 2).float() / (2 * half))))
+    # MiniMax H3's rotary frequencies (per position axis), a buffer its checkpoint fills too
+    if type(model.diffusion_model).__module__ == "comfy.ldm.minimax.model":
+        inv_freq = model.diffusion_model.rope.inv_freq
+        with torch.no_grad():
+            inv_freq.copy_(1.0 / (10000 ** (torch.arange(inv_freq.numel()).float() / inv_freq.numel())))
     return comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=CPU)
 
 
@@ -594,8 +785,21 @@ def _text_extras(name: str, generator: torch.Generator, tokens: int, text_width:
                 "conditioning_mt5xl": torch.randn(1, tokens, 64, generator=generator)}
     if name in ("ltxv", "mochi"):  # their T5 encoders always return the mask (Mochi's pads to 256 tokens)
         return {"attention_mask": padded_prompt(tokens)}
-    if name in ("omnigen2", "z_image"):  # their Qwen encoders return the mask of an unpadded prompt: all ones
+    if name in ("omnigen2", "boogu", "z_image"):  # their Qwen encoders return the mask of an unpadded prompt: all ones
         return {"attention_mask": padded_prompt(tokens, padding=0)}
+    if name == "pid":  # the PiDConditioning node's low-resolution latent and degradation level
+        return {"lq_latent": torch.randn(1, 16, size // 4, size // 4, generator=generator),
+                "degrade_sigma": torch.tensor([0.3])}
+    if name == "ace_step15":  # its text encoder's lyric embeddings beside the caption's
+        return {"conditioning_lyrics": torch.randn(1, tokens, text_width, generator=generator)}
+    if name == "hidream_o1":  # its text encoder's token ids (it runs no encoder: the model reads the prompt itself)
+        return {"text_input_ids": torch.randint(0, 151000, (1, tokens), generator=generator)}
+    if name == "trellis2":  # Trellis2Conditioning's second set of image features (1024 px)
+        return {"embeds": torch.randn(1, tokens, text_width, generator=generator)}
+    if name == "anima":  # its text encoder's T5 token ids and weights, which the LLM adapter reads
+        return {"t5xxl_ids": torch.randint(0, 32128, (tokens,), generator=generator), "t5xxl_weights": torch.ones(tokens)}
+    if name == "wan_dancer":  # the WanDancer node's music features: 35 per frame
+        return {"audio_embed": torch.randn(1, 8, 35, generator=generator)}
     if name in ("flux2", "hunyuan_video15"):  # LLM encoders: no pooled vector, but ComfyUI's text encoding
         return {"pooled_output": None}      # always sets the key, which their model_base reads
     if name == "seedvr2":  # the SeedVR2Conditioning node's latent: 16 channels and a mask channel
@@ -624,17 +828,26 @@ def sample(patcher, name: str, size: int | None = None, steps: int = 2, seed: in
     import comfy.sample
 
     size = size or LATENT_SIZE.get(name, 16)
-    if name in LATENT_TOKENS:
-        shape = (1, MODELS[name][4], LATENT_TOKENS[name])
+    if name in LATENT_PARTS:
+        shapes = LATENT_PARTS[name]
+    elif name in LATENT_TOKENS:
+        shapes = [(1, MODELS[name][4], LATENT_TOKENS[name])]
     else:
-        shape = (1, MODELS[name][4], *([LATENT_FRAMES[name]] if name in LATENT_FRAMES else []), size, size)
-    noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-    latent = torch.zeros(shape)
+        shapes = [(1, MODELS[name][4], *([LATENT_FRAMES[name]] if name in LATENT_FRAMES else []), size, size)]
+    generator = torch.Generator().manual_seed(seed)
+    noise, latent = [torch.randn(shape, generator=generator) for shape in shapes], [torch.zeros(shape) for shape in shapes]
+    if name in LATENT_PARTS:
+        from comfy.nested_tensor import NestedTensor
+
+        noise, latent = NestedTensor(noise), NestedTensor(latent)
+    else:
+        noise, latent = noise[0], latent[0]
     positive, negative = conditioning(name, 2, size=size, **text), conditioning(name, 3, size=size, negative=True, **text)
-    return comfy.sample.sample(
+    out = comfy.sample.sample(
         patcher, noise, steps, 5.0, "euler", "normal", positive, negative, latent,
         seed=seed, disable_pbar=True,
     )
+    return torch.cat([part.flatten() for part in out.unbind()]) if name in LATENT_PARTS else out
 
 
 def counting_override(calls: list):

@@ -366,6 +366,41 @@ def test_calls_looked_up_in_the_attention_module_at_call_time(node_package, atte
         torch.testing.assert_close(result.float(), expected.float(), atol=BF16_TOLERANCE, rtol=BF16_TOLERANCE)
 
 
+
+def test_calls_passing_options_without_an_override_are_routed_while_a_routed_model_runs(node_package, attention, routed,
+                                                                                       routers_in_place, fake_gpu):
+    """WanDancer's audio injector (and LTX-2's text connectors) call a block whose transformer_options default to an
+    empty dict: ComfyUI's attention gets options holding no override. Calls whose options hold the node's override
+    run on the kernels once, through it."""
+    q, k, v = head_qkv()
+    expected = attention.optimized_attention(q, k, v, 4, skip_reshape=True, skip_output_reshape=True,
+                                             transformer_options={})
+    assert fake_gpu.launches == []
+    with node_package.direct_calls.running(node_package.routing.RoutingOptions()):
+        out = attention.optimized_attention(q, k, v, 4, skip_reshape=True, skip_output_reshape=True,
+                                            transformer_options={})
+        assert len(fake_gpu.launches) == 1
+        attention.optimized_attention(q, k, v, 4, skip_reshape=True, skip_output_reshape=True,
+                                      transformer_options=routed)
+    assert len(fake_gpu.launches) == 2 and rdna_flash_attn.stats()["fallback"] == 0
+    torch.testing.assert_close(out.float(), expected.float(), atol=BF16_TOLERANCE, rtol=BF16_TOLERANCE)
+
+
+def test_calls_in_comfyuis_tensor_containers_are_routed_while_a_routed_model_runs(node_package, attention,
+                                                                                  routers_in_place, fake_gpu):
+    """MiniMax H3's token refiner hands ComfyUI's attention its q, k, v in single-use containers, with its blocks'
+    empty options."""
+    if not hasattr(attention, "AttentionTensorContainer"):
+        pytest.skip("this ComfyUI has no attention tensor containers")
+    q, k, v = head_qkv()
+    expected = attention.optimized_attention(q, k, v, 4, skip_reshape=True, transformer_options={})
+    containers = [attention.AttentionTensorContainer(t) for t in (q, k, v)]
+    with node_package.direct_calls.running(node_package.routing.RoutingOptions()):
+        out = attention.optimized_attention(*containers, 4, skip_reshape=True, transformer_options={})
+    assert len(fake_gpu.launches) == 1 and rdna_flash_attn.stats()["fallback"] == 0
+    assert all(container.tensor is None for container in containers)
+    torch.testing.assert_close(out.float(), expected.float(), atol=BF16_TOLERANCE, rtol=BF16_TOLERANCE)
+
 def test_causal_sdpa_calls_of_a_routed_model_reach_the_kernels(node_package, routers_in_place, fake_gpu):
     """HiDream-O1's autoregressive pass calls comfy.ops.scaled_dot_product_attention with is_causal=True."""
     import comfy.ops

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -41,10 +42,18 @@ def old_style_load(path):
 """
 
 
+def environment_without_repository_paths() -> dict:
+    """This process's environment less the PYTHONPATH entries in this repository: the child imports the core only
+    as the loader under test does, while a newer ComfyUI's dependencies named there stay importable."""
+    kept = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if entry and not Path(entry).resolve().is_relative_to(REPO_ROOT)]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(kept))
+
+
 def run_python(*parts: str, cwd) -> str:
     code = "\n".join(textwrap.dedent(part) for part in parts)
     result = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True,
-                            timeout=300, env=dict(os.environ, PYTHONPATH=""))
+                            timeout=300, env=environment_without_repository_paths())
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 

@@ -77,6 +77,29 @@ def test_calls_made_without_the_models_options_reach_the_kernels_while_it_runs(n
     assert len(fake_gpu.launches) == attention_calls
 
 
+def test_attention_run_while_comfyui_prepares_the_conditioning_is_routed(model_node, fake_gpu, monkeypatch):
+    """LTX-2's text connectors and MiniMax H3's token refiner run in the model's extra_conds, once per sampling and
+    outside any model call, passing their blocks' empty options: routed while the routed model samples, only then."""
+    from comfy.ldm.modules import attention
+
+    model, reference, attention_calls = unpatched_run("sd15")
+    (patched,) = model_node.patch(model, True, True, "original backend")
+    original_extra_conds = patched.model.extra_conds  # the model both clones share
+    conditioning_calls = []
+
+    def extra_conds(**kwargs):
+        q = torch.randn(1, 2, 8, 16, generator=torch.Generator().manual_seed(len(conditioning_calls)))
+        conditioning_calls.append(attention.optimized_attention(q, q, q, 2, skip_reshape=True, skip_output_reshape=True,
+                                                                transformer_options={}))
+        return original_extra_conds(**kwargs)
+
+    monkeypatch.setattr(patched.model, "extra_conds", extra_conds)
+    torch.testing.assert_close(sample(patched, "sd15"), reference, **LATENT_TOLERANCE)
+    routed_calls = len(conditioning_calls)
+    assert routed_calls > 0 and len(fake_gpu.launches) == attention_calls + routed_calls
+    sample(model, "sd15")  # the unrouted clone: its conditioning's attention stays with ComfyUI
+    assert len(conditioning_calls) == 2 * routed_calls and len(fake_gpu.launches) == attention_calls + routed_calls
+
 @pytest.mark.parametrize("name", ["sd15", "flux"])
 def test_without_a_usable_gpu_the_original_backend_runs_bit_for_bit(name, model_node):
     model, reference, attention_calls = unpatched_run(name)
