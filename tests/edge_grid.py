@@ -14,7 +14,7 @@ The shapes: Sq or Sk = 1; a tile (64 rows) +-1; workgroups without a key tile (c
 Sq > Sk, packed entries without keys) and without a query tile (packed entries without queries); causal
 top-left and bottom-right with Sq < Sk and Sq > Sk; head dims at the padding boundaries of every kernel
 class; grouped heads, 1 to 8 query heads per key/value head; fully masked rows; mask values at the edges
-of float32; scores near their dtype's range; 8-bit tiles +-1.
+of float32; scores near their dtype's range; 8-bit tiles +-1; a mask whose rows span past 2^31 elements.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from rdna_flash_attn.ops import attention as ops, quantized
+from rdna_flash_attn.ops import attention as ops, plans, quantized
 
 from rdna_fa_lab.attention_reference import (attention_fp64, backward_bound, grads_fp64, grads_input_dtype,
                                              grads_sdpa_math, max_error, sdpa_math)
@@ -272,6 +272,32 @@ def varlen(launch_context, device, dtype, head_dim, lengths_q, lengths_k, causal
     for name, errors in backward.items():
         error, bound = max(e for e, _ in errors), backward_bound(max(b for _, b in errors))
         assert error <= bound, f"{name}: error {error:.3e} > FlashAttention-2's bound {bound:.3e}"
+
+
+def mask_rows_past_2_31(launch_context, device, mask_dtype, seq_k, seed):
+    """A (300, seq_k) mask, broadcast over batch and heads, whose rows lie 2^23 elements apart in a (300, 2^23)
+    buffer (2.5 GB in bool, 5 GB in float16): its last rows are past element 2^31. The forward and dQ kernels
+    count its 32-bit offsets from a wave's first query (MaskView::rows_from), the dK/dV kernels from their
+    launch's first query, so the backward launches them per 256 queries (plans.mask_rows_per_launch) and
+    sums the slices in float32. Judged against the same mask laid out densely."""
+    seq_q, generator = 300, torch.Generator().manual_seed(seed)
+    q, dout = (_random((2, 2, seq_q, 64), torch.float16, generator, device) for _ in range(2))
+    k, v = (_random((2, 2, seq_k, 64), torch.float16, generator, device) for _ in range(2))
+    buffer = torch.zeros(seq_q, 2**23, dtype=mask_dtype, device=device)
+    values = torch.rand(seq_q, seq_k, generator=generator).to(device)
+    buffer[:, :seq_k] = values > 0.3 if mask_dtype == torch.bool else (values * 8 - 4).to(mask_dtype)
+    mask = buffer[:, :seq_k]
+    del buffer
+    assert mask.stride(0) * (seq_q - 1) >= 2**31
+    with launch_context():
+        plan = plans.plan_forward(q, k, v, attn_mask=mask, backward=True)
+        assert plans.mask_rows_per_launch(plan.mask, seq_q) == 256
+        out, lse = ops.flash_attention_forward(q, k, v, attn_mask=mask)
+        grads = ops.flash_attention_backward(dout, q, k, v, lse, attn_mask=mask)
+    dense = mask.contiguous()
+    del mask, plan
+    check_forward(out, lse, q, k, v, False, dense)
+    check_backward(grads, q, k, v, dout, False, dense)
 
 
 def eight_bit(launch_context, device, seq_q, seq_k, seed):

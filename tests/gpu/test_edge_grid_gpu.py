@@ -7,8 +7,9 @@ How the kernels keep addresses 64-bit where they must: a (batch, head) base is f
 tile's first row, which the plans keep below 2^31 bytes (ops/plans.py's MAX_SEQ_STRIDE: a sequence
 stride below 2^23 elements, 64 rows a tile), and row indices are 32-bit ints below 2^31 - 1024
 (MAX_SEQLEN). An attention mask's elements are 32-bit offsets: in the forward and dQ kernels from a
-wave's first query (16 rows), whose own address is formed in 64 bits; in dK/dV from the (batch, head)'s
-first row (ops/plans.py's mask_view checks both). The outputs are written through 64-bit addresses.
+wave's first query (16 rows), whose own address is formed in 64 bits; in dK/dV from the launch's first
+query, the backward launching dK/dV per slice of the queries where they would pass 2^31
+(ops/plans.py's mask_view and mask_rows_per_launch). The outputs are written through 64-bit addresses.
 """
 
 from __future__ import annotations
@@ -18,12 +19,11 @@ import contextlib
 import pytest
 import torch
 
-from rdna_flash_attn.ops import attention as ops, plans
+from rdna_flash_attn.ops import attention as ops
 
 from .. import edge_grid as grid
 from .conftest import GPU
-from rdna_fa_lab.attention_reference import (attention_fp64, backward_bound, grads_fp64, grads_input_dtype, max_error,
-                                             sdpa_math)
+from rdna_fa_lab.attention_reference import attention_fp64, max_error, sdpa_math
 
 launch_here = contextlib.nullcontext  # the emulated layer's kernels run on the GPU's own tensors
 
@@ -110,35 +110,7 @@ def test_tensors_past_2_31_elements_forward_and_backward(emulated_layer, long_si
 
 @pytest.mark.parametrize("dtype", (torch.bool, torch.float16), ids=str)
 def test_masks_whose_rows_span_past_2_31_elements_forward_and_backward(emulated_layer, dtype):
-    """A (300, 700) mask, broadcast over batch and heads, whose rows lie 2^23 elements apart in a
-    (300, 2^23) buffer: its last rows are past element 2^31 of the buffer (2.5 GB bool, 5 GB float16).
-    The forward and dQ count offsets from a wave's first query (MaskView::rows_from); the dK/dV kernels
-    count from their launch's first query, so the backward launches them per 256 queries (two launches
-    here) and sums those in float32 (plans.mask_rows_per_launch)."""
-    seq_q, seq_k, row_stride = 300, 700, 2**23
-    generator = torch.Generator(device=GPU).manual_seed(11)
-
-    def make(seq):
-        return torch.randn(2, 2, seq, 64, generator=generator, device=GPU, dtype=torch.float16)
-
-    q, dout, k, v = make(seq_q), make(seq_q), make(seq_k), make(seq_k)
-    buffer = torch.zeros(seq_q, row_stride, dtype=dtype, device=GPU)
-    values = torch.rand(seq_q, seq_k, generator=generator, device=GPU)
-    buffer[:, :seq_k] = values > 0.3 if dtype == torch.bool else (values * 8 - 4).to(dtype)
-    mask = buffer[:, :seq_k]
-    assert mask.stride(0) * (seq_q - 1) >= 2**31
-    plan = plans.plan_forward(q, k, v, attn_mask=mask, backward=True)
-    assert plans.mask_rows_per_launch(plan.mask, seq_q) == 256
-    out, lse = ops.flash_attention_forward(q, k, v, attn_mask=mask)
-    grads = ops.flash_attention_backward(dout, q, k, v, lse, attn_mask=mask)
-    dense_mask = mask.contiguous()
-    del buffer, mask
-    grid.check_forward(out, lse, q, k, v, False, dense_mask)
-    reference = grads_fp64(q, k, v, dout, False, None, dense_mask)
-    baseline = grads_input_dtype(q, k, v, dout, False, None, dense_mask)
-    for name, grad, ref, base in zip(("dq", "dk", "dv"), grads, reference, baseline):
-        error, bound = max_error(grad, ref), backward_bound(max_error(base, ref))
-        assert torch.isfinite(grad).all() and error <= bound, f"{name}: error {error:.3e} > bound {bound:.3e}"
+    grid.mask_rows_past_2_31(launch_here, GPU, dtype, 700, seed=11)
 
 
 @pytest.mark.parametrize("batch,heads,kv_heads", ((70000, 1, 1), (1, 70000, 35000)), ids=("batch", "heads"))

@@ -79,3 +79,8 @@ def test_8bit_passes_and_forward(seq_q, seq_k):
 @pytest.mark.parametrize("target", TARGETS)
 def test_scores_near_the_dtypes_range(target, dtype, magnitude, head_dim):
     grid.huge_scores(on(target), CPU, dtype, magnitude, head_dim)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_mask_whose_rows_span_past_2_31_elements(target):
+    grid.mask_rows_past_2_31(on(target), CPU, torch.bool, 64, case_seed((target, "mask past 2^31")))
