@@ -23,11 +23,11 @@ __all__ = ["KernelUnavailable", "BackwardStats", "backward_stats_like", "check_c
            "output_like"]
 
 
-def _set_problem(args, q, k, attn_mask: torch.Tensor | None, cu_seqlens_q=None, cu_seqlens_k=None) -> None:
-    """The fields both argument blocks share past ABI 1: the mask, the head grouping, the packed batch."""
+def _set_problem(args, q, k, mask: torch.Tensor | None, cu_seqlens_q=None, cu_seqlens_k=None) -> None:
+    """The fields both argument blocks share past ABI 1: the mask (a (B, H, Sq, Sk) view, plans.broadcast_mask),
+    the head grouping, the packed batch."""
     args.kv_group = q.shape[1] // k.shape[1]
-    if attn_mask is not None:
-        mask = plans.broadcast_mask(attn_mask, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+    if mask is not None:
         args.mask, args.mask_kind = mask.data_ptr(), MASK_KINDS[mask.dtype]
         args.mask_stride_b, args.mask_stride_h, args.mask_stride_q, args.mask_stride_k = mask.stride()
     else:
@@ -356,8 +356,9 @@ def _launch_gradients(dout, q, k, v, lse, dq, dk, dv, causal: int, scale, attn_m
     if saved is not None:
         args.out, args.out_low = out.data_ptr(), saved.out_low.data_ptr()
         args.out_stride_b, args.out_stride_h, args.out_stride_s = out.stride()[:3]
-    _set_problem(args, q, k, attn_mask, cu_seqlens_q, cu_seqlens_k)
-    masked = attn_mask is not None
+    mask = None if attn_mask is None else plans.broadcast_mask(attn_mask, (batch, heads, seq_q, seq_k))
+    _set_problem(args, q, k, mask, cu_seqlens_q, cu_seqlens_k)
+    masked = mask is not None
     dq_kernel = variants.bwd_variant("dq", dtype, head_dim, masked)
     dkdv = variants.bwd_variant("dkdv", dtype, head_dim, masked)
     stats = (out, saved.out_low) if saved is not None else ()
@@ -368,11 +369,9 @@ def _launch_gradients(dout, q, k, v, lse, dq, dk, dv, causal: int, scale, attn_m
         _launch(library, dq_kernel, (args.blocks * dq_kernel.jobs_per_block, heads, batch), args, buffers)
         args.blocks = -(-seq_k // dkdv.block_rows)
         grid = (args.blocks * dkdv.jobs_per_block, kv_heads, batch)
-        rows = seq_q if attn_mask is None else plans.mask_rows_per_launch(
-            plans.broadcast_mask(attn_mask, (batch, heads, seq_q, seq_k)), seq_q)
+        rows = seq_q if mask is None else plans.mask_rows_per_launch(mask, seq_q)
         if rows < seq_q:
-            _launch_dkdv_by_query_slices(library, dkdv, grid, args, buffers, rows, seq_q, attn_mask.element_size(),
-                                         dk, dv)
+            _launch_dkdv_by_query_slices(library, dkdv, grid, args, buffers, rows, seq_q, mask.element_size(), dk, dv)
         else:
             _launch(library, dkdv, grid, args, buffers)
 
