@@ -245,13 +245,14 @@ struct FwdLoop {
     compiler_fence();
   }
 
-  // Odd accumulators take the factor from a second register, so that the products can pair as dual issues.
+  // Odd accumulators take the factor from a second register, so that the products can pair as dual issues:
+  // a copy, or where the traits say (T::kAdjacentRescaleFactors) the register beside the factor's.
   RDNA_DEV void scale_output(float factor) {
-    const float twin = unmerged_copy(factor);
+    const v2f factors = T::kAdjacentRescaleFactors ? adjacent_copies(factor) : v2f{factor, unmerged_copy(factor)};
     #pragma unroll
     for (int f = 0; f < kOutFrags; ++f)
       #pragma unroll
-      for (int s = 0; s < 8; ++s) o_acc[f][s] *= s & 1 ? twin : factor;
+      for (int s = 0; s < 8; ++s) o_acc[f][s] *= factors[s & 1];
   }
 
   // Every key tile: first those every query of the workgroup sees whole, then the rest, masked per key.

@@ -14,6 +14,7 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
 typedef unsigned int u32x4 __attribute__((ext_vector_type(4)));
+typedef float v2f __attribute__((ext_vector_type(2)));
 typedef float v8f __attribute__((ext_vector_type(8)));
 typedef _Float16 v16h __attribute__((ext_vector_type(16)));
 typedef short v16s __attribute__((ext_vector_type(16)));
@@ -146,9 +147,17 @@ RDNA_DEV u32 pack_probabilities(f16, float lo, float hi) {
 }
 
 // x in a register of its own, bit for bit: x * unfoldable_one() (f32 denormals are preserved). Two
-// multiplications pair as one dual issue (VOPD) only if their multipliers lie in different register banks:
-// O's rescale by one factor in one register took one issue per product.
+// multiplications pair as one dual issue (VOPD) only if their multipliers lie in different register banks
+// (register number mod 4): O's rescale by one factor in one register took one issue per product.
 RDNA_DEV float unmerged_copy(float x) { return x * unfoldable_one(); }
+
+// x twice, in adjacent registers (the 64-bit operand of an empty asm), which never share a bank, bit for
+// bit: for an instance where the allocator put unmerged_copy's register in x's bank.
+RDNA_DEV v2f adjacent_copies(float x) {
+  v2f pair = {x, x};
+  __asm__("" : "+v"(pair));
+  return pair;
+}
 
 // acc + both 16-bit values of a packed word, in one v_dot2 against (1, 1): the products are exact.
 RDNA_DEV float add_pair(f16, u32 pair, float acc) {

@@ -34,6 +34,10 @@ struct __align__(16) u32x4 {
   RDNA_DEV u32& operator[](int i) { return e[i]; }
   RDNA_DEV u32 operator[](int i) const { return e[i]; }
 };
+struct v2f {
+  float e[2];
+  RDNA_DEV float operator[](int i) const { return e[i]; }
+};
 struct v8f {
   float e[8];
   RDNA_DEV float& operator[](int i) { return e[i]; }
@@ -68,6 +72,7 @@ RDNA_DEV v8f held_zero_v8f() { return zero_v8f(); }
 // Register allocation and instruction selection are the RDNA compiler's concern (amdgcn.h).
 RDNA_DEV u32 loop_variant(u32 v) { return v; }
 RDNA_DEV float unmerged_copy(float x) { return x; }
+RDNA_DEV v2f adjacent_copies(float x) { return v2f{{x, x}}; }
 
 RDNA_DEV float exp2_approx(float x) { return exp2f(x); }
 RDNA_DEV float log2_approx(float x) { return log2f(x); }

@@ -74,6 +74,10 @@ FWD_KNOBS = (
     Knob("skips_rescale", lambda i, k: 8 <= k["out_frags"] <= 10,
          "a tile with no new row maximum skips rescaling O: below 8 output fragments the branch costs the "
          "scheduler more than it saves (static estimate); past 10 the registers spill"),
+    Knob("adjacent_rescale_factors", lambda i, k: False,
+         "O's rescale takes its odd accumulators' factor from the register beside the even ones' (an empty asm's "
+         "64-bit operand), not from a copy the allocator places: where it placed the copy in the factor's bank, "
+         "so that the products did not pair as dual issues"),
     Knob("rounds_huge_scores", lambda i, k: i.dtype == "bf16",
          "bf16 tiles whose scaled maximum reaches 2^24 round their scores first, as SDPA does (a fused "
          "exponent overflows near 2^31); f16 scores cannot get there"),
@@ -195,6 +199,10 @@ OVERRIDES = (
     Override("fwd", {"peeled_score_steps_score_bias": 0},
              f"four steps after two peeled unroll completely: {SPILLED} in the per-score mask loop",
              isa="gfx11", dtype="f16", d_pad=(64,)),
+    Override("fwd", {"adjacent_rescale_factors": True}, "the factor and its copy shared a bank (v161 and v117; in three "
+             "of the masked kernel's nine rescale blocks too): those products did not pair; adjacent, 304 -> 286 "
+             "non-WMMA cycles per 16x64 tile unmasked, 232 -> 229 on a key-padding tile (static estimate)",
+             isa="gfx11", dtype="f16", d_pad=(128,)),
     # dK/dV
     Override("dkdv", {"fused": True}, "K and V rows staged in LDS make room for both accumulator sets: trial build "
              "3.38 -> 2.40 ms (gfx12); masked, it spilled on gfx11", d_pad=(128,), masked=False),

@@ -367,14 +367,17 @@ def test_gfx11_masked_f16_d64_forward_keeps_packed_v_stores():
     assert ops["ds_store_2addr_b32"] > 0 and ops["v_perm_b32"] > 0 and ops["ds_store_b16_d16_hi"] == 0
 
 
-@pytest.mark.parametrize("symbol", [variants.fwd_variant("f16", 128).symbol, variants.fwd_variant("bf16", 128).symbol,
-                                    variants.fwd8_variant("f16", 128).symbol])
-def test_gfx1201_o_rescale_multiplications_pair_as_dual_issues(symbol):
-    """O's rescale takes its odd accumulators' factor from a second register (unmerged_copy,
-    kernels/platform/amdgcn.h): on gfx1201 at d128 at least half of its 64 multiplications (acc *= factor,
-    each factor register multiplying at least 16 accumulators) pair with each other as dual issues, where
-    with one register none do."""
-    loop = _forward_key_loop("gfx1201", symbol)
+@pytest.mark.parametrize("target, symbol", [
+    ("gfx1201", variants.fwd_variant("f16", 128).symbol), ("gfx1201", variants.fwd_variant("bf16", 128).symbol),
+    ("gfx1201", variants.fwd8_variant("f16", 128).symbol), ("gfx1100", variants.fwd_variant("f16", 128).symbol),
+    ("gfx1100", variants.fwd_variant("bf16", 128).symbol)])
+def test_o_rescale_multiplications_pair_as_dual_issues(target, symbol):
+    """O's rescale takes its odd accumulators' factor from a second register (unmerged_copy, or where the
+    traits' adjacent_rescale_factors say the register beside the factor's: kernels/platform/amdgcn.h): at
+    d128 at least half of its 64 multiplications (acc *= factor, each factor register multiplying at least
+    16 accumulators) pair with each other as dual issues, where with one register, or two in one bank, none
+    do (gfx1100 f16 with unmerged_copy)."""
+    loop = _forward_key_loop(target, symbol)
 
     def in_place_factor(half: str) -> str | None:  # the factor of "vA = vF * vA", else None
         m = re.fullmatch(r"v_(?:dual_)?mul_f32(?:_e32)? (v\d+), (v\d+), (v\d+)", " ".join(half.split()))

@@ -213,6 +213,10 @@ PROBLEM_CASES = (
     ("gfx1201", "bf16", 128, 17, 150, "lone_bias"),
     # scores rising per 64 keys: new row maxima keep coming; falling: tiles skip the rescale
     ("gfx1100", "bf16", 160, 17, 300, "rising"),
+    # gfx11 f16 d128 takes its rescale factors from adjacent registers (the traits): each tile loop
+    ("gfx1100", "f16", 128, 17, 300, "rising"),
+    ("gfx1100", "f16", 128, 17, 150, "key_bias"),
+    ("gfx1100", "f16", 128, 17, 150, "bias"),
     ("gfx1201", "f16", 128, 17, 300, "falling"),
     ("gfx1100", "f16", 64, 20, 33, "grouped_heads"),
     ("gfx1201", "bf16", 160, 17, 9, "grouped_heads"),
